@@ -1,0 +1,31 @@
+# Every target does its own set-up: a fresh machine needs only python3.11 and make.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SPECDEC := $(VENV)/bin/specdec
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: the CPU build on disk, never a CUDA download.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(SPECDEC) models pull qwen2.5-coder-1.5b-instruct
+	$(SPECDEC) models pull qwen2.5-coder-0.5b-instruct
+	$(SPECDEC) bench offline --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
+		--prompts benchmarks/prompts/code.jsonl --max-new-tokens 64 --temperature 0 --dtype bfloat16 \
+		--num-speculative-tokens auto --json out/demo.json
+
+clean:
+	rm -rf $(VENV) out .pytest_cache
