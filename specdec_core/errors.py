@@ -1,0 +1,39 @@
+"""Errors the engine raises before any work starts.
+
+Each carries the offending field so that the serving layer can map it onto a gRPC status
+(INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND) whose message names that field.
+"""
+
+from __future__ import annotations
+
+
+class SpecdecError(Exception):
+    """Base class for every error specdec raises on purpose."""
+
+
+class InvalidArgument(SpecdecError, ValueError):
+    """A request or config value is out of range; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ResourceExhausted(SpecdecError):
+    """A request does not fit (context length, KV slots); `field` names what overflowed."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ModelNotFound(SpecdecError, LookupError):
+    """A model name is not in the catalog, or a path does not exist."""
+
+
+class ModelIntegrityError(SpecdecError):
+    """A download's SHA-256 does not match the pinned one."""
+
+
+class TokenizerMismatch(SpecdecError):
+    """Draft and target tokenizers map tokens to ids differently."""
