@@ -1,0 +1,120 @@
+"""Choosing the speculation length k per request from its acceptance and the measured costs at the current load.
+
+Model (Leviathan et al. 2023, section 3): if each draft token is accepted independently with probability a, a
+round with k drafts emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the accepted run plus the
+recovered or bonus token). A round costs C(k) = k * c_draft(B) + c_verify(B, k+1), where B is the number of
+sequences in the batch: batching makes each step dearer, and on a compute-bound device verification of k+1
+tokens per row stops being nearly free. The policy picks
+
+    k* = argmax_{0 <= k <= k_max}  E(k) / C(k),      with E(0) = 1 and C(0) = c_verify(B, 1) (plain decoding),
+
+so speculation shrinks to 0 when it stops paying (low acceptance, or high load) and grows again when it pays.
+`a` is estimated per request from its own rounds (acceptances over acceptance trials, recent rounds weighted
+more); the costs are measured online per batch-size bucket. While a request sits at k = 0 it learns nothing new
+about acceptance, so every `probe_every` such rounds it tries k = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(k): tokens a round emits when each draft is accepted with probability alpha."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-request acceptance rate: a decayed count of acceptance trials, with a weak prior."""
+
+    accepted: float = 2.0  # prior: as if 2 of 3 trials succeeded
+    trials: float = 3.0
+    decay: float = 0.95  # per round: recent rounds dominate, so drift is followed
+    rounds_at_zero: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.trials
+
+    def update(self, num_draft: int, num_accepted: int) -> None:
+        """A round proposed num_draft tokens and accepted the first num_accepted."""
+        if num_draft == 0:
+            self.rounds_at_zero += 1
+            return
+        self.rounds_at_zero = 0
+        # Trials: every accepted draft, plus the one rejected (if any) that ended the run.
+        trials = num_accepted + (1 if num_accepted < num_draft else 0)
+        self.accepted = self.accepted * self.decay + num_accepted
+        self.trials = self.trials * self.decay + trials
+
+
+def _bucket(batch_size: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, batch_size))))
+
+
+@dataclass
+class CostModel:
+    """Measured seconds of a draft step and of a verify forward, per batch-size bucket and tokens per row."""
+
+    smoothing: float = 0.2
+    draft_step: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per draft forward
+    verify: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> {tokens per row: seconds}
+
+    def observe_draft(self, batch_size: int, steps: int, seconds: float) -> None:
+        if steps > 0:
+            self._ewma(self.draft_step, _bucket(batch_size), seconds / steps)
+
+    def observe_verify(self, batch_size: int, tokens_per_row: int, seconds: float) -> None:
+        self._ewma(self.verify.setdefault(_bucket(batch_size), {}), tokens_per_row, seconds)
+
+    def _ewma(self, table: dict[int, float], key: int, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else old + self.smoothing * (value - old)
+
+    def verify_cost(self, batch_size: int, tokens_per_row: int) -> float | None:
+        """Measured, or extrapolated from the nearest measured row count (cost grows mildly with tokens)."""
+        table = self.verify.get(_bucket(batch_size))
+        if not table:
+            return None
+        if tokens_per_row in table:
+            return table[tokens_per_row]
+        nearest = min(table, key=lambda t: abs(t - tokens_per_row))
+        per_token = self._slope(table)
+        return max(table[nearest] + per_token * (tokens_per_row - nearest), 1e-6)
+
+    @staticmethod
+    def _slope(table: dict[int, float]) -> float:
+        if len(table) < 2:
+            # One point: assume extra rows cost a few percent (memory-bound verification), refined by data.
+            (t, c), = table.items()
+            return 0.03 * c
+        ts, cs = zip(*sorted(table.items()))
+        return max(0.0, (cs[-1] - cs[0]) / (ts[-1] - ts[0]))
+
+    def draft_cost(self, batch_size: int) -> float | None:
+        return self.draft_step.get(_bucket(batch_size))
+
+
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    max_k: int = 8
+    initial_k: int = 4  # until both costs have been measured at this load
+    probe_every: int = 8
+
+    def choose(self, estimate: AcceptanceEstimate, costs: CostModel, batch_size: int) -> int:
+        c_draft = costs.draft_cost(batch_size)
+        c_plain = costs.verify_cost(batch_size, 1)
+        if c_draft is None or c_plain is None:
+            return self.initial_k
+        best_k, best_rate = 0, 1.0 / c_plain
+        for k in range(1, self.max_k + 1):
+            rate = expected_tokens(estimate.alpha, k) / (k * c_draft + costs.verify_cost(batch_size, k + 1))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k == 0 and estimate.rounds_at_zero >= self.probe_every:
+            return 1
+        return best_k

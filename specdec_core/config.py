@@ -1,0 +1,73 @@
+"""Per-request settings, validated when they are built: a bad value fails before any work starts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specdec_core.errors import InvalidArgument
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_finite("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidArgument("temperature", f"must be >= 0, got {self.temperature}")
+        _check_finite("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidArgument("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise InvalidArgument("seed", f"must be in [0, 2**63 - 1], got {self.seed}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidArgument("max_tokens", f"must be an integer > 0, got {self.max_tokens}")
+        stops = tuple(dict.fromkeys(self.stop))  # duplicates are harmless: drop them, keep order
+        if len(stops) > MAX_STOP_STRINGS:
+            raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise InvalidArgument("stop", "stop strings must be non-empty strings")
+            if len(s) > MAX_STOP_LENGTH:
+                raise InvalidArgument("stop", f"a stop string is longer than {MAX_STOP_LENGTH} characters")
+        object.__setattr__(self, "stop", stops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check_finite(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidArgument(name, f"must be a finite number, got {value!r}")
+
+
+AUTO = "auto"
+
+
+def parse_num_speculative_tokens(value: int | str | None, max_k: int) -> int | str | None:
+    """`auto`, an integer in [0, max_k] (0 = plain decoding), or None (the server's default)."""
+    if value is None or value == AUTO:
+        return value
+    if isinstance(value, str):
+        if not value.strip().isdigit():
+            raise InvalidArgument("num_speculative_tokens", f"must be an integer or 'auto', got {value!r}")
+        value = int(value)
+    if not isinstance(value, int) or not 0 <= value <= max_k:
+        raise InvalidArgument("num_speculative_tokens", f"must be in [0, {max_k}] or 'auto', got {value!r}")
+    return value

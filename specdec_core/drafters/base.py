@@ -1,0 +1,50 @@
+"""The drafter interface: anything that can guess the next few tokens of a sequence.
+
+A drafter sees each sequence's committed tokens and proposes up to k more. It may keep state per sequence (a
+draft model keeps a KV cache) and learns which of its proposals were kept through `observe`, which gives the new
+committed length: state past that length must be rolled back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from specdec_core.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence's share of a batched `propose` call."""
+
+    seq_id: str
+    token_ids: Sequence[int]  # every committed token: prompt and output so far (not copied; read only)
+    num_tokens: int  # k: propose at most this many
+    params: SamplingParams  # the request's sampling settings; the draft samples from q processed alike
+    uniform: torch.Tensor | None  # [k] in [0, 1): randomness for sampling drafts; None when greedy
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_ids: list[int]  # 0..k proposed tokens
+    q: torch.Tensor | None  # [len(token_ids), V] draft probabilities; None: deterministic (point masses)
+
+
+class Drafter(Protocol):
+    """Propose tokens for a batch of sequences; observe what the target kept."""
+
+    name: str
+
+    def start(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
+        """Begin a sequence (a draft model prefills here)."""
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
+        """Up to `num_tokens` tokens per request, in one batched pass where the method allows."""
+
+    def observe(self, seq_id: str, num_committed: int) -> None:
+        """The sequence now has `num_committed` committed tokens; forget anything proposed beyond them."""
+
+    def release(self, seq_id: str) -> None:
+        """The sequence is finished or cancelled: free its state (idempotent)."""

@@ -1,0 +1,100 @@
+"""A small causal LM as the drafter, with its own KV cache rolled back exactly like the target's."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specdec_core.drafters.base import DraftRequest, Proposal
+from specdec_core.runner import ModelRunner
+from specdec_core.sampling import processed_probs, sample_from
+
+
+class DraftModelDrafter:
+    """Autoregressive drafting with a smaller model: k batched forward steps per round.
+
+    The draft cache holds every committed token the draft has read. Each round first feeds the committed tokens
+    it has not read yet (usually the last round's recovered or bonus token, plus the last accepted draft), then
+    one token per step; `observe` truncates it back to the committed prefix.
+    """
+
+    name = "draft_model"
+
+    def __init__(self, runner: ModelRunner, target_vocab_size: int) -> None:
+        self.runner = runner
+        self.target_vocab_size = target_vocab_size
+        self._slots: dict[str, int] = {}
+
+    def start(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
+        slot = self.runner.allocate()
+        self._slots[seq_id] = slot
+        if len(prompt_ids) > 1:
+            # The last prompt token is read with the first propose, whose logits we need anyway.
+            self.runner.extend([slot], [list(prompt_ids[:-1])])
+
+    def release(self, seq_id: str) -> None:
+        slot = self._slots.pop(seq_id, None)
+        if slot is not None:
+            self.runner.release(slot)
+
+    def observe(self, seq_id: str, num_committed: int) -> None:
+        slot = self._slots[seq_id]
+        # Positions before num_committed - 1 hold committed tokens; the last committed token is read next round.
+        self.runner.truncate(slot, min(self.runner.length(slot), num_committed - 1))
+
+    @property
+    def active_sequences(self) -> int:
+        return len(self._slots)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
+        tokens: list[list[int]] = [[] for _ in requests]
+        qs: list[list[torch.Tensor]] = [[] for _ in requests]
+        rows = [i for i, r in enumerate(requests) if r.num_tokens > 0]
+        feeds = [list(r.token_ids[self.runner.length(self._slots[r.seq_id]) :]) for r in requests]
+        step = 0
+        while rows:
+            slots = [self._slots[requests[i].seq_id] for i in rows]
+            logits = self._align(self.runner.extend(slots, [feeds[i] for i in rows]))  # [len(rows), V]
+            picked, probs = self._pick(logits, [requests[i] for i in rows], step)
+            for j, i in enumerate(rows):
+                tokens[i].append(picked[j])
+                if probs is not None and probs[j] is not None:
+                    qs[i].append(probs[j])
+                feeds[i] = [picked[j]]
+            step += 1
+            rows = [i for i in rows if requests[i].num_tokens > step]
+        return [
+            Proposal(token_ids=t, q=torch.stack(q) if q else None) for t, q in zip(tokens, qs)
+        ]
+
+    def _align(self, logits: torch.Tensor) -> torch.Tensor:  # [B, Vd] -> [B, Vt]
+        """Draft and target may pad their embeddings differently; q must live on the target's vocabulary."""
+        V = self.target_vocab_size
+        if logits.shape[-1] >= V:
+            return logits[:, :V]
+        pad = logits.new_full((logits.shape[0], V - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+    def _pick(
+        self, logits: torch.Tensor, requests: Sequence[DraftRequest], step: int
+    ) -> tuple[list[int], list[torch.Tensor | None] | None]:
+        """Greedy rows take the argmax; sampled rows draw from their processed q and keep it for verification."""
+        picked = logits.argmax(dim=-1).tolist()
+        sampled = [j for j, r in enumerate(requests) if not r.params.greedy]
+        if not sampled:
+            return picked, None
+        sub = [requests[j] for j in sampled]
+        q = processed_probs(
+            logits[sampled],
+            torch.tensor([r.params.temperature for r in sub], device=logits.device),
+            torch.tensor([r.params.top_k for r in sub], device=logits.device),
+            torch.tensor([r.params.top_p for r in sub], device=logits.device),
+        )  # [S, V]
+        uniform = torch.stack([r.uniform[step] for r in sub]).to(logits.device)  # [S]
+        drawn = sample_from(q, uniform).tolist()
+        probs: list[torch.Tensor | None] = [None] * len(requests)
+        for j, token, row in zip(sampled, drawn, q):
+            picked[j] = token
+            probs[j] = row
+        return picked, probs

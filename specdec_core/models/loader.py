@@ -1,0 +1,182 @@
+"""Load a causal LM into our `Transformer`: from a Hugging Face directory, a `specdec models` name, a GGUF file or
+a hub id (when a hub is reachable). Also the draft/target tokenizer compatibility check.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec_core.errors import InvalidArgument, ModelNotFound, TokenizerMismatch
+from specdec_core.models.families import args_from_hf_config
+from specdec_core.models.transformer import Transformer, rope_inv_freq
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise InvalidArgument("dtype", f"unknown dtype {name!r}; choose bfloat16, float16 or float32") from None
+
+
+def parse_device(name: str | torch.device) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument("device", f"device {name!r} requested but CUDA is not available here")
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidArgument("device", f"device {name!r} is not supported; choose cpu or cuda")
+    return device
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Transformer
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    path: Path  # where the weights came from
+    hf_config: dict[str, Any]
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends generation: the tokenizer's eos and the generation config's."""
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        eos = self.hf_config.get("eos_token_id")
+        for value in eos if isinstance(eos, list) else [eos]:
+            if value is not None:
+                ids.add(int(value))
+        gen = self.path / "generation_config.json" if self.path.is_dir() else None
+        if gen is not None and gen.exists():
+            value = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(int(v) for v in (value if isinstance(value, list) else [value]) if v is not None)
+        return frozenset(ids)
+
+
+def load_model(source: str | Path, *, dtype: str | torch.dtype = "bfloat16", device: str = "cpu") -> LoadedModel:
+    """Load `source` (directory, `.gguf` file, `specdec models` name or hub id) as a `Transformer`.
+
+    Every failure to find the model raises `ModelNotFound` naming `source` before any weights are read.
+    """
+    torch_dtype, torch_device = parse_dtype(dtype), parse_device(device)
+    path = _resolve(str(source))
+    if path.is_file():
+        return _load_gguf(path, torch_dtype, torch_device)
+    return _load_hf_dir(path, torch_dtype, torch_device)
+
+
+def _resolve(source: str) -> Path:
+    path = Path(source).expanduser()
+    if path.exists():
+        if path.is_file() and path.suffix != ".gguf":
+            raise ModelNotFound(f"{source!r} is a file but not a .gguf file")
+        if path.is_dir() and not (path / "config.json").exists():
+            raise ModelNotFound(f"{source!r} has no config.json: not a Hugging Face model directory")
+        return path
+    from specdec_core.models import store
+
+    resolved = store.resolve_model(source, allow_hub_id=True)
+    if resolved is not None:
+        return resolved
+    return _download_from_hub(source)
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as exc:  # the hub raises many types: offline, 404, auth
+        raise ModelNotFound(f"model {repo_id!r}: not a local path or known name, and the hub failed: {exc}") from exc
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((path / "config.json").read_text())
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFound(f"{str(path)!r} holds no .safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file, device="cpu"))
+    model = _build(cfg, state, dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(model=model, tokenizer=tokenizer, path=path, hf_config=cfg)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    log.info("dequantizing %s (slow; `specdec models pull` caches a converted copy)", path)
+    kwargs = dict(gguf_file=path.name)
+    hf = AutoModelForCausalLM.from_pretrained(
+        path.parent, dtype=dtype, quantization_config=GgufConfig(gguf_file=path.name, dequantize=True), **kwargs
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    cfg = hf.config.to_dict()
+    model = _build(cfg, hf.state_dict(), dtype, device)
+    return LoadedModel(model=model, tokenizer=tokenizer, path=path, hf_config=cfg)
+
+
+def _build(cfg: dict[str, Any], state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> Transformer:
+    args = args_from_hf_config(cfg)
+    with torch.device("meta"):
+        model = Transformer(args)
+    weights = {_our_name(k): v.to(dtype) for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if args.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    missing = [m for m in missing if not (args.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # Buffers are not in the checkpoint: rebuild them on the real device.
+    model.inv_freq = rope_inv_freq(args)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _our_name(hf_name: str) -> str:
+    return hf_name.removeprefix("model.")
+
+
+def check_tokenizers_compatible(target: Any, draft: Any) -> None:
+    """Raise `TokenizerMismatch` unless both tokenizers map the same tokens to the same ids.
+
+    Embedding matrices may be padded beyond the tokenizer (as between Qwen2 sizes); only the tokenizer's own
+    range must agree, since that is every id either model can be asked to read or emit.
+    """
+    t_vocab, d_vocab = target.get_vocab(), draft.get_vocab()
+    if len(t_vocab) != len(d_vocab):
+        raise TokenizerMismatch(
+            f"draft and target tokenizers differ in size: target has {len(t_vocab)} tokens, draft {len(d_vocab)}"
+        )
+    for token, token_id in t_vocab.items():
+        other = d_vocab.get(token)
+        if other != token_id:
+            raise TokenizerMismatch(
+                f"draft and target tokenizers differ: token {token!r} is id {token_id} in the target "
+                f"and {other} in the draft"
+            )

@@ -1,0 +1,116 @@
+"""The model runner: one model, its KV cache, and batched forwards over sequences of different lengths.
+
+The runner's contract is small. `extend(slots, token_lists)` appends each row's tokens to its slot (writing
+their keys/values at the next positions) and returns logits; `truncate(slot, n)` rolls a slot back to its first
+`n` tokens. Prefill, decode and verify are all `extend` with different token counts and logit selections:
+
+- prefill: the prompt, logits of its last position (the distribution of the first new token);
+- decode:  one token, its logits;
+- verify:  the last committed token plus k draft tokens, logits at all k+1 positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from specdec_core.errors import ResourceExhausted
+from specdec_core.kv_cache import KVCache
+from specdec_core.models.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    num_slots: int = 8  # concurrent sequences held in the cache
+    max_seq_len: int = 2048  # tokens per sequence (prompt + output); capped by the model's positions
+    max_extend: int = 16  # most tokens one forward may append to a row outside prefill (k + 1)
+
+
+class ModelRunner:
+    """Owns a `Transformer` and its `KVCache`; every public method works on a batch of slots."""
+
+    def __init__(self, model: Transformer, config: RunnerConfig = RunnerConfig()) -> None:
+        self.model = model
+        self.config = config
+        args = model.args
+        self.max_seq_len = min(config.max_seq_len, args.max_position_embeddings)
+        param = next(model.parameters())
+        self.device = param.device
+        attn = model.layers[0].self_attn
+        # Padded rows of a batch write a few positions past their own end: the slack keeps those writes
+        # inside the slot. They are beyond the row's length, so never read.
+        self.cache = KVCache(
+            num_layers=args.num_layers,
+            num_slots=config.num_slots,
+            num_kv_heads=attn.num_kv_heads,
+            capacity=self.max_seq_len + config.max_extend,
+            head_dim=args.head_dim,
+            dtype=param.dtype,
+            device=self.device,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def allocate(self) -> int:
+        return self.cache.allocate()
+
+    def release(self, slot: int) -> None:
+        self.cache.release(slot)
+
+    def length(self, slot: int) -> int:
+        return self.cache.lengths[slot]
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Keep only the first `length` tokens of `slot` (rollback: moves a length, copies nothing)."""
+        if length > self.cache.lengths[slot]:
+            raise ValueError(f"cannot truncate slot {slot} of length {self.cache.lengths[slot]} to {length}")
+        self.cache.set_length(slot, length)
+
+    @torch.inference_mode()
+    def extend(
+        self,
+        slots: Sequence[int],
+        token_lists: Sequence[Sequence[int]],
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Append each row's tokens to its slot and return logits.
+
+        Returns [B, T, V] float32 when `all_logits` (row b valid in its first len(token_lists[b]) positions),
+        else [B, V]: the logits after each row's last token. Mutates the cache: lengths advance by the tokens
+        appended.
+        """
+        counts = [len(t) for t in token_lists]
+        starts = [self.cache.lengths[s] for s in slots]
+        for slot, start, n in zip(slots, starts, counts):
+            if n == 0:
+                raise ValueError(f"slot {slot}: nothing to append")
+            if start + n > self.max_seq_len:
+                raise ResourceExhausted("max_seq_len", f"sequence would reach {start + n} > {self.max_seq_len} tokens")
+        T = max(counts)
+        if max(starts) + T > self.cache.capacity:
+            raise ValueError("rows of very different lengths in one batch: padding would leave the cache slot")
+        tokens = torch.zeros(len(slots), T, dtype=torch.long)  # [B, T], rows padded at the end
+        for b, row in enumerate(token_lists):
+            tokens[b, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+        positions = torch.tensor(starts).unsqueeze(1) + torch.arange(T)  # [B, T]
+        num_keys = max(starts) + T
+        single = (slots[0], starts[0]) if len(slots) == 1 else None
+        index = None
+        if not all_logits:
+            index = torch.tensor(counts).sub(1).unsqueeze(1)  # [B, 1]: each row's last real token
+        logits = self.model(
+            tokens.to(self.device),
+            positions.to(self.device),
+            self.cache,
+            torch.tensor(slots, device=self.device),
+            num_keys,
+            single,
+            None if index is None else index.to(self.device),
+        )  # [B, T or 1, V]
+        for slot, start, n in zip(slots, starts, counts):
+            self.cache.set_length(slot, start + n)
+        return logits if all_logits else logits[:, 0]
