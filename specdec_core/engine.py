@@ -199,9 +199,8 @@ class SpecEngine:
         return outputs
 
     def _admit(self) -> list[RequestOutput]:
-        admitted = []
-        while self._waiting and self.target.cache.free_slots > 0:
-            admitted.append(self._waiting.pop(0))
+        room = self.target.cache.free_slots
+        admitted, self._waiting = self._waiting[:room], self._waiting[room:]
         if not admitted:
             return []
         for seq in admitted:

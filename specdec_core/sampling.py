@@ -46,7 +46,7 @@ def sample_from(
     is clamped onto the last token of positive weight.
     """
     cdf = weights.cumsum(dim=-1)  # [N, V]
-    total = cdf[:, -1:]  # [N, 1]
+    total = cdf[:, -1:].contiguous()  # [N, 1]
     drawn = torch.searchsorted(cdf, uniform.unsqueeze(-1).to(cdf.dtype) * total, right=True)  # [N, 1]
     last_positive = torch.searchsorted(cdf, total, right=False)  # [N, 1]
     return torch.minimum(drawn, last_positive).squeeze(-1)

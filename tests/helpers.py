@@ -22,3 +22,32 @@ def contrarian(model: torch.nn.Module) -> torch.nn.Module:
     clone = copy.deepcopy(model)
     clone.lm_head.weight = torch.nn.Parameter(-model.lm_head.weight.detach().clone(), requires_grad=False)
     return clone
+
+
+def make_engine(loaded, draft=None, *, num_slots: int = 8, max_seq_len: int = 256, **config):
+    """An engine over `loaded` (a LoadedModel). `draft`: None, "ngram", or a Transformer to draft with."""
+    from specdec_core.drafters.draft_model import DraftModelDrafter
+    from specdec_core.drafters.ngram import NgramDrafter
+    from specdec_core.engine import EngineConfig, SpecEngine
+    from specdec_core.runner import ModelRunner, RunnerConfig
+
+    runner_config = RunnerConfig(num_slots=num_slots, max_seq_len=max_seq_len)
+    target = ModelRunner(loaded.model, runner_config)
+    drafter = None
+    if draft == "ngram":
+        drafter = NgramDrafter()
+    elif draft is not None:
+        drafter = DraftModelDrafter(ModelRunner(draft, runner_config), target.vocab_size)
+    return SpecEngine(target, drafter, loaded.tokenizer, loaded.eos_token_ids, EngineConfig(**config))
+
+
+def run_to_completion(engine, requests):
+    """Add (request_id, prompt_ids, params, k) tuples, step until done; return {id: (tokens, text, last output)}."""
+    for request_id, prompt, params, k in requests:
+        engine.add_request(request_id, prompt, params, k)
+    results = {r[0]: ([], "", None) for r in requests}
+    while engine.has_work:
+        for out in engine.step():
+            tokens, text, _ = results[out.request_id]
+            results[out.request_id] = (tokens + list(out.new_token_ids), text + out.new_text, out)
+    return results

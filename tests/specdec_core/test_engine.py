@@ -1,0 +1,169 @@
+"""The whole engine on tiny models: greedy exactness, batching, stopping, cancellation, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec_core.config import SamplingParams
+from specdec_core.errors import InvalidArgument
+from specdec_core.stopping import FinishReason
+from tests.helpers import contrarian, make_engine, perturbed, run_to_completion
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "for index, value in enumerate(range(10)):\n    print("]
+
+
+def _ids(loaded, text):
+    return loaded.tokenizer(text)["input_ids"]
+
+
+def _plain(loaded, prompt_ids, params):
+    engine = make_engine(loaded)
+    return run_to_completion(engine, [("r", prompt_ids, params, 0)])["r"]
+
+
+@pytest.mark.parametrize("agreement", ["always", "sometimes", "never"])
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+def test_greedy_speculation_equals_plain_decoding(tiny_target, agreement, k):
+    draft = {
+        "always": lambda m: m,
+        "sometimes": lambda m: perturbed(m, 0.2, seed=3),
+        "never": contrarian,
+    }[agreement](tiny_target.model)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    proposed = accepted = 0
+    for text in PROMPTS:
+        ids = _ids(tiny_target, text)
+        expected, _, _ = _plain(tiny_target, ids, params)
+        tokens, _, last = run_to_completion(make_engine(tiny_target, draft), [("r", ids, params, k)])["r"]
+        assert tokens == expected
+        assert last.finish_reason == FinishReason.LENGTH and len(tokens) == 40
+        proposed, accepted = proposed + last.stats.proposed, accepted + last.stats.accepted
+    rate = accepted / proposed
+    assert {"always": rate == 1.0, "sometimes": 0.0 < rate < 1.0, "never": rate == 0.0}[agreement], rate
+
+
+def test_ngram_drafting_is_exact_and_proposes(tiny_target):
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    ids = _ids(tiny_target, "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\n") * 2
+    expected, _, _ = _plain(tiny_target, ids, params)
+    tokens, _, last = run_to_completion(make_engine(tiny_target, "ngram"), [("r", ids, params, 4)])["r"]
+    assert tokens == expected
+    assert last.stats.proposed > 0
+
+
+def test_concurrent_requests_do_not_disturb_each_other(tiny_target):
+    """Different prompts, lengths, k and sampling settings in one batch give what each gives alone."""
+    draft = perturbed(tiny_target.model, 0.3, seed=1)
+    requests = [
+        ("a", _ids(tiny_target, PROMPTS[0]), SamplingParams(max_tokens=30, ignore_eos=True), 3),
+        ("b", _ids(tiny_target, PROMPTS[1]), SamplingParams(max_tokens=12, ignore_eos=True), 1),
+        ("c", _ids(tiny_target, PROMPTS[2]), SamplingParams(max_tokens=25, temperature=0.9, seed=5, ignore_eos=True), 2),
+        ("d", _ids(tiny_target, "import os"), SamplingParams(max_tokens=20, temperature=1.0, top_k=5, seed=9), 0),
+    ]
+    together = run_to_completion(make_engine(tiny_target, draft), requests)
+    for request in requests:
+        alone = run_to_completion(make_engine(tiny_target, draft), [request])[request[0]]
+        assert together[request[0]][0] == alone[0], request[0]
+
+
+def test_stop_string_inside_accepted_drafts_ends_where_plain_decoding_does(tiny_target):
+    ids = _ids(tiny_target, PROMPTS[0])
+    free, text, _ = _plain(tiny_target, ids, SamplingParams(max_tokens=40, ignore_eos=True))
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a stop string that first appears mid-output
+    assert stop.strip()
+    params = SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,))
+    plain_tokens, plain_text, plain_last = _plain(tiny_target, ids, params)
+    # The draft is the target itself: every draft is accepted, so the stop is met inside an accepted run.
+    tokens, spec_text, last = run_to_completion(make_engine(tiny_target, tiny_target.model), [("r", ids, params, 6)])["r"]
+    assert (tokens, spec_text) == (plain_tokens, plain_text)
+    assert last.finish_reason == plain_last.finish_reason == FinishReason.STOP
+    assert stop not in spec_text and len(tokens) < 40
+    assert text.startswith(spec_text + stop)
+
+
+def test_max_tokens_is_exact_when_a_round_would_overshoot(tiny_target):
+    ids = _ids(tiny_target, PROMPTS[1])
+    for max_tokens in (1, 2, 5, 7):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        tokens, _, last = run_to_completion(make_engine(tiny_target, tiny_target.model), [("r", ids, params, 4)])["r"]
+        assert len(tokens) == max_tokens and last.finish_reason == FinishReason.LENGTH
+        assert tokens == _plain(tiny_target, ids, params)[0]
+
+
+def test_eos_ends_output_like_plain_decoding(tiny_target):
+    eos = min(tiny_target.eos_token_ids)
+    params = SamplingParams(max_tokens=100)
+    for text in PROMPTS + ["Speculative decoding", "class Counter:"]:
+        ids = _ids(tiny_target, text)
+        expected, _, plain_last = _plain(tiny_target, ids, params)
+        tokens, _, last = run_to_completion(make_engine(tiny_target, tiny_target.model), [("r", ids, params, 5)])["r"]
+        assert tokens == expected and last.finish_reason == plain_last.finish_reason
+        if last.finish_reason == FinishReason.EOS:
+            assert tokens[-1] == eos and eos not in tokens[:-1]
+
+
+def test_cancel_frees_caches_in_target_and_draft(tiny_target):
+    engine = make_engine(tiny_target, tiny_target.model, num_slots=2)
+    engine.add_request("a", _ids(tiny_target, PROMPTS[0]), SamplingParams(max_tokens=50, ignore_eos=True), 2)
+    engine.add_request("b", _ids(tiny_target, PROMPTS[1]), SamplingParams(max_tokens=50, ignore_eos=True), 2)
+    engine.step(), engine.step()
+    assert engine.target.cache.slots_in_use == 2 and engine.drafter.active_sequences == 2
+    final = engine.abort("a")
+    assert final.finish_reason == FinishReason.CANCELLED
+    assert engine.target.cache.slots_in_use == 1 and engine.drafter.active_sequences == 1
+    assert engine.abort("nope") is None
+    while engine.has_work:
+        engine.step()
+    assert engine.target.cache.slots_in_use == 0 and engine.drafter.active_sequences == 0
+
+
+def test_waiting_requests_are_admitted_as_slots_free(tiny_target):
+    engine = make_engine(tiny_target, tiny_target.model, num_slots=2)
+    requests = [(f"r{i}", _ids(tiny_target, PROMPTS[i % 3]), SamplingParams(max_tokens=8, ignore_eos=True), 2)
+                for i in range(5)]
+    results = run_to_completion(engine, requests)
+    assert all(len(tokens) == 8 for tokens, _, _ in results.values())
+
+
+@pytest.mark.parametrize(
+    "prompt,params,k,field",
+    [
+        ([], SamplingParams(), None, "prompt"),
+        ([1, 10_000], SamplingParams(), None, "prompt_token_ids"),
+        ([-1], SamplingParams(), None, "prompt_token_ids"),
+        ([1] * 300, SamplingParams(), None, "prompt"),
+        ([1] * 200, SamplingParams(max_tokens=100), None, "max_tokens"),
+        ([1, 2], SamplingParams(), 99, "num_speculative_tokens"),
+        ([1, 2], SamplingParams(), "sometimes", "num_speculative_tokens"),
+    ],
+)
+def test_bad_requests_fail_before_any_work(tiny_target, prompt, params, k, field):
+    engine = make_engine(tiny_target, tiny_target.model)
+    with pytest.raises(InvalidArgument) as err:
+        engine.add_request("r", prompt, params, k)
+    assert err.value.field == field and field in str(err.value)
+    assert not engine.has_work and engine.target.cache.slots_in_use == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"stop": ("",)}, "stop"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_bad_sampling_values_name_the_field(kwargs, field):
+    with pytest.raises(InvalidArgument) as err:
+        SamplingParams(**kwargs)
+    assert err.value.field == field
+
+
+def test_duplicate_stop_strings_are_merged():
+    assert SamplingParams(stop=("a", "b", "a")).stop == ("a", "b")
