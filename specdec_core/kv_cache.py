@@ -67,31 +67,40 @@ class KVCache:
 
     # -- the forward's view -----------------------------------------------------------------------------------
 
-    def write_and_read(
+    def write(
         self,
         layer: int,
         slots: torch.Tensor,  # [B]
         positions: torch.Tensor,  # [B, T]
-        k: torch.Tensor,  # [B, Hkv, T, hd]
-        v: torch.Tensor,  # [B, Hkv, T, hd]
-        num_keys: int,  # S
+        k: torch.Tensor,  # [B, T, Hkv, hd]
+        v: torch.Tensor,  # [B, T, Hkv, hd]
         single: tuple[int, int] | None = None,  # (slot, start) when B == 1, as Python ints: no device sync
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, Hkv, S, hd], [B, Hkv, S, hd])
-        """Write the new keys/values at their positions, then return the first S positions of each row's slot.
-
-        S is one past the largest position written. For a single row the result is a view (no copy); for a
-        batch it is a gather of S positions per row, so the cost follows the context actually used.
-        """
+    ) -> None:
+        """Write the new keys/values of layer `layer` at their positions in each row's slot."""
         kc, vc = self.keys[layer], self.values[layer]
         if single is not None:
             slot, start = single
             end = start + positions.shape[1]
-            kc[slot, :, start:end] = k[0]
-            vc[slot, :, start:end] = v[0]
-            return kc[slot : slot + 1, :, :num_keys], vc[slot : slot + 1, :, :num_keys]
+            kc[slot, :, start:end] = k[0].transpose(0, 1)
+            vc[slot, :, start:end] = v[0].transpose(0, 1)
+            return
         rows = slots.view(-1, 1, 1)  # [B, 1, 1]
         cols = positions.unsqueeze(1)  # [B, 1, T]
-        kc[rows, self._head_index, cols] = k
-        vc[rows, self._head_index, cols] = v
-        read = torch.arange(num_keys, device=positions.device).view(1, 1, -1)  # [1, 1, S]
+        kc[rows, self._head_index, cols] = k.transpose(1, 2)
+        vc[rows, self._head_index, cols] = v.transpose(1, 2)
+
+    def read(
+        self,
+        layer: int,
+        slots: torch.Tensor,  # [B]
+        num_keys: int,  # S
+        single: tuple[int, int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, Hkv, S, hd], [B, Hkv, S, hd])
+        """The first S positions of each row's slot: a view for one row, a gather of S positions for a batch."""
+        kc, vc = self.keys[layer], self.values[layer]
+        if single is not None:
+            slot = single[0]
+            return kc[slot : slot + 1, :, :num_keys], vc[slot : slot + 1, :, :num_keys]
+        rows = slots.view(-1, 1, 1)  # [B, 1, 1]
+        read = torch.arange(num_keys, device=slots.device).view(1, 1, -1)  # [1, 1, S]
         return kc[rows, self._head_index, read], vc[rows, self._head_index, read]

@@ -13,6 +13,7 @@ from the cache, D hidden size, H query heads, Hkv key/value heads, hd head dim, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -92,18 +93,34 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, H, hd]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, hd]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, hd]
         q = q * ctx.cos + rotate_half(q) * ctx.sin
         k = k * ctx.cos + rotate_half(k) * ctx.sin
-        keys, values = ctx.cache.write_and_read(
-            layer, ctx.slots, ctx.positions, k, v, ctx.num_keys, ctx.single
-        )  # [B, Hkv, S, hd] each
+        out = ctx.attention(q, k, v, ctx, layer)  # [B, T, H, hd]
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+
+class TorchAttention:
+    """Attention with torch's SDPA: write the new keys/values into the cache, attend over the valid prefix."""
+
+    needs_mask = True
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [B, T, H, hd]
+        k: torch.Tensor,  # [B, T, Hkv, hd]
+        v: torch.Tensor,  # [B, T, Hkv, hd]
+        ctx: "ForwardContext",
+        layer: int,
+    ) -> torch.Tensor:  # [B, T, H, hd]
+        ctx.cache.write(layer, ctx.slots, ctx.positions, k, v, ctx.single)
+        keys, values = ctx.cache.read(layer, ctx.slots, ctx.num_keys, ctx.single)  # [B, Hkv, S, hd] each
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=ctx.mask, enable_gqa=self.num_heads != self.num_kv_heads
+            q.transpose(1, 2), keys, values, attn_mask=ctx.mask, enable_gqa=q.shape[2] != k.shape[2]
         )  # [B, H, T, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        return out.transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -138,11 +155,12 @@ class ForwardContext:
     cache: KVCache
     slots: torch.Tensor  # [B] cache slot of each row
     positions: torch.Tensor  # [B, T] absolute position of each new token
-    cos: torch.Tensor  # [B, 1, T, hd]
-    sin: torch.Tensor  # [B, 1, T, hd]
+    cos: torch.Tensor  # [B, T, 1, hd]
+    sin: torch.Tensor  # [B, T, 1, hd]
     mask: torch.Tensor | None  # [B, 1, T, S] True where a query may attend a key; None when all may
     num_keys: int  # S
     single: tuple[int, int] | None  # (slot, first position) when B == 1
+    attention: Any  # the attention backend: (q, k, v, ctx, layer) -> output; writes the cache
 
 
 class Transformer(nn.Module):
@@ -158,6 +176,8 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        # Swappable from outside (kernels.cpu): how a layer attends over the cache.
+        self.attention: Any = TorchAttention()
 
     @property
     def vocab_size(self) -> int:
@@ -191,11 +211,11 @@ class Transformer(nn.Module):
         single: tuple[int, int] | None,
     ) -> ForwardContext:
         freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [B, T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, hd]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, hd]
         dtype = self.embed_tokens.weight.dtype
         B, T = tokens.shape
         mask = None
-        if T > 1 or B > 1:
+        if self.attention.needs_mask and (T > 1 or B > 1):
             # A new token at position i sees every cached key at j <= i: the prefix, and itself.
             key_pos = torch.arange(num_keys, device=tokens.device)  # [S]
             mask = (key_pos.view(1, 1, 1, -1) <= positions.view(B, 1, T, 1))  # [B, 1, T, S]
@@ -208,4 +228,5 @@ class Transformer(nn.Module):
             mask=mask,
             num_keys=num_keys,
             single=single,
+            attention=self.attention,
         )

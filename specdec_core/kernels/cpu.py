@@ -1,0 +1,184 @@
+"""CPU kernels for bf16 decoding and verification, and the switch that puts them into a built model.
+
+Why: on CPUs without native bf16 instructions, torch's bf16 matmul costs grow linearly with the number of rows,
+so verifying k+1 tokens costs k+1 decode steps and speculation cannot pay; and its bf16 attention is slowest
+for the single query row of decoding. `gemm_bf16.c` streams each weight once for all rows; `attention_bf16.c`
+attends each (row, head) alone in fp32. Both compute a row the same way whatever else is in the batch, so
+verification reproduces plain decoding bit for bit. They are compiled on first use with the system C compiler
+and cached; where that is impossible (no compiler, no AVX-512) the model keeps torch's code paths.
+
+Like tensor parallelism, this is a transformation of a built model: the model code knows nothing of it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("gemm_bf16.c", "attention_bf16.c")]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512f" in flags and " avx512bw" in flags
+
+
+def _cache_dir() -> Path:
+    from specdec_core.models.store import specdec_home
+
+    return specdec_home() / "kernels"
+
+
+@lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL | None:
+    """Compile (once per source and flags) and load the kernel; None when this machine cannot run it."""
+    if os.environ.get("SPECDEC_DISABLE_CPU_KERNELS") or not _cpu_has_avx512():
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: CPU bf16 kernels disabled (decoding works, slower)")
+        return None
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    lib_path = _cache_dir() / digest / "libspecdec_gemm.so"
+    try:
+        if not lib_path.exists():
+            _compile(compiler, lib_path)
+        lib = ctypes.CDLL(str(lib_path))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        log.warning("CPU bf16 kernels unavailable (%s): using torch's matmul", exc)
+        return None
+    lib.specdec_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.specdec_gemm_bf16.restype = None
+    lib.specdec_block_rows.restype = ctypes.c_int
+    lib.specdec_attention_bf16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.specdec_attention_bf16.restype = None
+    lib.specdec_attention_max_head_dim.restype = ctypes.c_int
+    return lib
+
+
+def _compile(compiler: str, lib_path: Path) -> None:
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+        out = Path(tmp) / lib_path.name
+        sources = [str(path) for path in SOURCES]
+        subprocess.run([compiler, *FLAGS, *sources, "-o", str(out), "-lm"], check=True, capture_output=True)
+        os.replace(out, lib_path)  # atomic: concurrent builders never see half a library
+    log.info("compiled CPU bf16 kernels into %s", lib_path)
+
+
+class FastCPULinear(nn.Module):
+    """A bf16 `nn.Linear` run by the streaming kernel (measured faster than torch's bf16 GEMM at every row count
+    we tried, 1 to 128: it is built for few rows, and still reads each weight once per block of rows)."""
+
+    def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
+        super().__init__()
+        self.weight = linear.weight  # [N, K] bf16, shared with the original module
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._lib = lib
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        rows = x.numel() // self.in_features
+        if x.dtype != torch.bfloat16 or x.requires_grad:
+            return nn.functional.linear(x, self.weight, self.bias)
+        x2 = x.reshape(rows, self.in_features).contiguous()  # [M, K] bf16
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.bfloat16)  # [..., N]
+        self._lib.specdec_gemm_bf16(
+            x2.data_ptr(),
+            self.weight.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(),
+            y.data_ptr(),
+            rows,
+            self.out_features,
+            self.in_features,
+            torch.get_num_threads(),
+        )
+        return y
+
+
+class CPUAttention:
+    """Attention backend for `Transformer.attention`: cache writes by torch, attention by the C kernel."""
+
+    needs_mask = False
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def __call__(self, q, k, v, ctx, layer: int) -> torch.Tensor:  # q [B, T, H, hd] -> [B, T, H, hd]
+        ctx.cache.write(layer, ctx.slots, ctx.positions, k, v, ctx.single)
+        B, T, H, D = q.shape
+        kc, vc = ctx.cache.keys[layer], ctx.cache.values[layer]  # [slots, Hkv, capacity, hd]
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        slots = ctx.slots.to(torch.int64).contiguous()
+        starts = ctx.positions[:, 0].to(torch.int64).contiguous()
+        self._lib.specdec_attention_bf16(
+            q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), starts.data_ptr(), out.data_ptr(),
+            B, T, H, kc.shape[1], D, kc.shape[2], D**-0.5, torch.get_num_threads(),
+        )
+        return out
+
+
+def use_cpu_kernels(model: nn.Module) -> int:
+    """Swap in the CPU kernels where they apply; return how many linear layers were swapped.
+
+    Linear layers: bf16 weights on the CPU, contiguous, in_features a multiple of 16 and out_features a multiple
+    of the kernel's block. Attention: a bf16 CPU model whose head dim is a multiple of 16. A no-op (returns 0)
+    where the kernels cannot run.
+    """
+    lib = load_library()
+    if lib is None:
+        return 0
+    swapped = _swap_linears(model, lib)
+    args = getattr(model, "args", None)
+    param = next(model.parameters())
+    if (
+        args is not None
+        and param.dtype == torch.bfloat16
+        and param.device.type == "cpu"
+        and args.head_dim % 16 == 0
+        and args.head_dim <= lib.specdec_attention_max_head_dim()
+    ):
+        model.attention = CPUAttention(lib)
+    return swapped
+
+
+def _swap_linears(model: nn.Module, lib: ctypes.CDLL) -> int:
+    block = lib.specdec_block_rows()
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _eligible(child, block):
+                setattr(parent, name, FastCPULinear(child, lib))
+                swapped += 1
+    return swapped
+
+
+def _eligible(module: nn.Module, block: int) -> bool:
+    if type(module) is not nn.Linear:
+        return False
+    w = module.weight
+    return (
+        w.dtype == torch.bfloat16
+        and w.device.type == "cpu"
+        and w.is_contiguous()
+        and module.in_features % 16 == 0
+        and module.out_features % block == 0
+    )
