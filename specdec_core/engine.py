@@ -30,6 +30,8 @@ from specdec_core.stopping import FinishReason, IncrementalDetokenizer, StopChec
 
 log = logging.getLogger(__name__)
 
+PREFILL_BATCH = 16  # prompts of one length prefilled together
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -208,10 +210,23 @@ class SpecEngine:
             self._running[seq.request_id] = seq
             if self.drafter is not None:
                 self.drafter.start(seq.request_id, seq.tokens)
-        # Prefill one request at a time: prompts differ in length, and padding a batch of them wastes compute.
-        logits = torch.cat([self.target.extend([s.slot], [s.tokens]) for s in admitted])  # [A, V]
+        logits = self._prefill(admitted)  # [A, V]
         first = self._sample_next(logits, admitted)
         return [self._commit(seq, [token], None) for seq, token in zip(admitted, first)]
+
+    def _prefill(self, seqs: list[_Sequence]) -> torch.Tensor:  # [A, V]
+        """Prefill prompts in batches of equal length (no padding wasted); logits of each prompt's last token."""
+        by_length: dict[int, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            by_length.setdefault(len(seq.tokens), []).append(i)
+        rows: list[torch.Tensor | None] = [None] * len(seqs)
+        for members in by_length.values():
+            for start in range(0, len(members), PREFILL_BATCH):
+                chunk = members[start : start + PREFILL_BATCH]
+                logits = self.target.extend([seqs[i].slot for i in chunk], [seqs[i].tokens for i in chunk])
+                for i, row in zip(chunk, logits):
+                    rows[i] = row
+        return torch.stack(rows)  # type: ignore[arg-type]
 
     def _sample_next(self, logits: torch.Tensor, seqs: Sequence[_Sequence]) -> list[int]:
         """One token per row from the target's logits [N, V], greedy or sampled per request."""

@@ -3,8 +3,57 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("bench", help="benchmarks")
-    parser.set_defaults(func=lambda args: parser.print_help())
+    modes = parser.add_subparsers(dest="bench_mode", required=True)
+    offline = modes.add_parser(
+        "offline", help="target-only vs speculative decoding (and transformers' own) in one process"
+    )
+    offline.add_argument("--target", required=True, help="target model: path, .gguf file or `specdec models` name")
+    drafting = offline.add_mutually_exclusive_group(required=True)
+    drafting.add_argument("--draft", help="draft model: path, .gguf file or `specdec models` name")
+    drafting.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup instead of a model")
+    offline.add_argument("--prompts", required=True, type=Path, help='JSONL, one {"prompt": "..."} per line')
+    offline.add_argument("--max-new-tokens", required=True, type=int)
+    offline.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    offline.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
+    offline.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    offline.add_argument("--device", default="cpu", help="cpu or cuda")
+    offline.add_argument("--num-speculative-tokens", default="auto", help="k, or auto")
+    offline.add_argument("--compare-hf", action="store_true",
+                         help="also time transformers' generate and its assisted generation / prompt lookup")
+    offline.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
+                         help="transformers' prompt lookup length (with --compare-hf --ngram)")
+    offline.add_argument("--draft-quantization", choices=["none", "int8"], default="none",
+                         help="store the draft's weights in int8 (CPU): cheaper drafts, same output")
+    offline.add_argument("--json", required=True, type=Path, help="where to write the report")
+    offline.set_defaults(func=_offline)
+
+
+def _offline(args: argparse.Namespace) -> int:
+    from specdec_core.bench.offline import OfflineBenchConfig, run_offline_bench, write_report
+
+    config = OfflineBenchConfig(
+        target=args.target,
+        draft=args.draft,
+        ngram=args.ngram,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+        num_speculative_tokens=args.num_speculative_tokens,
+        compare_hf=args.compare_hf,
+        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+        draft_quantization=args.draft_quantization,
+    )
+    report = run_offline_bench(config)
+    write_report(report, args.json)
+    summary = {k: v for k, v in report.items() if not isinstance(v, (list, dict))}
+    print(json.dumps(summary, indent=2))
+    return 0

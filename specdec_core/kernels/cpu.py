@@ -27,7 +27,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("gemm_bf16.c", "attention_bf16.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gemm_bf16.c", "gemm_int8.c", "attention_bf16.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -67,6 +67,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.specdec_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.specdec_gemm_bf16.restype = None
     lib.specdec_block_rows.restype = ctypes.c_int
+    lib.specdec_gemm_int8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.specdec_gemm_int8.restype = None
     lib.specdec_attention_bf16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.specdec_attention_bf16.restype = None
     lib.specdec_attention_max_head_dim.restype = ctypes.c_int
@@ -111,6 +113,64 @@ class FastCPULinear(nn.Module):
             torch.get_num_threads(),
         )
         return y
+
+
+class Int8CPULinear(nn.Module):
+    """A linear layer with int8 weights (one fp32 scale per output row) for *draft* models on the CPU.
+
+    Symmetric per-row quantization: w ~= scale[n] * q[n, k], q in [-127, 127]. Only ever used for drafting,
+    where precision moves the acceptance rate, not the output.
+    """
+
+    def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()  # [N, K]
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
+        self.register_buffer("qweight", torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.contiguous())
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._lib = lib
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] bf16 -> [..., N] bf16
+        rows = x.numel() // self.in_features
+        x2 = x.to(torch.bfloat16).reshape(rows, self.in_features).contiguous()
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.bfloat16)
+        self._lib.specdec_gemm_int8(
+            x2.data_ptr(),
+            self.qweight.data_ptr(),
+            self.scale.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(),
+            y.data_ptr(),
+            rows,
+            self.out_features,
+            self.in_features,
+            torch.get_num_threads(),
+        )
+        return y
+
+
+def quantize_draft_int8(model: nn.Module) -> int:
+    """Replace the linear layers of a bf16 CPU *draft* model by int8 ones; return how many. 0 if unavailable."""
+    lib = load_library()
+    if lib is None:
+        return 0
+    block = lib.specdec_block_rows()
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FastCPULinear):
+                child = _as_linear(child)
+            if _eligible(child, block):
+                setattr(parent, name, Int8CPULinear(child, lib))
+                swapped += 1
+    return swapped
+
+
+def _as_linear(fast: "FastCPULinear") -> nn.Linear:
+    linear = nn.Linear(fast.in_features, fast.out_features, bias=fast.bias is not None, device="meta")
+    linear.weight, linear.bias = fast.weight, fast.bias
+    return linear
 
 
 class CPUAttention:

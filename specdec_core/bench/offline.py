@@ -1,0 +1,228 @@
+"""`specdec bench offline`: target-only vs speculative decoding (and transformers' own) on the same prompts.
+
+Everything runs in one process, one mode after another, over the same prompts and settings, so the ratios are
+measured side by side. Throughput is completion tokens over wall time per request, prefill included (as when
+timing transformers' `generate`); decode-only figures (after the first token) are reported beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specdec_core.build import DraftSpec, build_engine, load_pair
+from specdec_core.config import SamplingParams, parse_num_speculative_tokens
+from specdec_core.engine import SpecEngine
+from specdec_core.errors import InvalidArgument
+from specdec_core.models.loader import LoadedModel
+from specdec_core.runner import RunnerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OfflineBenchConfig:
+    target: str
+    draft: str | None
+    ngram: bool
+    prompts: Path
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    num_speculative_tokens: int | str = "auto"
+    compare_hf: bool = False
+    prompt_lookup_num_tokens: int = 10
+    max_seq_len: int = 4096
+    draft_quantization: str = "none"
+
+
+@dataclass
+class ModeResult:
+    """One mode's run over all prompts."""
+
+    token_ids: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+    decode_seconds: float = 0.0  # after each request's first token
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    round_tokens: int = 0  # tokens committed by rounds (all but each request's first)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def decode_tokens_per_s(self) -> float:
+        return self.round_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def read_prompts(path: Path, tokenizer: Any) -> list[list[int]]:
+    """Token ids of each `{"prompt": ...}` line; the chat template is applied when the tokenizer has one."""
+    if not path.exists():
+        raise InvalidArgument("prompts", f"prompts file {str(path)!r} does not exist")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise InvalidArgument("prompts", f"{path}:{number}: expected a JSON object with a \"prompt\" string")
+        prompts.append(encode_prompt(tokenizer, text))
+    if not prompts:
+        raise InvalidArgument("prompts", f"{path} holds no prompts")
+    return prompts
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tokenizer(text)["input_ids"])
+
+
+def run_mode(engine: SpecEngine, prompts: list[list[int]], params: list[SamplingParams], k: int | str,
+             bar: tqdm | None = None) -> ModeResult:
+    """Generate every prompt alone (batch size 1), one after another, timing each."""
+    result = ModeResult()
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        tokens: list[int] = []
+        start = time.perf_counter()
+        first = None
+        engine.add_request(f"bench-{i}", prompt, p, k)
+        while engine.has_work:
+            for out in engine.step():
+                tokens += out.new_token_ids
+                if first is None:
+                    first = time.perf_counter()
+                elif out.round is not None:
+                    result.round_tokens += len(out.new_token_ids)
+                if out.finished:
+                    result.rounds += out.stats.rounds
+                    result.proposed += out.stats.proposed
+                    result.accepted += out.stats.accepted
+        end = time.perf_counter()
+        result.seconds += end - start
+        result.decode_seconds += end - (first or end)
+        result.token_ids.append(tokens)
+        if bar is not None:
+            bar.update(1)
+    return result
+
+
+def first_divergence(target: LoadedModel, prompt: list[int], expected: list[int], got: list[int]) -> dict | None:
+    """Where speculative output first differs from target-only, with the target's top-1 minus top-2 logit margin
+    there (a divergence at a margin within bf16 rounding is numerical; a wide one would be a bug)."""
+    position = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+    if position is None:
+        if len(expected) == len(got):
+            return None
+        position = min(len(expected), len(got))
+    from specdec_core.runner import ModelRunner
+
+    runner = ModelRunner(target.model, RunnerConfig(num_slots=1, max_seq_len=len(prompt) + len(expected) + 1))
+    slot = runner.allocate()
+    logits = runner.extend([slot], [prompt + expected[:position]])[0]  # [V]
+    top = torch.topk(logits.float(), 2).values
+    return {"position": position, "margin": float(top[0] - top[1])}
+
+
+def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
+    if config.max_new_tokens <= 0:
+        raise InvalidArgument("max_new_tokens", f"must be > 0, got {config.max_new_tokens}")
+    if (config.draft is None) == (not config.ngram):
+        raise InvalidArgument("draft", "give exactly one of --draft PATH|NAME or --ngram")
+    k = parse_num_speculative_tokens(config.num_speculative_tokens, 16)
+    SamplingParams(temperature=config.temperature, seed=config.seed, max_tokens=config.max_new_tokens)
+    target, draft = load_pair(
+        config.target, config.draft, dtype=config.dtype, device=config.device,
+        draft_quantization=config.draft_quantization,
+    )
+    prompts = read_prompts(config.prompts, target.tokenizer)
+    params = [
+        SamplingParams(temperature=config.temperature, seed=config.seed + i, max_tokens=config.max_new_tokens)
+        for i in range(len(prompts))
+    ]
+    runner_config = RunnerConfig(num_slots=1, max_seq_len=min(config.max_seq_len, max(map(len, prompts)) + config.max_new_tokens + 1))
+    spec = DraftSpec(method="ngram" if config.ngram else "draft_model", model=config.draft)
+    plain_engine = build_engine(target, None, DraftSpec(method="none"), runner_config=runner_config)
+    spec_engine = build_engine(target, draft, spec, runner_config=runner_config, max_speculative_tokens=16)
+
+    modes = 2 + (2 if config.compare_hf else 0)
+    with tqdm(total=modes * len(prompts) + 2, desc="bench offline", unit="req") as bar:
+        _warm_up(plain_engine, spec_engine, prompts[0], k)
+        bar.update(2)
+        plain = run_mode(plain_engine, prompts, params, 0, bar)
+        speculative = run_mode(spec_engine, prompts, params, k, bar)
+        report = _report(config, target, prompts, plain, speculative)
+        del plain_engine, spec_engine
+        if config.compare_hf:
+            from specdec_core.bench.hf import run_hf_comparison
+
+            report.update(run_hf_comparison(config, target, draft, prompts, bar))
+    return report
+
+
+def _warm_up(plain: SpecEngine, speculative: SpecEngine, prompt: list[int], k: int | str) -> None:
+    """One short request per engine: kernel compilation and first-touch costs stay out of the figures."""
+    params = [SamplingParams(max_tokens=8)]
+    run_mode(plain, [prompt], params, 0)
+    run_mode(speculative, [prompt], params, k)
+
+
+def _report(config: OfflineBenchConfig, target: LoadedModel, prompts: list[list[int]], plain: ModeResult,
+            speculative: ModeResult) -> dict[str, Any]:
+    per_prompt = []
+    for prompt, expected, got in zip(prompts, plain.token_ids, speculative.token_ids):
+        per_prompt.append({
+            "prompt_tokens": len(prompt),
+            "target_only_token_ids": expected,
+            "speculative_token_ids": got,
+            "first_divergence": first_divergence(target, prompt, expected, got),
+        })
+    return {
+        "target": config.target,
+        "draft": config.draft if not config.ngram else "ngram",
+        "draft_quantization": config.draft_quantization,
+        "dtype": config.dtype,
+        "device": config.device,
+        "temperature": config.temperature,
+        "seed": config.seed,
+        "max_new_tokens": config.max_new_tokens,
+        "num_speculative_tokens": config.num_speculative_tokens,
+        "num_prompts": len(prompts),
+        "machine": {"cpus": torch.get_num_threads(), "processor": platform.processor() or platform.machine()},
+        "target_only_tokens_per_s": plain.tokens_per_s(),
+        "speculative_tokens_per_s": speculative.tokens_per_s(),
+        "speedup": speculative.tokens_per_s() / plain.tokens_per_s(),
+        "target_only_decode_tokens_per_s": plain.decode_tokens_per_s(),
+        "speculative_decode_tokens_per_s": speculative.decode_tokens_per_s(),
+        "decode_speedup": speculative.decode_tokens_per_s() / plain.decode_tokens_per_s(),
+        "acceptance_rate": speculative.accepted / speculative.proposed if speculative.proposed else 0.0,
+        "mean_tokens_per_round": speculative.round_tokens / speculative.rounds if speculative.rounds else 0.0,
+        "rounds": speculative.rounds,
+        "proposed": speculative.proposed,
+        "accepted": speculative.accepted,
+        "identical_to_target": all(p["first_divergence"] is None for p in per_prompt),
+        "prompts": per_prompt,
+    }
+
+
+def write_report(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(path)

@@ -1,0 +1,96 @@
+"""Assemble an engine from model names or paths: the one place that wires loaders, runners and drafters."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from specdec_core.config import AUTO
+from specdec_core.drafters.base import Drafter
+from specdec_core.drafters.draft_model import DraftModelDrafter
+from specdec_core.drafters.ngram import NgramDrafter
+from specdec_core.engine import EngineConfig, SpecEngine
+from specdec_core.errors import InvalidArgument
+from specdec_core.models.loader import LoadedModel, check_tokenizers_compatible, load_model
+from specdec_core.runner import ModelRunner, RunnerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """How to draft. `method`: draft_model (needs `model`), ngram, or none."""
+
+    method: str = "draft_model"
+    model: str | None = None
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+
+DRAFT_QUANTIZATIONS = ("none", "int8")
+
+
+def load_pair(
+    target: str,
+    draft: str | None,
+    *,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    draft_quantization: str = "none",
+) -> tuple[LoadedModel, LoadedModel | None]:
+    """Load the target and (optionally) the draft model; a tokenizer mismatch fails here, at load time.
+
+    `draft_quantization` "int8" stores the draft's linear layers in int8 (CPU, bf16 models): drafting gets
+    cheaper and the output stays exactly the target's; only the acceptance rate can move.
+    """
+    if draft_quantization not in DRAFT_QUANTIZATIONS:
+        raise InvalidArgument("draft_quantization", f"choose one of {DRAFT_QUANTIZATIONS}, got {draft_quantization!r}")
+    target_model = load_model(target, dtype=dtype, device=device)
+    if draft is None:
+        return target_model, None
+    draft_model = load_model(draft, dtype=dtype, device=device)
+    check_tokenizers_compatible(target_model.tokenizer, draft_model.tokenizer)
+    if draft_quantization == "int8":
+        from specdec_core.kernels.cpu import quantize_draft_int8
+
+        if quantize_draft_int8(draft_model.model) == 0:
+            log.warning("int8 draft quantization unavailable here (needs a bf16 CPU model and the CPU kernels)")
+    return target_model, draft_model
+
+
+def _draft_model(spec: DraftSpec, draft: LoadedModel | None, runner_config: RunnerConfig, vocab: int) -> Drafter:
+    if draft is None:
+        raise InvalidArgument("draft.model", "method draft_model needs a draft model")
+    return DraftModelDrafter(ModelRunner(draft.model, runner_config), vocab)
+
+
+def _ngram(spec: DraftSpec, draft: LoadedModel | None, runner_config: RunnerConfig, vocab: int) -> Drafter:
+    return NgramDrafter(max_n=spec.ngram_max, min_n=spec.ngram_min)
+
+
+DRAFTERS: dict[str, Callable[[DraftSpec, LoadedModel | None, RunnerConfig, int], Drafter]] = {
+    "draft_model": _draft_model,
+    "ngram": _ngram,
+}
+
+
+def build_engine(
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    spec: DraftSpec,
+    *,
+    runner_config: RunnerConfig = RunnerConfig(),
+    num_speculative_tokens: int | str = AUTO,
+    max_speculative_tokens: int = 8,
+) -> SpecEngine:
+    """An engine over `target`, drafting as `spec` says (method "none": plain decoding only)."""
+    runner = ModelRunner(target.model, runner_config)
+    drafter = None
+    if spec.method != "none":
+        factory = DRAFTERS.get(spec.method)
+        if factory is None:
+            raise InvalidArgument("draft.method", f"unknown method {spec.method!r}; choose {sorted(DRAFTERS)} or none")
+        drafter = factory(spec, draft, runner_config, runner.vocab_size)
+    config = EngineConfig(max_speculative_tokens=max_speculative_tokens, num_speculative_tokens=num_speculative_tokens)
+    return SpecEngine(runner, drafter, target.tokenizer, target.eos_token_ids, config)

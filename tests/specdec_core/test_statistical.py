@@ -1,0 +1,120 @@
+"""The whole speculative loop samples from the target's distribution: a chi-square test with the power to fail.
+
+Many seeded requests draw 4 tokens each at temperature 1 with top-k and top-p; the draft is a perturbed copy
+of the target, so drafts are accepted only sometimes and the residual, the bonus token and acceptance across
+two draft positions all matter. The exact law of the 4 tokens is enumerated from the target itself. The same
+test run on deliberately broken samplers must reject them: that is what shows it can fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec_core import engine as engine_module
+from specdec_core import rejection
+from specdec_core.config import SamplingParams
+from specdec_core.runner import ModelRunner, RunnerConfig
+from specdec_core.sampling import processed_probs
+from tests.helpers import make_engine, perturbed
+
+NUM_TOKENS = 4  # prefill token, then one round with k = 2 (accept, residual, bonus), then whatever is left
+SAMPLES = 6000
+PARAMS = dict(temperature=1.0, top_k=4, top_p=0.9, max_tokens=NUM_TOKENS, ignore_eos=True)
+PROMPT = [17, 230, 41, 9, 100]
+
+
+def _exact_law(loaded) -> dict[tuple[int, ...], float]:
+    """P(t1..t4) = prod_i p(t_i | prompt, t_<i), enumerating the support prefix by prefix."""
+    runner = ModelRunner(loaded.model, RunnerConfig(num_slots=1, max_seq_len=64))
+    law = {(): 1.0}
+    for _ in range(NUM_TOKENS):
+        nxt = {}
+        for prefix, mass in law.items():
+            slot = runner.allocate()
+            logits = runner.extend([slot], [PROMPT + list(prefix)])  # [1, V]
+            runner.release(slot)
+            p = processed_probs(logits.double(), torch.tensor([1.0]), torch.tensor([PARAMS["top_k"]]),
+                                torch.tensor([PARAMS["top_p"]], dtype=torch.float64))[0]
+            for token in torch.nonzero(p).flatten().tolist():
+                nxt[prefix + (token,)] = mass * p[token].item()
+        law = nxt
+    return law
+
+
+def _sample(loaded, draft) -> tuple[dict[tuple[int, ...], int], float]:
+    engine = make_engine(loaded, draft, num_slots=256, max_seq_len=64)
+    for i in range(SAMPLES):
+        engine.add_request(str(i), PROMPT, SamplingParams(seed=i, **PARAMS), 2)
+    outputs: dict[str, list[int]] = {}
+    proposed = accepted = 0
+    while engine.has_work:
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                proposed, accepted = proposed + out.stats.proposed, accepted + out.stats.accepted
+    counts: dict[tuple[int, ...], int] = {}
+    for tokens in outputs.values():
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    return counts, accepted / proposed
+
+
+def _p_value(counts: dict[tuple[int, ...], int], law: dict[tuple[int, ...], float]) -> float:
+    assert set(counts) <= set(law), "a sequence outside the target's support was sampled"
+    cells = sorted(law, key=law.get, reverse=True)
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for cell in cells:  # cells expected fewer than 5 times are pooled into one
+        e = law[cell] * SAMPLES
+        if e >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(e)
+        else:
+            rest_o, rest_e = rest_o + counts.get(cell, 0), rest_e + e
+    observed.append(rest_o)
+    expected.append(rest_e)
+    return float(chisquare(observed, expected).pvalue)
+
+
+@pytest.fixture(scope="module")
+def law(tiny_target):
+    return _exact_law(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_target):
+    return perturbed(tiny_target.model, 0.6, seed=4)
+
+
+def test_speculative_sampling_matches_the_target(tiny_target, draft, law):
+    counts, acceptance = _sample(tiny_target, draft)
+    assert 0.2 < acceptance < 0.9, acceptance  # drafts are neither always nor never right
+    assert _p_value(counts, law) > 1e-3
+
+
+def test_plain_sampling_matches_the_target(tiny_target, law):
+    counts, _ = _sample(tiny_target, None)
+    assert _p_value(counts, law) > 1e-3
+
+
+def _no_residual(p_n, q, draft, rows, n, K):
+    return p_n  # resample from p on rejection: biased towards the rejected token
+
+
+def _bonus_from_last_draft_position(*args):
+    draft_ids, num_draft, p, q, u_acc, u_smp = args
+    p = p.clone()
+    p[:, -1] = p[:, -2]
+    return rejection.rejection_sample(draft_ids, num_draft, p, q, u_acc, u_smp)
+
+
+@pytest.mark.parametrize("bug", ["no_residual", "wrong_bonus"])
+def test_a_wrong_sampler_fails_the_same_test(tiny_target, draft, law, monkeypatch, bug):
+    if bug == "no_residual":
+        monkeypatch.setattr(rejection, "_residual", _no_residual)
+    else:
+        monkeypatch.setattr(engine_module, "rejection_sample", _bonus_from_last_draft_position)
+    counts, _ = _sample(tiny_target, draft)
+    assert _p_value(counts, law) < 1e-6
