@@ -10,8 +10,10 @@ tokens per row stops being nearly free. The policy picks
 
 so speculation shrinks to 0 when it stops paying (low acceptance, or high load) and grows again when it pays.
 `a` is estimated per request from its own rounds (acceptances over acceptance trials, recent rounds weighted
-more); the costs are measured online per batch-size bucket. While a request sits at k = 0 it learns nothing new
-about acceptance, so every `probe_every` such rounds it tries k = 1.
+more); the costs are measured online per batch-size bucket. Verification cost is not smooth in k on every
+device (on CPUs it jumps where the GEMM kernel's row blocking does), so each bucket first measures k = 1..
+`explore_up_to` once before trusting the model. While a request sits at k = 0 it learns nothing new about
+acceptance, so every `probe_every` such rounds it tries k = 1.
 """
 
 from __future__ import annotations
@@ -98,18 +100,26 @@ class CostModel:
     def draft_cost(self, batch_size: int) -> float | None:
         return self.draft_step.get(_bucket(batch_size))
 
+    def unmeasured_k(self, batch_size: int, up_to: int) -> int | None:
+        """The smallest k in 1..up_to whose verify cost (k + 1 tokens per row) has not been measured."""
+        table = self.verify.get(_bucket(batch_size), {})
+        return next((k for k in range(1, up_to + 1) if k + 1 not in table), None)
+
 
 @dataclass(frozen=True)
 class AdaptivePolicy:
     max_k: int = 8
-    initial_k: int = 4  # until both costs have been measured at this load
+    explore_up_to: int = 4  # measure the verify cost of k = 1..this once per batch-size bucket
     probe_every: int = 8
 
     def choose(self, estimate: AcceptanceEstimate, costs: CostModel, batch_size: int) -> int:
+        explore = costs.unmeasured_k(batch_size, min(self.explore_up_to, self.max_k))
+        if explore is not None:
+            return explore
         c_draft = costs.draft_cost(batch_size)
         c_plain = costs.verify_cost(batch_size, 1)
         if c_draft is None or c_plain is None:
-            return self.initial_k
+            return min(self.explore_up_to, self.max_k)
         best_k, best_rate = 0, 1.0 / c_plain
         for k in range(1, self.max_k + 1):
             rate = expected_tokens(estimate.alpha, k) / (k * c_draft + costs.verify_cost(batch_size, k + 1))

@@ -14,10 +14,13 @@ def test_expected_tokens_formula():
 
 
 def _costs(batch: int, draft: float, verify: dict[int, float]) -> CostModel:
+    """Costs as measured: verify times interpolated linearly between the given points, for k + 1 = 2..9."""
     costs = CostModel()
     costs.observe_draft(batch, 1, draft)
-    for tokens, seconds in verify.items():
-        costs.observe_verify(batch, tokens, seconds)
+    points = sorted(verify.items())
+    for tokens in range(1, 10):
+        (t0, c0), (t1, c1) = points[0], points[-1]
+        costs.observe_verify(batch, tokens, c0 + (c1 - c0) * (tokens - t0) / (t1 - t0))
     return costs
 
 
@@ -43,8 +46,8 @@ def test_load_shrinks_k():
     """At a large batch verification is compute-bound (cost grows with tokens): k drops, even to 0."""
     costs = _costs(1, draft=0.02, verify={1: 0.1, 5: 0.11})
     costs.observe_draft(16, 1, 0.05)
-    costs.observe_verify(16, 1, 0.2)
-    costs.observe_verify(16, 5, 0.9)
+    for tokens in range(1, 10):
+        costs.observe_verify(16, tokens, 0.2 + 0.175 * (tokens - 1))
     policy, est = AdaptivePolicy(), _estimate(0.75)
     assert policy.choose(est, costs, 1) > policy.choose(est, costs, 16)
     assert policy.choose(est, costs, 16) == 0
@@ -59,8 +62,25 @@ def test_probes_again_after_sitting_at_zero():
     assert policy.choose(est, costs, 1) == 1
 
 
-def test_initial_k_until_costs_are_measured():
-    assert AdaptivePolicy(initial_k=3).choose(AcceptanceEstimate(), CostModel(), 1) == 3
+def test_explores_each_small_k_once_per_batch_size():
+    costs, policy = CostModel(), AdaptivePolicy(explore_up_to=3)
+    chosen = []
+    for _ in range(3):
+        k = policy.choose(AcceptanceEstimate(), costs, 1)
+        chosen.append(k)
+        costs.observe_draft(1, k, 0.01 * k)
+        costs.observe_verify(1, k + 1, 0.1)
+    assert chosen == [1, 2, 3]
+    assert policy.choose(AcceptanceEstimate(), costs, 4) == 1  # a new load level is explored afresh
+
+
+def test_picks_the_k_where_verification_cost_jumps():
+    """Verify cost flat up to 3 tokens, then a step (as CPU GEMM row blocking gives): k = 2 wins."""
+    costs = CostModel()
+    costs.observe_draft(1, 1, 0.03)
+    for tokens, seconds in {1: 0.2, 2: 0.21, 3: 0.22, 4: 0.33, 5: 0.34, 6: 0.35}.items():
+        costs.observe_verify(1, tokens, seconds)
+    assert AdaptivePolicy(max_k=5).choose(_estimate(0.75), costs, 1) == 2
 
 
 def test_acceptance_estimate_follows_drift():
