@@ -12,7 +12,7 @@ from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.errors import InvalidArgument
-from specdec_core.models.loader import LoadedModel, check_tokenizers_compatible, load_model
+from specdec_core.models.loader import LoadedModel, check_tokenizers_compatible, load_model, resolve_source
 from specdec_core.runner import ModelRunner, RunnerConfig
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,12 @@ def load_pair(
     """
     if draft_quantization not in DRAFT_QUANTIZATIONS:
         raise InvalidArgument("draft_quantization", f"choose one of {DRAFT_QUANTIZATIONS}, got {draft_quantization!r}")
-    target_model = load_model(target, dtype=dtype, device=device)
-    if draft is None:
+    target_path = resolve_source(target)
+    draft_path = None if draft is None else resolve_source(draft)  # both found before any weights are read
+    target_model = load_model(target_path, dtype=dtype, device=device)
+    if draft_path is None:
         return target_model, None
-    draft_model = load_model(draft, dtype=dtype, device=device)
+    draft_model = load_model(draft_path, dtype=dtype, device=device)
     check_tokenizers_compatible(target_model.tokenizer, draft_model.tokenizer)
     if draft_quantization == "int8":
         from specdec_core.kernels.cpu import quantize_draft_int8

@@ -69,8 +69,8 @@ class ModeResult:
         return self.round_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def read_prompts(path: Path, tokenizer: Any) -> list[list[int]]:
-    """Token ids of each `{"prompt": ...}` line; the chat template is applied when the tokenizer has one."""
+def read_prompts(path: Path) -> list[str]:
+    """The text of each `{"prompt": ...}` line of a JSONL file."""
     if not path.exists():
         raise InvalidArgument("prompts", f"prompts file {str(path)!r} does not exist")
     prompts = []
@@ -81,7 +81,9 @@ def read_prompts(path: Path, tokenizer: Any) -> list[list[int]]:
             text = json.loads(line)["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise InvalidArgument("prompts", f"{path}:{number}: expected a JSON object with a \"prompt\" string")
-        prompts.append(encode_prompt(tokenizer, text))
+        if not isinstance(text, str) or not text:
+            raise InvalidArgument("prompts", f"{path}:{number}: \"prompt\" must be a non-empty string")
+        prompts.append(text)
     if not prompts:
         raise InvalidArgument("prompts", f"{path} holds no prompts")
     return prompts
@@ -147,11 +149,12 @@ def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
         raise InvalidArgument("draft", "give exactly one of --draft PATH|NAME or --ngram")
     k = parse_num_speculative_tokens(config.num_speculative_tokens, 16)
     SamplingParams(temperature=config.temperature, seed=config.seed, max_tokens=config.max_new_tokens)
+    texts = read_prompts(config.prompts)
     target, draft = load_pair(
         config.target, config.draft, dtype=config.dtype, device=config.device,
         draft_quantization=config.draft_quantization,
     )
-    prompts = read_prompts(config.prompts, target.tokenizer)
+    prompts = [encode_prompt(target.tokenizer, text) for text in texts]
     params = [
         SamplingParams(temperature=config.temperature, seed=config.seed + i, max_tokens=config.max_new_tokens)
         for i in range(len(prompts))

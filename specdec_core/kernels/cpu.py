@@ -27,7 +27,10 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("gemm_bf16.c", "gemm_int8.c", "attention_bf16.c")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("gemm_bf16.c", "gemm_int8.c", "attention_bf16.c", "elementwise_bf16.c")
+]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -72,6 +75,11 @@ def load_library() -> ctypes.CDLL | None:
     lib.specdec_attention_bf16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.specdec_attention_bf16.restype = None
     lib.specdec_attention_max_head_dim.restype = ctypes.c_int
+    lib.specdec_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    lib.specdec_rope_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.specdec_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+    for fn in ("specdec_rms_norm_bf16", "specdec_rope_bf16", "specdec_silu_mul_bf16"):
+        getattr(lib, fn).restype = None
     return lib
 
 
@@ -174,14 +182,21 @@ def _as_linear(fast: "FastCPULinear") -> nn.Linear:
 
 
 class CPUAttention:
-    """Attention backend for `Transformer.attention`: cache writes by torch, attention by the C kernel."""
+    """Attention backend for `Transformer.attention`: rotary embedding and attention by the C kernels, cache
+    writes by torch."""
 
-    needs_mask = False
+    needs_tables = False  # no mask, no cos/sin tables: the kernels work from positions
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, inv_freq: torch.Tensor) -> None:
         self._lib = lib
+        self._inv_freq = inv_freq.float().contiguous()  # [hd/2]
 
     def __call__(self, q, k, v, ctx, layer: int) -> torch.Tensor:  # q [B, T, H, hd] -> [B, T, H, hd]
+        positions = ctx.positions.reshape(-1).to(torch.int64).contiguous()  # [B*T]
+        for x in (q, k):  # rotated in place: both are fresh outputs of the projections
+            self._lib.specdec_rope_bf16(
+                x.data_ptr(), positions.data_ptr(), self._inv_freq.data_ptr(), positions.numel(), x.shape[2], x.shape[3]
+            )
         ctx.cache.write(layer, ctx.slots, ctx.positions, k, v, ctx.single)
         B, T, H, D = q.shape
         kc, vc = ctx.cache.keys[layer], ctx.cache.values[layer]  # [slots, Hkv, capacity, hd]
@@ -216,8 +231,48 @@ def use_cpu_kernels(model: nn.Module) -> int:
         and args.head_dim % 16 == 0
         and args.head_dim <= lib.specdec_attention_max_head_dim()
     ):
-        model.attention = CPUAttention(lib)
+        model.attention = CPUAttention(lib, model.inv_freq)
+        _swap_norms_and_mlps(model, lib)
     return swapped
+
+
+class FastRMSNorm(nn.Module):
+    """RMSNorm in one C call (normalise in fp32, scale in bf16, as the reference rounds)."""
+
+    def __init__(self, norm: nn.Module, lib: ctypes.CDLL) -> None:
+        super().__init__()
+        self.weight, self.eps, self._lib = norm.weight, float(norm.eps), lib
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        dim = x.shape[-1]
+        self._lib.specdec_rms_norm_bf16(x.data_ptr(), self.weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, self.eps)
+        return y
+
+
+class FastMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with the activation fused into one C call."""
+
+    def __init__(self, mlp: nn.Module, lib: ctypes.CDLL) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self._lib = mlp.gate_proj, mlp.up_proj, mlp.down_proj, lib
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x).contiguous(), self.up_proj(x).contiguous()
+        self._lib.specdec_silu_mul_bf16(gate.data_ptr(), up.data_ptr(), gate.data_ptr(), gate.numel())
+        return self.down_proj(gate)
+
+
+def _swap_norms_and_mlps(model: nn.Module, lib: ctypes.CDLL) -> None:
+    from specdec_core.models.transformer import MLP, RMSNorm
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is RMSNorm and child.weight.dtype == torch.bfloat16:
+                setattr(parent, name, FastRMSNorm(child, lib))
+            elif type(child) is MLP:
+                setattr(parent, name, FastMLP(child, lib))
 
 
 def _swap_linears(model: nn.Module, lib: ctypes.CDLL) -> int:

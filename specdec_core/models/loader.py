@@ -85,7 +85,7 @@ def load_model(
     `cpu_kernels`: on the CPU in bf16, run linear layers through the streaming kernel (see `kernels.cpu`).
     """
     torch_dtype, torch_device = parse_dtype(dtype), parse_device(device)
-    path = _resolve(str(source))
+    path = resolve_source(source)
     loaded = _load_gguf(path, torch_dtype, torch_device) if path.is_file() else _load_hf_dir(path, torch_dtype, torch_device)
     if cpu_kernels and torch_device.type == "cpu" and torch_dtype == torch.bfloat16:
         from specdec_core.kernels.cpu import use_cpu_kernels
@@ -95,7 +95,9 @@ def load_model(
     return loaded
 
 
-def _resolve(source: str) -> Path:
+def resolve_source(source: str | Path) -> Path:
+    """Where `source`'s weights are (a directory or a .gguf file); `ModelNotFound` naming it otherwise."""
+    source = str(source)
     path = Path(source).expanduser()
     if path.exists():
         if path.is_file() and path.suffix != ".gguf":

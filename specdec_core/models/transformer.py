@@ -96,16 +96,15 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, H, hd]
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, hd]
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, hd]
-        q = q * ctx.cos + rotate_half(q) * ctx.sin
-        k = k * ctx.cos + rotate_half(k) * ctx.sin
-        out = ctx.attention(q, k, v, ctx, layer)  # [B, T, H, hd]
+        out = ctx.attention(q, k, v, ctx, layer)  # [B, T, H, hd]; applies the rotary embedding
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
 class TorchAttention:
-    """Attention with torch's SDPA: write the new keys/values into the cache, attend over the valid prefix."""
+    """Attention with torch's SDPA: rotate q and k, write the new keys/values into the cache, attend over the
+    valid prefix."""
 
-    needs_mask = True
+    needs_tables = True  # the forward context must carry the mask and the cos/sin tables
 
     def __call__(
         self,
@@ -115,6 +114,8 @@ class TorchAttention:
         ctx: "ForwardContext",
         layer: int,
     ) -> torch.Tensor:  # [B, T, H, hd]
+        q = q * ctx.cos + rotate_half(q) * ctx.sin
+        k = k * ctx.cos + rotate_half(k) * ctx.sin
         ctx.cache.write(layer, ctx.slots, ctx.positions, k, v, ctx.single)
         keys, values = ctx.cache.read(layer, ctx.slots, ctx.num_keys, ctx.single)  # [B, Hkv, S, hd] each
         out = F.scaled_dot_product_attention(
@@ -155,8 +156,8 @@ class ForwardContext:
     cache: KVCache
     slots: torch.Tensor  # [B] cache slot of each row
     positions: torch.Tensor  # [B, T] absolute position of each new token
-    cos: torch.Tensor  # [B, T, 1, hd]
-    sin: torch.Tensor  # [B, T, 1, hd]
+    cos: torch.Tensor | None  # [B, T, 1, hd]
+    sin: torch.Tensor | None  # [B, T, 1, hd]
     mask: torch.Tensor | None  # [B, 1, T, S] True where a query may attend a key; None when all may
     num_keys: int  # S
     single: tuple[int, int] | None  # (slot, first position) when B == 1
@@ -210,21 +211,23 @@ class Transformer(nn.Module):
         num_keys: int,
         single: tuple[int, int] | None,
     ) -> ForwardContext:
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [B, T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, hd]
-        dtype = self.embed_tokens.weight.dtype
         B, T = tokens.shape
-        mask = None
-        if self.attention.needs_mask and (T > 1 or B > 1):
-            # A new token at position i sees every cached key at j <= i: the prefix, and itself.
-            key_pos = torch.arange(num_keys, device=tokens.device)  # [S]
-            mask = (key_pos.view(1, 1, 1, -1) <= positions.view(B, 1, T, 1))  # [B, 1, T, S]
+        cos = sin = mask = None
+        if self.attention.needs_tables:
+            freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [B, T, hd/2]
+            emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, hd]
+            dtype = self.embed_tokens.weight.dtype
+            cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+            if T > 1 or B > 1:
+                # A new token at position i sees every cached key at j <= i: the prefix, and itself.
+                key_pos = torch.arange(num_keys, device=tokens.device)  # [S]
+                mask = key_pos.view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)  # [B, 1, T, S]
         return ForwardContext(
             cache=cache,
             slots=slots,
             positions=positions,
-            cos=emb.cos().to(dtype),
-            sin=emb.sin().to(dtype),
+            cos=cos,
+            sin=sin,
             mask=mask,
             num_keys=num_keys,
             single=single,

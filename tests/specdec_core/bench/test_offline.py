@@ -1,0 +1,74 @@
+"""`specdec bench offline` end to end on tiny models: the report's contract and its bad-input errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec_core.cli.main import main
+
+KEYS = {
+    "target_only_tokens_per_s", "speculative_tokens_per_s", "speedup", "acceptance_rate",
+    "mean_tokens_per_round", "identical_to_target", "prompts",
+}
+
+
+@pytest.fixture()
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "x = 1\ny = 2\nx = 1\n"]))
+    return path
+
+
+def _run(args, capsys):
+    code = main(["bench", "offline", *map(str, args)])
+    return code, capsys.readouterr()
+
+
+@pytest.mark.parametrize("drafting", [["--draft", "DRAFT"], ["--ngram"]])
+def test_report_contract(tiny_dir, prompts, tmp_path, capsys, drafting):
+    drafting = [str(tiny_dir / "draft") if a == "DRAFT" else a for a in drafting]
+    out = tmp_path / "out.json"
+    code, _ = _run(["--target", tiny_dir / "target", *drafting, "--prompts", prompts, "--max-new-tokens", 12,
+                    "--temperature", 0, "--dtype", "float32", "--compare-hf", "--json", out], capsys)
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert KEYS <= set(report) and "hf_assisted_speedup" in report
+    assert report["identical_to_target"] is True  # greedy, fp32: speculation changes nothing
+    assert report["speedup"] == pytest.approx(report["speculative_tokens_per_s"] / report["target_only_tokens_per_s"])
+    assert len(report["prompts"]) == 2
+    for entry in report["prompts"]:
+        assert entry["target_only_token_ids"] == entry["speculative_token_ids"]
+        assert entry["first_divergence"] is None
+
+
+def test_sampling_reports_divergence_position(tiny_dir, prompts, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    code, _ = _run(["--target", tiny_dir / "target", "--draft", tiny_dir / "draft", "--prompts", prompts,
+                    "--max-new-tokens", 12, "--temperature", 1.0, "--seed", 3, "--dtype", "float32",
+                    "--num-speculative-tokens", 3, "--json", out], capsys)
+    assert code == 0
+    for entry in json.loads(out.read_text())["prompts"]:
+        div = entry["first_divergence"]
+        assert div is None or (div["position"] >= 0 and div["margin"] >= 0)
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"--max-new-tokens": 0}, "max_new_tokens"),
+        ({"--temperature": -1}, "temperature"),
+        ({"--target": "no-such-model"}, "no-such-model"),
+        ({"--prompts": "missing.jsonl"}, "prompts"),
+        ({"--num-speculative-tokens": "many"}, "num_speculative_tokens"),
+    ],
+)
+def test_bad_input_is_a_clear_error_before_any_work(tiny_dir, prompts, tmp_path, capsys, change, field):
+    args = {"--target": tiny_dir / "target", "--draft": tiny_dir / "draft", "--prompts": prompts,
+            "--max-new-tokens": 8, "--temperature": 0, "--json": tmp_path / "out.json"}
+    args.update(change)
+    code, captured = _run([x for kv in args.items() for x in kv], capsys)
+    assert code == 2
+    assert field in captured.err
+    assert not (tmp_path / "out.json").exists()
