@@ -58,7 +58,11 @@ def run_hf_comparison(config: Any, target: LoadedModel, draft: LoadedModel | Non
     if config.ngram:
         extra = {"prompt_lookup_num_tokens": config.prompt_lookup_num_tokens}
     else:
-        extra = {"assistant_model": _load_hf(draft, dtype)}
+        assistant = _load_hf(draft, dtype)
+        extra = {"assistant_model": assistant}
+        if assistant.config.vocab_size != hf_target.config.vocab_size:
+            # transformers treats differently padded embeddings as different tokenizers: it then needs both.
+            extra.update(tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
     _generate_all(hf_target, prompts[:1], replace(config, max_new_tokens=4), tqdm(disable=True))  # warm-up
     plain_tokens, plain_s, plain_out = _generate_all(hf_target, prompts, config, bar)
     assisted_tokens, assisted_s, _ = _generate_all(hf_target, prompts, config, bar, **extra)

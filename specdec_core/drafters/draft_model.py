@@ -31,7 +31,7 @@ class DraftModelDrafter:
         self._slots[seq_id] = slot
         if len(prompt_ids) > 1:
             # The last prompt token is read with the first propose, whose logits we need anyway.
-            self.runner.extend([slot], [list(prompt_ids[:-1])])
+            self.runner.extend([slot], [self._readable(prompt_ids[:-1])])
 
     def release(self, seq_id: str) -> None:
         slot = self._slots.pop(seq_id, None)
@@ -51,7 +51,7 @@ class DraftModelDrafter:
         tokens: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
         rows = [i for i, r in enumerate(requests) if r.num_tokens > 0]
-        feeds = [list(r.token_ids[self.runner.length(self._slots[r.seq_id]) :]) for r in requests]
+        feeds = [self._readable(r.token_ids[self.runner.length(self._slots[r.seq_id]) :]) for r in requests]
         step = 0
         while rows:
             slots = [self._slots[requests[i].seq_id] for i in rows]
@@ -67,6 +67,13 @@ class DraftModelDrafter:
         return [
             Proposal(token_ids=t, q=torch.stack(q) if q else None) for t, q in zip(tokens, qs)
         ]
+
+    def _readable(self, tokens: Sequence[int]) -> list[int]:
+        """Ids the draft can embed. The target's embedding may have rows the draft lacks (padding beyond the
+        tokenizer); should the target ever emit one, the draft reads a stand-in: its guesses get worse there,
+        the output cannot change."""
+        limit = self.runner.vocab_size
+        return [t if t < limit else 0 for t in tokens]
 
     def _align(self, logits: torch.Tensor) -> torch.Tensor:  # [B, Vd] -> [B, Vt]
         """Draft and target may pad their embeddings differently; q must live on the target's vocabulary."""
