@@ -182,7 +182,7 @@ class Transformer(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
+        return self.embed_tokens.num_embeddings
 
     def forward(
         self,

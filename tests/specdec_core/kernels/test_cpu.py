@@ -84,3 +84,18 @@ def test_verify_reproduces_decode_bit_for_bit(bf16_pair):
     verified = runner.extend([many], [tail], all_logits=True)[0]  # T = 4, once
     for i, row in enumerate(decoded):
         assert torch.equal(row, verified[i]), i
+
+
+def test_greedy_speculation_with_an_int8_draft_is_exact_in_bf16(tiny_dir):
+    from specdec_core.build import DraftSpec, build_engine, load_pair
+    from specdec_core.config import SamplingParams
+    from tests.helpers import run_to_completion
+
+    target, draft = load_pair(str(tiny_dir / "target"), str(tiny_dir / "target"), draft_quantization="int8")
+    assert any(isinstance(m, cpu.Int8CPULinear) for m in draft.model.modules())
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompt = target.tokenizer("def add(a, b):")["input_ids"]
+    plain = run_to_completion(build_engine(target, None, DraftSpec(method="none")), [("r", prompt, params, 0)])
+    spec = run_to_completion(build_engine(target, draft, DraftSpec()), [("r", prompt, params, 3)])
+    assert spec["r"][0] == plain["r"][0]
+    assert spec["r"][2].stats.accepted > 0
