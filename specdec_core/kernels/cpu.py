@@ -31,6 +31,7 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in ("gemm_bf16.c", "gemm_int8.c", "attention_bf16.c", "elementwise_bf16.c")
 ]
+HEADER = Path(__file__).with_name("bf16.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -57,7 +58,7 @@ def load_library() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: CPU bf16 kernels disabled (decoding works, slower)")
         return None
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in [*SOURCES, HEADER])
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / digest / "libspecdec_gemm.so"
     try:

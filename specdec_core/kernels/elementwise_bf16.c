@@ -6,16 +6,7 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
+#include "bf16.h"
 
 /* y = weight * bf16(x * rsqrt(mean(x^2) + eps)), as Llama-family RMSNorm rounds: normalise in fp32, scale in bf16. */
 void specdec_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64_t rows, int64_t dim,

@@ -13,29 +13,13 @@
  *
  * Requires AVX-512F; K must be a multiple of 16 and N a multiple of NB (the caller checks).
  */
-#include <immintrin.h>
 #include <stdint.h>
+
+#include "bf16.h"
 
 #define NB 8 /* weight rows per block */
 #define MB 3 /* input rows per block: NB * MB accumulators + MB inputs + 1 weight fit in 32 registers */
 #define PREFETCH 256 /* weights prefetched this many elements ahead in each row: measured best of 128/256/512 */
-
-static inline __m512 load_bf16(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
-    return v.f;
-}
-
-/* Round to nearest even, as torch does when it casts fp32 to bf16 (NaN kept NaN). */
-static inline uint16_t float_to_bf16(float f) {
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 #define DEFINE_BLOCK(ROWS)                                                                              \
     static void block_##ROWS(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y,      \

@@ -6,31 +6,16 @@
  * Decoding is memory-bound, so one byte per weight instead of two makes a draft step about twice as cheap.
  * Same blocking as gemm_bf16.c: NB weight rows streamed once per MB input rows.
  */
-#include <immintrin.h>
 #include <stdint.h>
+
+#include "bf16.h"
 
 #define NB 8
 #define MB 3
 #define PREFETCH 512 /* bytes ahead in each weight row */
 
-static inline __m512 load_bf16(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 static inline __m512 load_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-
-static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
 #define DEFINE_BLOCK(ROWS)                                                                              \
