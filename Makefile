@@ -26,7 +26,7 @@ demo: setup
 	$(SPECDEC) models pull qwen2.5-coder-0.5b-instruct
 	$(SPECDEC) bench offline --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
 		--prompts benchmarks/prompts/demo.jsonl --max-new-tokens 96 --temperature 0 --dtype bfloat16 \
-		--num-speculative-tokens auto --draft-quantization int8 --json out/demo.json
+		--num-speculative-tokens auto --json out/demo.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
