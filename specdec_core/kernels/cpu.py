@@ -2,7 +2,7 @@
 
 Why: on CPUs without native bf16 instructions, torch's bf16 matmul costs grow linearly with the number of rows,
 so verifying k+1 tokens costs k+1 decode steps and speculation cannot pay; and its bf16 attention is slowest
-for the single query row of decoding. `gemm_bf16.c` streams each weight once for all rows; `attention_bf16.c`
+for the single query row of decoding. `gemm.c` streams each weight once for all rows; `attention_bf16.c`
 attends each (row, head) alone in fp32. Both compute a row the same way whatever else is in the batch, so
 verification reproduces plain decoding bit for bit. They are compiled on first use with the system C compiler
 and cached; where that is impossible (no compiler, no AVX-512) the model keeps torch's code paths.
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("gemm_bf16.c", "gemm_int8.c", "attention_bf16.c", "elementwise_bf16.c")
+    for name in ("gemm.c", "attention_bf16.c", "elementwise_bf16.c")
 ]
 HEADER = Path(__file__).with_name("bf16.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -106,22 +106,9 @@ class FastCPULinear(nn.Module):
         self._lib = lib
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        rows = x.numel() // self.in_features
         if x.dtype != torch.bfloat16 or x.requires_grad:
             return nn.functional.linear(x, self.weight, self.bias)
-        x2 = x.reshape(rows, self.in_features).contiguous()  # [M, K] bf16
-        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.bfloat16)  # [..., N]
-        self._lib.specdec_gemm_bf16(
-            x2.data_ptr(),
-            self.weight.data_ptr(),
-            None if self.bias is None else self.bias.data_ptr(),
-            y.data_ptr(),
-            rows,
-            self.out_features,
-            self.in_features,
-            torch.get_num_threads(),
-        )
-        return y
+        return _gemm(self._lib.specdec_gemm_bf16, x, self.out_features, self.bias, self.weight.data_ptr())
 
 
 class Int8CPULinear(nn.Module):
@@ -142,21 +129,20 @@ class Int8CPULinear(nn.Module):
         self._lib = lib
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] bf16 -> [..., N] bf16
-        rows = x.numel() // self.in_features
-        x2 = x.to(torch.bfloat16).reshape(rows, self.in_features).contiguous()
-        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.bfloat16)
-        self._lib.specdec_gemm_int8(
-            x2.data_ptr(),
-            self.qweight.data_ptr(),
-            self.scale.data_ptr(),
-            None if self.bias is None else self.bias.data_ptr(),
-            y.data_ptr(),
-            rows,
-            self.out_features,
-            self.in_features,
-            torch.get_num_threads(),
-        )
-        return y
+        weights = (self.qweight.data_ptr(), self.scale.data_ptr())
+        return _gemm(self._lib.specdec_gemm_int8, x.to(torch.bfloat16), self.out_features, self.bias, *weights)
+
+
+def _gemm(kernel, x: torch.Tensor, out_features: int, bias: torch.Tensor | None, *weights: int) -> torch.Tensor:
+    """Run a gemm kernel on bf16 x [..., K]: (x, *weights, bias, y, M, N, K, threads) -> y [..., N] bf16."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K).contiguous()  # [M, K]
+    y = torch.empty(*x.shape[:-1], out_features, dtype=torch.bfloat16)  # [..., N]
+    kernel(
+        x2.data_ptr(), *weights, None if bias is None else bias.data_ptr(), y.data_ptr(),
+        x2.shape[0], out_features, K, torch.get_num_threads(),
+    )
+    return y
 
 
 def quantize_draft_int8(model: nn.Module) -> int:
