@@ -12,7 +12,7 @@ so speculation shrinks to 0 when it stops paying (low acceptance, or high load) 
 `a` is estimated per request from its own rounds (acceptances over acceptance trials, recent rounds weighted
 more); the costs are measured online per batch-size bucket. Verification cost is not smooth in k on every
 device (on CPUs it jumps where the GEMM kernel's row blocking does), so each bucket first measures k = 1..
-`explore_up_to` once before trusting the model. While a request sits at k = 0 it learns nothing new about
+`explore_up_to` a few times before trusting the model. While a request sits at k = 0 it learns nothing new about
 acceptance, so every `probe_every` such rounds it tries k = 1.
 """
 
@@ -65,13 +65,17 @@ class CostModel:
     smoothing: float = 0.2
     draft_step: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per draft forward
     verify: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> {tokens per row: seconds}
+    verify_samples: dict[int, dict[int, int]] = field(default_factory=dict)  # bucket -> {tokens per row: count}
 
     def observe_draft(self, batch_size: int, steps: int, seconds: float) -> None:
         if steps > 0:
             self._ewma(self.draft_step, _bucket(batch_size), seconds / steps)
 
     def observe_verify(self, batch_size: int, tokens_per_row: int, seconds: float) -> None:
-        self._ewma(self.verify.setdefault(_bucket(batch_size), {}), tokens_per_row, seconds)
+        bucket = _bucket(batch_size)
+        self._ewma(self.verify.setdefault(bucket, {}), tokens_per_row, seconds)
+        counts = self.verify_samples.setdefault(bucket, {})
+        counts[tokens_per_row] = counts.get(tokens_per_row, 0) + 1
 
     def _ewma(self, table: dict[int, float], key: int, value: float) -> None:
         old = table.get(key)
@@ -100,20 +104,22 @@ class CostModel:
     def draft_cost(self, batch_size: int) -> float | None:
         return self.draft_step.get(_bucket(batch_size))
 
-    def unmeasured_k(self, batch_size: int, up_to: int) -> int | None:
-        """The smallest k in 1..up_to whose verify cost (k + 1 tokens per row) has not been measured."""
-        table = self.verify.get(_bucket(batch_size), {})
-        return next((k for k in range(1, up_to + 1) if k + 1 not in table), None)
+    def unmeasured_k(self, batch_size: int, up_to: int, samples: int = 1) -> int | None:
+        """The smallest k in 1..up_to whose verify cost (k + 1 tokens per row) has fewer than `samples`
+        measurements."""
+        counts = self.verify_samples.get(_bucket(batch_size), {})
+        return next((k for k in range(1, up_to + 1) if counts.get(k + 1, 0) < samples), None)
 
 
 @dataclass(frozen=True)
 class AdaptivePolicy:
     max_k: int = 8
-    explore_up_to: int = 4  # measure the verify cost of k = 1..this once per batch-size bucket
+    explore_up_to: int = 4  # measure the verify cost of k = 1..this per batch-size bucket before choosing
+    explore_samples: int = 3  # ... this many times each: one timing on a shared machine can mislead
     probe_every: int = 8
 
     def choose(self, estimate: AcceptanceEstimate, costs: CostModel, batch_size: int) -> int:
-        explore = costs.unmeasured_k(batch_size, min(self.explore_up_to, self.max_k))
+        explore = costs.unmeasured_k(batch_size, min(self.explore_up_to, self.max_k), self.explore_samples)
         if explore is not None:
             return explore
         c_draft = costs.draft_cost(batch_size)

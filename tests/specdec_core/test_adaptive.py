@@ -13,6 +13,11 @@ def test_expected_tokens_formula():
     assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
 
 
+def _observe(costs: CostModel, batch: int, tokens: int, seconds: float) -> None:
+    for _ in range(AdaptivePolicy().explore_samples):  # measured enough times to be trusted
+        costs.observe_verify(batch, tokens, seconds)
+
+
 def _costs(batch: int, draft: float, verify: dict[int, float]) -> CostModel:
     """Costs as measured: verify times interpolated linearly between the given points, for k + 1 = 2..9."""
     costs = CostModel()
@@ -20,7 +25,7 @@ def _costs(batch: int, draft: float, verify: dict[int, float]) -> CostModel:
     points = sorted(verify.items())
     for tokens in range(1, 10):
         (t0, c0), (t1, c1) = points[0], points[-1]
-        costs.observe_verify(batch, tokens, c0 + (c1 - c0) * (tokens - t0) / (t1 - t0))
+        _observe(costs, batch, tokens, c0 + (c1 - c0) * (tokens - t0) / (t1 - t0))
     return costs
 
 
@@ -47,7 +52,7 @@ def test_load_shrinks_k():
     costs = _costs(1, draft=0.02, verify={1: 0.1, 5: 0.11})
     costs.observe_draft(16, 1, 0.05)
     for tokens in range(1, 10):
-        costs.observe_verify(16, tokens, 0.2 + 0.175 * (tokens - 1))
+        _observe(costs, 16, tokens, 0.2 + 0.175 * (tokens - 1))
     policy, est = AdaptivePolicy(), _estimate(0.75)
     assert policy.choose(est, costs, 1) > policy.choose(est, costs, 16)
     assert policy.choose(est, costs, 16) == 0
@@ -62,15 +67,15 @@ def test_probes_again_after_sitting_at_zero():
     assert policy.choose(est, costs, 1) == 1
 
 
-def test_explores_each_small_k_once_per_batch_size():
-    costs, policy = CostModel(), AdaptivePolicy(explore_up_to=3)
+def test_explores_each_small_k_a_few_times_per_batch_size():
+    costs, policy = CostModel(), AdaptivePolicy(explore_up_to=3, explore_samples=2)
     chosen = []
-    for _ in range(3):
+    for _ in range(6):
         k = policy.choose(AcceptanceEstimate(), costs, 1)
         chosen.append(k)
         costs.observe_draft(1, k, 0.01 * k)
         costs.observe_verify(1, k + 1, 0.1)
-    assert chosen == [1, 2, 3]
+    assert chosen == [1, 1, 2, 2, 3, 3]
     assert policy.choose(AcceptanceEstimate(), costs, 4) == 1  # a new load level is explored afresh
 
 
@@ -79,7 +84,7 @@ def test_picks_the_k_where_verification_cost_jumps():
     costs = CostModel()
     costs.observe_draft(1, 1, 0.03)
     for tokens, seconds in {1: 0.2, 2: 0.21, 3: 0.22, 4: 0.33, 5: 0.34, 6: 0.35}.items():
-        costs.observe_verify(1, tokens, seconds)
+        _observe(costs, 1, tokens, seconds)
     assert AdaptivePolicy(max_k=5).choose(_estimate(0.75), costs, 1) == 2
 
 
