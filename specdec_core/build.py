@@ -20,10 +20,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DraftSpec:
-    """How to draft. `method`: draft_model (needs `model`), ngram, or none."""
+    """How to draft. `method`: draft_model (the loaded draft is passed to `build_engine`), ngram, or none."""
 
     method: str = "draft_model"
-    model: str | None = None
     ngram_max: int = 4
     ngram_min: int = 1
 

@@ -305,14 +305,16 @@ class SpecEngine:
         for b, p in enumerate(proposals):
             drafts[b, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
         num_draft = torch.tensor([len(p.token_ids) for p in proposals])  # [B]
-        # Row b's verify logits start at its first uncommitted token; for running sequences that is index 0.
-        result = greedy_accept(drafts, num_draft, logits.argmax(dim=-1).cpu())  # [B, K+1]
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
-        if not sampled:
-            return result
+        if len(sampled) < B:
+            result = greedy_accept(drafts, num_draft, logits.argmax(dim=-1).cpu())  # [B, K+1]
+            if not sampled:
+                return result
         sub = self._rejection_sample(
             [seqs[b] for b in sampled], [proposals[b] for b in sampled], logits[sampled], drafts[sampled]
         )
+        if len(sampled) == B:
+            return sub
         out, n = result.output_token_ids.clone(), result.num_accepted.clone()
         out[sampled], n[sampled] = sub.output_token_ids, sub.num_accepted
         return VerifyResult(out, n)

@@ -160,7 +160,7 @@ def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
         for i in range(len(prompts))
     ]
     runner_config = RunnerConfig(num_slots=1, max_seq_len=min(config.max_seq_len, max(map(len, prompts)) + config.max_new_tokens + 1))
-    spec = DraftSpec(method="ngram" if config.ngram else "draft_model", model=config.draft)
+    spec = DraftSpec(method="ngram" if config.ngram else "draft_model")
     plain_engine = build_engine(target, None, DraftSpec(method="none"), runner_config=runner_config)
     spec_engine = build_engine(target, draft, spec, runner_config=runner_config, max_speculative_tokens=16)
 
