@@ -14,6 +14,7 @@ from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.errors import InvalidArgument
 from specdec_core.models.loader import LoadedModel, check_tokenizers_compatible, load_model, resolve_source
 from specdec_core.runner import ModelRunner, RunnerConfig
+from specdec_core.target import LocalTarget
 
 log = logging.getLogger(__name__)
 
@@ -94,4 +95,4 @@ def build_engine(
             raise InvalidArgument("draft.method", f"unknown method {spec.method!r}; choose {sorted(DRAFTERS)} or none")
         drafter = factory(spec, draft, runner_config, runner.vocab_size)
     config = EngineConfig(max_speculative_tokens=max_speculative_tokens, num_speculative_tokens=num_speculative_tokens)
-    return SpecEngine(runner, drafter, target.tokenizer, target.eos_token_ids, config)
+    return SpecEngine(LocalTarget(runner), drafter, target.tokenizer, target.eos_token_ids, config)

@@ -5,8 +5,8 @@ pass per draft position), the target scores every row's last committed token plu
 forward, and rejection sampling decides what is kept. Sequences join (prefill) and leave between rounds.
 Plain decoding is the same round with k = 0, so the baseline shares every line of code but the drafter.
 
-Invariant kept for every running sequence: the target cache holds all committed tokens but the last, which is
-read by the next round's verify forward together with the drafts.
+The engine owns what is per request (randomness, k, stopping, text); the drafter and the `Target` own the
+models. Both may run in this process or behind an RPC boundary (the server's router runs this same engine).
 """
 
 from __future__ import annotations
@@ -22,15 +22,11 @@ import torch
 from specdec_core.adaptive import AcceptanceEstimate, AdaptivePolicy, CostModel
 from specdec_core.config import AUTO, SamplingParams, parse_num_speculative_tokens
 from specdec_core.drafters.base import DraftRequest, Drafter, Proposal
-from specdec_core.errors import InvalidArgument, ResourceExhausted
-from specdec_core.rejection import VerifyResult, greedy_accept, rejection_sample
-from specdec_core.runner import ModelRunner
-from specdec_core.sampling import processed_probs, sample_from
+from specdec_core.errors import InvalidArgument
 from specdec_core.stopping import FinishReason, IncrementalDetokenizer, StopChecker
+from specdec_core.target import PrefillItem, Target, VerifyItem
 
 log = logging.getLogger(__name__)
-
-PREFILL_BATCH = 16  # prompts of one length prefilled together
 
 
 @dataclass(frozen=True)
@@ -73,6 +69,7 @@ class RequestOutput:
     num_output_tokens: int
     stats: SpecStats
     round: RoundInfo | None = None
+    error: Exception | None = None  # why a request ended with FinishReason.ERROR
 
     @property
     def finished(self) -> bool:
@@ -90,7 +87,7 @@ class _Sequence:
     k_setting: int | str  # fixed k or "auto"
     generator: torch.Generator
     stopper: StopChecker
-    slot: int = -1
+    started: bool = False  # prefilled: the target and the drafter hold state for it
     stats: SpecStats = SpecStats()
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     emitted_text: int = 0
@@ -100,11 +97,11 @@ class _Sequence:
 
 
 class SpecEngine:
-    """Runs requests to completion over a target `ModelRunner` and an optional drafter."""
+    """Runs requests to completion over a `Target` and an optional drafter."""
 
     def __init__(
         self,
-        target: ModelRunner,
+        target: Target,
         drafter: Drafter | None,
         tokenizer: Any,
         eos_token_ids: frozenset[int],
@@ -201,74 +198,71 @@ class SpecEngine:
         return outputs
 
     def _admit(self) -> list[RequestOutput]:
-        room = self.target.cache.free_slots
+        room = self.target.free_slots
         admitted, self._waiting = self._waiting[:room], self._waiting[room:]
         if not admitted:
             return []
-        for seq in admitted:
-            seq.slot = self.target.allocate()
+        items = [
+            PrefillItem(seq.request_id, seq.tokens, seq.params, None if seq.params.greedy else float(seq.uniform(1)))
+            for seq in admitted
+        ]
+        try:
+            first = self.target.prefill(items)
+        except Exception as exc:  # the target released whatever it had allocated for these
+            log.warning("prefill of %d requests failed: %s", len(admitted), exc, exc_info=True)
+            return [self._final(seq, FinishReason.ERROR, exc) for seq in admitted]
+        outputs = []
+        for seq, token in zip(admitted, first):
+            seq.started = True
             self._running[seq.request_id] = seq
-            if self.drafter is not None:
-                self.drafter.start(seq.request_id, seq.tokens)
-        logits = self._prefill(admitted)  # [A, V]
-        first = self._sample_next(logits, admitted)
-        return [self._commit(seq, [token], None) for seq, token in zip(admitted, first)]
-
-    def _prefill(self, seqs: list[_Sequence]) -> torch.Tensor:  # [A, V]
-        """Prefill prompts in batches of equal length (no padding wasted); logits of each prompt's last token."""
-        by_length: dict[int, list[int]] = {}
-        for i, seq in enumerate(seqs):
-            by_length.setdefault(len(seq.tokens), []).append(i)
-        rows: list[torch.Tensor | None] = [None] * len(seqs)
-        for members in by_length.values():
-            for start in range(0, len(members), PREFILL_BATCH):
-                chunk = members[start : start + PREFILL_BATCH]
-                logits = self.target.extend([seqs[i].slot for i in chunk], [seqs[i].tokens for i in chunk])
-                for i, row in zip(chunk, logits):
-                    rows[i] = row
-        return torch.stack(rows)  # type: ignore[arg-type]
-
-    def _sample_next(self, logits: torch.Tensor, seqs: Sequence[_Sequence]) -> list[int]:
-        """One token per row from the target's logits [N, V], greedy or sampled per request."""
-        tokens = logits.argmax(dim=-1).tolist()
-        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if sampled:
-            probs = self._probs(logits[sampled], [seqs[i].params for i in sampled])
-            uniform = torch.cat([seqs[i].uniform(1) for i in sampled])
-            for i, token in zip(sampled, sample_from(probs, uniform).tolist()):
-                tokens[i] = token
-        return tokens
-
-    @staticmethod
-    def _probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [N, V]
-        device = logits.device
-        return processed_probs(
-            logits,
-            torch.tensor([p.temperature for p in params], device=device),
-            torch.tensor([p.top_k for p in params], device=device),
-            torch.tensor([p.top_p for p in params], device=device),
-        )
+            try:
+                if self.drafter is not None:
+                    self.drafter.start(seq.request_id, seq.tokens)
+            except Exception as exc:
+                self._free(seq)
+                outputs.append(self._final(seq, FinishReason.ERROR, exc))
+                continue
+            outputs.append(self._commit(seq, [token], None))
+        return outputs
 
     def _round(self, seqs: list[_Sequence]) -> list[RequestOutput]:
-        ks = [self._choose_k(seq, len(seqs)) for seq in seqs]
-        proposals = self._propose(seqs, ks)
-        drafts = [p.token_ids for p in proposals]
-        t0 = time.perf_counter()
-        feeds = [seq.tokens[self.target.length(seq.slot) :] + d for seq, d in zip(seqs, drafts)]
-        logits = self.target.extend([s.slot for s in seqs], feeds, all_logits=True)  # [B, T, V]
-        results = self._verify(seqs, proposals, logits)
-        self._sync()
-        self.costs.observe_verify(len(seqs), max(len(f) for f in feeds), time.perf_counter() - t0)
+        """One round for `seqs`. Should the drafter or the target fail, every sequence of the round ends with
+        an error and its state is released: a failed call leaves caches in no known state."""
+        try:
+            ks = [self._choose_k(seq, len(seqs)) for seq in seqs]
+            proposals = self._propose(seqs, ks)
+            items = [self._verify_item(seq, proposal) for seq, proposal in zip(seqs, proposals)]
+            t0 = time.perf_counter()
+            outcomes = self.target.verify(items)
+        except Exception as exc:
+            log.warning("a round of %d sequences failed: %s", len(seqs), exc, exc_info=True)
+            for seq in seqs:
+                self._free(seq)
+            return [self._final(seq, FinishReason.ERROR, exc) for seq in seqs]
+        self.costs.observe_verify(len(seqs), 1 + max(len(p.token_ids) for p in proposals), time.perf_counter() - t0)
         outputs = []
-        for b, (seq, draft) in enumerate(zip(seqs, drafts)):
-            n = int(results.num_accepted[b])
-            # Keep the target's cache to the committed prefix: the last committed token is read next round.
-            self.target.truncate(seq.slot, len(seq.tokens) + n)
-            info = RoundInfo(k=ks[b], proposed_token_ids=tuple(draft), num_accepted=n, bonus=n == len(draft))
+        for seq, proposal, k, outcome in zip(seqs, proposals, ks, outcomes):
+            draft, n = proposal.token_ids, outcome.num_accepted
+            info = RoundInfo(k=k, proposed_token_ids=tuple(draft), num_accepted=n, bonus=n == len(draft))
             seq.estimate.update(len(draft), n)
             seq.stats = SpecStats(seq.stats.rounds + 1, seq.stats.proposed + len(draft), seq.stats.accepted + n)
-            outputs.append(self._commit(seq, results.tokens(b), info))
+            outputs.append(self._commit(seq, list(outcome.token_ids), info))
         return outputs
+
+    @staticmethod
+    def _verify_item(seq: _Sequence, proposal: Proposal) -> VerifyItem:
+        """The target's share of the round; randomness drawn in a fixed order (accept tests, then the sample)."""
+        n = len(proposal.token_ids)
+        greedy = seq.params.greedy
+        return VerifyItem(
+            seq_id=seq.request_id,
+            last_token_id=seq.tokens[-1],
+            draft_token_ids=proposal.token_ids,
+            q=proposal.q,
+            params=seq.params,
+            uniform_accept=None if greedy else seq.uniform(n),
+            uniform_sample=None if greedy else float(seq.uniform(1)),
+        )
 
     def _choose_k(self, seq: _Sequence, batch_size: int) -> int:
         if seq.k_setting == AUTO:
@@ -293,58 +287,8 @@ class SpecEngine:
         ]
         t0 = time.perf_counter()
         proposals = self.drafter.propose(requests)
-        self._sync()
         self.costs.observe_draft(len(seqs), max(ks), time.perf_counter() - t0)
         return proposals
-
-    def _verify(self, seqs: list[_Sequence], proposals: list[Proposal], logits: torch.Tensor) -> VerifyResult:
-        """Accept or reject every row's drafts: greedy rows by argmax, sampled rows by rejection sampling."""
-        B, T, V = logits.shape
-        K = T - 1
-        drafts = torch.full((B, K), -1, dtype=torch.long)  # [B, K]
-        for b, p in enumerate(proposals):
-            drafts[b, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
-        num_draft = torch.tensor([len(p.token_ids) for p in proposals])  # [B]
-        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
-        if len(sampled) < B:
-            result = greedy_accept(drafts, num_draft, logits.argmax(dim=-1).cpu())  # [B, K+1]
-            if not sampled:
-                return result
-        sub = self._rejection_sample(
-            [seqs[b] for b in sampled], [proposals[b] for b in sampled], logits[sampled], drafts[sampled]
-        )
-        if len(sampled) == B:
-            return sub
-        out, n = result.output_token_ids.clone(), result.num_accepted.clone()
-        out[sampled], n[sampled] = sub.output_token_ids, sub.num_accepted
-        return VerifyResult(out, n)
-
-    def _rejection_sample(
-        self,
-        seqs: list[_Sequence],
-        proposals: list[Proposal],
-        logits: torch.Tensor,  # [S, K+1, V]
-        drafts: torch.Tensor,  # [S, K]
-    ) -> VerifyResult:
-        S, T, V = logits.shape
-        K = T - 1
-        params = [s.params for s in seqs for _ in range(T)]
-        p = self._probs(logits.reshape(S * T, V), params).view(S, T, V)  # [S, K+1, V]
-        q = None
-        if any(prop.q is not None for prop in proposals):
-            q = torch.zeros(S, K, V, dtype=p.dtype, device=p.device)  # [S, K, V]
-            for i, prop in enumerate(proposals):
-                if prop.q is not None:
-                    q[i, : prop.q.shape[0]] = prop.q
-        num_draft = torch.tensor([len(prop.token_ids) for prop in proposals])
-        uniform_accept = torch.stack(
-            [torch.cat([s.uniform(len(prop.token_ids)), torch.ones(K - len(prop.token_ids), dtype=torch.float64)])
-             for s, prop in zip(seqs, proposals)]
-        ).to(p.dtype)  # [S, K]; padding positions are invalid and never accepted
-        uniform_sample = torch.cat([s.uniform(1) for s in seqs]).to(p.dtype)  # [S]
-        return rejection_sample(
-            drafts.to(p.device), num_draft.to(p.device), p, q, uniform_accept.to(p.device), uniform_sample.to(p.device)
-        )
 
     def _commit(self, seq: _Sequence, tokens: list[int], info: RoundInfo | None) -> RequestOutput:
         committed = seq.stopper.commit(tokens)
@@ -370,15 +314,13 @@ class SpecEngine:
 
     def _free(self, seq: _Sequence) -> None:
         self._running.pop(seq.request_id, None)
-        if seq.slot >= 0:
-            self.target.release(seq.slot)
-            seq.slot = -1
-        if self.drafter is not None:
-            self.drafter.release(seq.request_id)
+        if seq.started:
+            seq.started = False
+            self.target.release(seq.request_id)
+            if self.drafter is not None:
+                self.drafter.release(seq.request_id)
 
-    def _final(self, seq: _Sequence, reason: FinishReason) -> RequestOutput:
-        return RequestOutput(seq.request_id, (), "", reason, seq.num_prompt, seq.stopper.num_output, seq.stats)
-
-    def _sync(self) -> None:
-        if self.target.device.type == "cuda":
-            torch.cuda.synchronize(self.target.device)
+    def _final(self, seq: _Sequence, reason: FinishReason, error: Exception | None = None) -> RequestOutput:
+        return RequestOutput(
+            seq.request_id, (), "", reason, seq.num_prompt, seq.stopper.num_output, seq.stats, error=error
+        )

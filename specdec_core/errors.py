@@ -16,7 +16,7 @@ class InvalidArgument(SpecdecError, ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message
 
 
 class ResourceExhausted(SpecdecError):
@@ -24,7 +24,7 @@ class ResourceExhausted(SpecdecError):
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message
 
 
 class ModelNotFound(SpecdecError, LookupError):

@@ -30,6 +30,7 @@ def make_engine(loaded, draft=None, *, num_slots: int = 8, max_seq_len: int = 25
     from specdec_core.drafters.ngram import NgramDrafter
     from specdec_core.engine import EngineConfig, SpecEngine
     from specdec_core.runner import ModelRunner, RunnerConfig
+    from specdec_core.target import LocalTarget
 
     runner_config = RunnerConfig(num_slots=num_slots, max_seq_len=max_seq_len)
     target = ModelRunner(loaded.model, runner_config)
@@ -38,7 +39,7 @@ def make_engine(loaded, draft=None, *, num_slots: int = 8, max_seq_len: int = 25
         drafter = NgramDrafter()
     elif draft is not None:
         drafter = DraftModelDrafter(ModelRunner(draft, runner_config), target.vocab_size)
-    return SpecEngine(target, drafter, loaded.tokenizer, loaded.eos_token_ids, EngineConfig(**config))
+    return SpecEngine(LocalTarget(target), drafter, loaded.tokenizer, loaded.eos_token_ids, EngineConfig(**config))
 
 
 def run_to_completion(engine, requests):

@@ -22,7 +22,7 @@ from specdec_core.build import DraftSpec, build_engine, load_pair
 from specdec_core.config import SamplingParams, parse_num_speculative_tokens
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
-from specdec_core.models.loader import LoadedModel
+from specdec_core.models.loader import LoadedModel, encode_prompt
 from specdec_core.runner import RunnerConfig
 
 log = logging.getLogger(__name__)
@@ -89,40 +89,42 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return list(tokenizer(text)["input_ids"])
+def run_one(engine: SpecEngine, request_id: str, prompt: list[int], params: SamplingParams, k: int | str,
+            result: ModeResult) -> None:
+    """Generate one prompt alone (batch size 1), timing it into `result`."""
+    tokens: list[int] = []
+    start = time.perf_counter()
+    first = None
+    engine.add_request(request_id, prompt, params, k)
+    while engine.has_work:
+        for out in engine.step():
+            tokens += out.new_token_ids
+            if first is None:
+                first = time.perf_counter()
+            elif out.round is not None:
+                result.round_tokens += len(out.new_token_ids)
+            if out.finished:
+                result.rounds += out.stats.rounds
+                result.proposed += out.stats.proposed
+                result.accepted += out.stats.accepted
+    end = time.perf_counter()
+    result.seconds += end - start
+    result.decode_seconds += end - (first or end)
+    result.token_ids.append(tokens)
 
 
-def run_mode(engine: SpecEngine, prompts: list[list[int]], params: list[SamplingParams], k: int | str,
-             bar: tqdm | None = None) -> ModeResult:
-    """Generate every prompt alone (batch size 1), one after another, timing each."""
-    result = ModeResult()
+def run_side_by_side(plain_engine: SpecEngine, spec_engine: SpecEngine, prompts: list[list[int]],
+                     params: list[SamplingParams], k: int | str, bar: tqdm | None = None) -> tuple[ModeResult, ModeResult]:
+    """Each prompt target-only and speculatively, back to back, alternating which goes first: on a shared
+    machine whose speed drifts, both modes see the same conditions."""
+    plain, speculative = ModeResult(), ModeResult()
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        tokens: list[int] = []
-        start = time.perf_counter()
-        first = None
-        engine.add_request(f"bench-{i}", prompt, p, k)
-        while engine.has_work:
-            for out in engine.step():
-                tokens += out.new_token_ids
-                if first is None:
-                    first = time.perf_counter()
-                elif out.round is not None:
-                    result.round_tokens += len(out.new_token_ids)
-                if out.finished:
-                    result.rounds += out.stats.rounds
-                    result.proposed += out.stats.proposed
-                    result.accepted += out.stats.accepted
-        end = time.perf_counter()
-        result.seconds += end - start
-        result.decode_seconds += end - (first or end)
-        result.token_ids.append(tokens)
-        if bar is not None:
-            bar.update(1)
-    return result
+        runs = [(plain_engine, 0, plain), (spec_engine, k, speculative)]
+        for engine, mode_k, result in runs if i % 2 == 0 else runs[::-1]:
+            run_one(engine, f"bench-{i}", prompt, p, mode_k, result)
+            if bar is not None:
+                bar.update(1)
+    return plain, speculative
 
 
 def first_divergence(target: LoadedModel, prompt: list[int], expected: list[int], got: list[int]) -> dict | None:
@@ -168,8 +170,7 @@ def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
     with tqdm(total=modes * len(prompts) + 2, desc="bench offline", unit="req") as bar:
         _warm_up(plain_engine, spec_engine, prompts[0], k)
         bar.update(2)
-        plain = run_mode(plain_engine, prompts, params, 0, bar)
-        speculative = run_mode(spec_engine, prompts, params, k, bar)
+        plain, speculative = run_side_by_side(plain_engine, spec_engine, prompts, params, k, bar)
         report = _report(config, target, prompts, plain, speculative)
         del plain_engine, spec_engine
         if config.compare_hf:
@@ -181,9 +182,9 @@ def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
 
 def _warm_up(plain: SpecEngine, speculative: SpecEngine, prompt: list[int], k: int | str) -> None:
     """One short request per engine: kernel compilation and first-touch costs stay out of the figures."""
-    params = [SamplingParams(max_tokens=8)]
-    run_mode(plain, [prompt], params, 0)
-    run_mode(speculative, [prompt], params, k)
+    params = SamplingParams(max_tokens=8)
+    run_one(plain, "warm-up", prompt, params, 0, ModeResult())
+    run_one(speculative, "warm-up", prompt, params, k, ModeResult())
 
 
 def _report(config: OfflineBenchConfig, target: LoadedModel, prompts: list[list[int]], plain: ModeResult,

@@ -11,6 +11,12 @@ from specdec_core.runner import ModelRunner
 from specdec_core.sampling import processed_probs, sample_from
 
 
+# Sampled drafts come from the draft's processed distribution cut to its `Q_SUPPORT` most likely tokens. Any q
+# keeps verification exact as long as the drafts are drawn from the q the target sees; a short support keeps q
+# small on the wire (a few hundred bytes instead of the whole vocabulary) and costs almost no acceptance.
+Q_SUPPORT = 128
+
+
 class DraftModelDrafter:
     """Autoregressive drafting with a smaller model: k batched forward steps per round.
 
@@ -21,9 +27,10 @@ class DraftModelDrafter:
 
     name = "draft_model"
 
-    def __init__(self, runner: ModelRunner, target_vocab_size: int) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab_size: int, q_support: int | None = Q_SUPPORT) -> None:
         self.runner = runner
         self.target_vocab_size = target_vocab_size
+        self.q_support = q_support
         self._slots: dict[str, int] = {}
 
     def start(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
@@ -98,6 +105,8 @@ class DraftModelDrafter:
             torch.tensor([r.params.top_k for r in sub], device=logits.device),
             torch.tensor([r.params.top_p for r in sub], device=logits.device),
         )  # [S, V]
+        if self.q_support is not None and self.q_support < q.shape[-1]:
+            q = _truncate(q, self.q_support)
         uniform = torch.stack([r.uniform[step] for r in sub]).to(logits.device)  # [S]
         drawn = sample_from(q, uniform).tolist()
         probs: list[torch.Tensor | None] = [None] * len(requests)
@@ -105,3 +114,8 @@ class DraftModelDrafter:
             picked[j] = token
             probs[j] = row
         return picked, probs
+
+
+def _truncate(q: torch.Tensor, support: int) -> torch.Tensor:  # [S, V] -> [S, V], `support` nonzeros per row
+    top, index = q.topk(support, dim=-1)  # [S, support]
+    return torch.zeros_like(q).scatter_(-1, index, top / top.sum(dim=-1, keepdim=True))

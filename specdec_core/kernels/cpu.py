@@ -27,9 +27,12 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+_K_MULTIPLE = 32  # gemm.c's KV: in_features must be a multiple (checked against the library when it loads)
+_INT8_K_MULTIPLE = 64  # gemm_int8.c's KB
+
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("gemm.c", "attention_bf16.c", "elementwise_bf16.c")
+    for name in ("gemm.c", "gemm_int8.c", "attention_bf16.c", "elementwise_bf16.c")
 ]
 HEADER = Path(__file__).with_name("bf16.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -71,14 +74,18 @@ def load_library() -> ctypes.CDLL | None:
     lib.specdec_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.specdec_gemm_bf16.restype = None
     lib.specdec_block_rows.restype = ctypes.c_int
-    lib.specdec_gemm_int8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.specdec_gemm_int8.restype = None
+    lib.specdec_k_multiple.restype = ctypes.c_int
+    lib.specdec_gemm_w8a8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.specdec_gemm_w8a8.restype = None
+    lib.specdec_has_vnni.restype = ctypes.c_int
     lib.specdec_attention_bf16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.specdec_attention_bf16.restype = None
     lib.specdec_attention_max_head_dim.restype = ctypes.c_int
     lib.specdec_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     lib.specdec_rope_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.specdec_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+    if lib.specdec_k_multiple() != _K_MULTIPLE:
+        raise RuntimeError("gemm.c and cpu.py disagree on the K multiple")
     for fn in ("specdec_rms_norm_bf16", "specdec_rope_bf16", "specdec_silu_mul_bf16"):
         getattr(lib, fn).restype = None
     return lib
@@ -100,6 +107,7 @@ class FastCPULinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
         super().__init__()
+        _check_shape(linear, lib, _K_MULTIPLE)
         self.weight = linear.weight  # [N, K] bf16, shared with the original module
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -112,25 +120,36 @@ class FastCPULinear(nn.Module):
 
 
 class Int8CPULinear(nn.Module):
-    """A linear layer with int8 weights (one fp32 scale per output row) for *draft* models on the CPU.
+    """A linear layer with int8 weights and int8 activations for *draft* models on the CPU (`gemm_int8.c`).
 
-    Symmetric per-row quantization: w ~= scale[n] * q[n, k], q in [-127, 127]. Only ever used for drafting,
-    where precision moves the acceptance rate, not the output.
+    Weights: symmetric per output row, w ~= scale[n] * q[n, k], q in [-127, 127]; activations are quantized
+    per row on each call. Only ever used for drafting, where precision moves the acceptance rate, not the
+    output.
     """
 
     def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
         super().__init__()
+        _check_shape(linear, lib, _INT8_K_MULTIPLE)
         w = linear.weight.detach().float()  # [N, K]
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
-        self.register_buffer("qweight", torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8))
+        q = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)  # [N, K]
+        self.register_buffer("qweight", q)
         self.register_buffer("scale", scale.contiguous())
+        self.register_buffer("row_sums", q.sum(dim=1, dtype=torch.int32).contiguous())  # [N]
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._lib = lib
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] bf16 -> [..., N] bf16
-        weights = (self.qweight.data_ptr(), self.scale.data_ptr())
-        return _gemm(self._lib.specdec_gemm_int8, x.to(torch.bfloat16), self.out_features, self.bias, *weights)
+        weights = (self.qweight.data_ptr(), self.scale.data_ptr(), self.row_sums.data_ptr())
+        return _gemm(self._lib.specdec_gemm_w8a8, x.to(torch.bfloat16), self.out_features, self.bias, *weights)
+
+
+def _check_shape(linear: nn.Linear, lib: ctypes.CDLL, k_multiple: int) -> None:
+    if linear.in_features % k_multiple:
+        raise ValueError(f"in_features {linear.in_features} is not a multiple of {k_multiple}")
+    if linear.out_features % lib.specdec_block_rows():
+        raise ValueError(f"out_features {linear.out_features} is not a multiple of {lib.specdec_block_rows()}")
 
 
 def _gemm(kernel, x: torch.Tensor, out_features: int, bias: torch.Tensor | None, *weights: int) -> torch.Tensor:
@@ -146,9 +165,10 @@ def _gemm(kernel, x: torch.Tensor, out_features: int, bias: torch.Tensor | None,
 
 
 def quantize_draft_int8(model: nn.Module) -> int:
-    """Replace the linear layers of a bf16 CPU *draft* model by int8 ones; return how many. 0 if unavailable."""
+    """Replace the linear layers of a bf16 CPU *draft* model by int8 ones; return how many. 0 if unavailable
+    (no kernels, or a CPU without AVX-512 VNNI)."""
     lib = load_library()
-    if lib is None:
+    if lib is None or not lib.specdec_has_vnni():
         return 0
     block = lib.specdec_block_rows()
     swapped = 0
@@ -156,7 +176,7 @@ def quantize_draft_int8(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if isinstance(child, FastCPULinear):
                 child = _as_linear(child)
-            if _eligible(child, block):
+            if _eligible(child, block, _INT8_K_MULTIPLE):
                 setattr(parent, name, Int8CPULinear(child, lib))
                 swapped += 1
     return swapped
@@ -273,7 +293,7 @@ def _swap_linears(model: nn.Module, lib: ctypes.CDLL) -> int:
     return swapped
 
 
-def _eligible(module: nn.Module, block: int) -> bool:
+def _eligible(module: nn.Module, block: int, k_multiple: int = _K_MULTIPLE) -> bool:
     if type(module) is not nn.Linear:
         return False
     w = module.weight
@@ -281,6 +301,6 @@ def _eligible(module: nn.Module, block: int) -> bool:
         w.dtype == torch.bfloat16
         and w.device.type == "cpu"
         and w.is_contiguous()
-        and module.in_features % 16 == 0
+        and module.in_features % k_multiple == 0
         and module.out_features % block == 0
     )

@@ -1,94 +1,112 @@
 /*
- * y[m, n] = s[n] * sum_k x[m, k] * w[n, k] + b[n]
- *   x: bf16 [M, K]; w: [N, K] (nn.Linear layout), bf16 or int8; s: fp32 [N] for int8 (per-row symmetric
- *   quantization), absent for bf16; b: bf16 [N] or NULL; y: bf16 [M, N]. Products and sums in fp32.
+ * y[m, n] = sum_k x[m, k] * w[n, k] + b[n]
+ *   x: bf16 [M, K]; w: bf16 [N, K] (nn.Linear layout); b: bf16 [N] or NULL; y: bf16 [M, N].
+ *   Products and sums in fp32.
  *
  * Small-M matrix multiply for CPU decoding and verification. Decoding reads every weight once per token, so
  * it is bound by memory bandwidth; verifying k+1 tokens should cost about the same, as long as each weight is
  * loaded and widened once and then used for all M rows. Generic GEMM paths on CPUs without native bf16 redo
  * that work per row, so their cost grows linearly with M. Here a block of NB weight rows is streamed once
- * per MB input rows, with NB * MB accumulators in registers.
+ * per block of up to MB input rows (MB = 6 covers a verify of k + 1 <= 6 tokens in one pass), with all the
+ * block's accumulators in registers.
  *
- * int8 weights are for draft models only: the draft's precision changes how often it is right, never what the
- * target emits, and one byte per weight makes a memory-bound draft step about twice as cheap.
+ * Widening is the other cost. x is widened to fp32 once per call. A bf16 weight vector of 32 values is
+ * widened with two cheap ops and no shuffle: the even elements are the 32-bit lanes shifted left by 16, the
+ * odd ones the lanes with their low half cleared; x is stored de-interleaved the same way to match.
  *
  * Each output row is computed with the same sequence of operations whatever M is: a row's result does not
  * depend on which other rows share the call (plain decoding and verification agree bit for bit).
  *
- * Requires AVX-512F; K must be a multiple of 16 and N a multiple of NB (the caller checks).
+ * Requires AVX-512F/BW; K must be a multiple of 32 and N a multiple of NB (the caller checks).
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "bf16.h"
 
-#define NB 8 /* weight rows per block */
-#define MB 3 /* input rows per block: NB * MB accumulators + MB inputs + 1 weight fit in 32 registers */
-#define PREFETCH_BYTES 512 /* ahead in each weight row: measured best of 256/512/1024 */
+#define NB 8               /* weight rows per block */
+#define MB 6               /* input rows per pass over the weights */
+#define KV 32              /* k values per step: one 512-bit load of bf16 weights */
+#define PREFETCH_BYTES 512 /* ahead in each weight row */
 
-static inline __m512 load_i8(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+/* 32 bf16 values as (even, odd) fp32 vectors. */
+static inline void widen_bf16(const uint16_t *p, __m512 *even, __m512 *odd) {
+    __m512i v = _mm512_loadu_si512((const void *)p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-/* One block: NB weight rows x ROWS input rows, full K; `scale` may be NULL (bf16 weights). */
-#define DEFINE_BLOCK(NAME, WTYPE, LOAD_W, ROWS)                                                         \
-    static void NAME##_##ROWS(const uint16_t *x, const WTYPE *w, const float *scale, const uint16_t *b, \
-                              uint16_t *y, int64_t N, int64_t K, int64_t n0) {                          \
-        __m512 acc[NB][ROWS];                                                                           \
-        for (int j = 0; j < NB; j++)                                                                    \
+/* x [rows, K] bf16 -> xf [rows, K] fp32, each group of 32 stored as its 16 even then its 16 odd values. */
+static void widen_inputs(const uint16_t *x, float *xf, int64_t rows, int64_t K) {
+    for (int64_t i = 0; i < rows * K; i += KV) {
+        __m512 even, odd;
+        widen_bf16(x + i, &even, &odd);
+        _mm512_storeu_ps(xf + i, even);
+        _mm512_storeu_ps(xf + i + 16, odd);
+    }
+}
+
+/* One block: NR weight rows x ROWS input rows, full K. */
+#define DEFINE_BLOCK(NR, ROWS)                                                                          \
+    static void block_##ROWS(const float *xf, const uint16_t *w, const uint16_t *b, uint16_t *y,       \
+                             int64_t N, int64_t K, int64_t n0) {                                        \
+        __m512 acc[NR][ROWS];                                                                           \
+        for (int j = 0; j < NR; j++)                                                                    \
             for (int i = 0; i < ROWS; i++) acc[j][i] = _mm512_setzero_ps();                             \
-        for (int64_t k = 0; k < K; k += 16) {                                                           \
-            __m512 xv[ROWS];                                                                            \
-            for (int i = 0; i < ROWS; i++) xv[i] = load_bf16(x + i * K + k);                           \
-            for (int j = 0; j < NB; j++) {                                                              \
-                const WTYPE *row = w + (n0 + j) * K + k;                                                \
+        for (int64_t k = 0; k < K; k += KV) {                                                           \
+            _Pragma("GCC unroll 8") /* fully: the accumulators must live in registers */               \
+            for (int j = 0; j < NR; j++) {                                                              \
+                const uint16_t *row = w + (n0 + j) * K + k;                                             \
                 _mm_prefetch((const char *)row + PREFETCH_BYTES, _MM_HINT_T0);                          \
-                __m512 wv = LOAD_W(row);                                                                \
-                for (int i = 0; i < ROWS; i++) acc[j][i] = _mm512_fmadd_ps(xv[i], wv, acc[j][i]);       \
+                __m512 we, wo;                                                                          \
+                widen_bf16(row, &we, &wo);                                                              \
+                _Pragma("GCC unroll 8")                                                                 \
+                for (int i = 0; i < ROWS; i++) {                                                        \
+                    const float *xr = xf + i * K + k;                                                   \
+                    acc[j][i] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), we, acc[j][i]);                    \
+                    acc[j][i] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), wo, acc[j][i]);               \
+                }                                                                                       \
             }                                                                                           \
         }                                                                                               \
         for (int i = 0; i < ROWS; i++)                                                                  \
-            for (int j = 0; j < NB; j++) {                                                              \
+            for (int j = 0; j < NR; j++) {                                                              \
                 float sum = _mm512_reduce_add_ps(acc[j][i]);                                            \
-                if (scale) sum *= scale[n0 + j];                                                        \
                 if (b) sum += bf16_to_float(b[n0 + j]);                                                 \
                 y[i * N + n0 + j] = float_to_bf16(sum);                                                 \
             }                                                                                           \
     }
 
-/* The blocks for 1..MB rows and the entry that walks N in blocks of NB, M in blocks of MB. */
-#define DEFINE_GEMM(NAME, WTYPE, LOAD_W)                                                                \
-    DEFINE_BLOCK(NAME, WTYPE, LOAD_W, 1)                                                                \
-    DEFINE_BLOCK(NAME, WTYPE, LOAD_W, 2)                                                                \
-    DEFINE_BLOCK(NAME, WTYPE, LOAD_W, 3)                                                                \
-    static void NAME(const uint16_t *x, const WTYPE *w, const float *scale, const uint16_t *b, uint16_t *y, \
-                     int64_t M, int64_t N, int64_t K, int nthreads) {                                   \
-        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                              \
-        for (int64_t n0 = 0; n0 < N; n0 += NB) {                                                        \
-            for (int64_t m0 = 0; m0 < M; m0 += MB) {                                                    \
-                int64_t rows = M - m0 < MB ? M - m0 : MB;                                               \
-                const uint16_t *xm = x + m0 * K;                                                        \
-                uint16_t *ym = y + m0 * N;                                                              \
-                if (rows == 3)                                                                          \
-                    NAME##_3(xm, w, scale, b, ym, N, K, n0);                                            \
-                else if (rows == 2)                                                                     \
-                    NAME##_2(xm, w, scale, b, ym, N, K, n0);                                            \
-                else                                                                                    \
-                    NAME##_1(xm, w, scale, b, ym, N, K, n0);                                            \
-            }                                                                                           \
-        }                                                                                               \
-    }
+/* 8 weight rows per block up to 3 input rows, 4 beyond (run twice per block of NB): the accumulators must
+ * fit in the 32 vector registers. */
+DEFINE_BLOCK(8, 1)
+DEFINE_BLOCK(8, 2)
+DEFINE_BLOCK(8, 3)
+DEFINE_BLOCK(4, 4)
+DEFINE_BLOCK(4, 5)
+DEFINE_BLOCK(4, 6)
 
-DEFINE_GEMM(gemm_w_bf16, uint16_t, load_bf16)
-DEFINE_GEMM(gemm_w_int8, int8_t, load_i8)
+typedef void (*block_fn)(const float *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
+                         int64_t);
 
 int specdec_block_rows(void) { return NB; }
 
+int specdec_k_multiple(void) { return KV; }
+
+/* Walks N in blocks of NB and, inside each, M in blocks of MB: a weight block is read from memory once and
+ * from cache for the remaining row blocks. */
 void specdec_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, int64_t M,
                        int64_t N, int64_t K, int nthreads) {
-    gemm_w_bf16(x, w, NULL, b, y, M, N, K, nthreads);
-}
-
-void specdec_gemm_int8(const uint16_t *x, const int8_t *w, const float *scale, const uint16_t *b, uint16_t *y,
-                       int64_t M, int64_t N, int64_t K, int nthreads) {
-    gemm_w_int8(x, w, scale, b, y, M, N, K, nthreads);
+    static const block_fn blocks[MB + 1] = {0, block_1, block_2, block_3, block_4, block_5, block_6};
+    float *xf = aligned_alloc(64, (size_t)(M * K) * sizeof(float));
+    widen_inputs(x, xf, M, K);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += NB)
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+            int64_t rows = M - m0 < MB ? M - m0 : MB;
+            const float *xm = xf + m0 * K;
+            uint16_t *ym = y + m0 * N;
+            blocks[rows](xm, w, b, ym, N, K, n0);
+            if (rows > 3) blocks[rows](xm, w, b, ym, N, K, n0 + 4);
+        }
+    free(xf);
 }

@@ -49,10 +49,11 @@ def parse_device(name: str | torch.device) -> torch.device:
 
 
 @dataclass(frozen=True)
-class LoadedModel:
-    model: Transformer
+class LoadedTokenizer:
+    """A model's tokenizer and what decides where its outputs end, without the weights (the router's share)."""
+
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
-    path: Path  # where the weights came from
+    path: Path  # the model directory or .gguf file
     hf_config: dict[str, Any]
 
     @property
@@ -70,6 +71,32 @@ class LoadedModel:
             value = json.loads(gen.read_text()).get("eos_token_id")
             ids.update(int(v) for v in (value if isinstance(value, list) else [value]) if v is not None)
         return frozenset(ids)
+
+
+@dataclass(frozen=True)
+class LoadedModel(LoadedTokenizer):
+    model: Transformer | None = None
+
+
+def load_tokenizer(source: str | Path) -> LoadedTokenizer:
+    """`source`'s tokenizer and config only (no weights read)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_source(source)
+    if path.is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return LoadedTokenizer(tokenizer=tokenizer, path=path, hf_config={})
+    cfg = json.loads((path / "config.json").read_text())
+    return LoadedTokenizer(tokenizer=AutoTokenizer.from_pretrained(path), path=path, hf_config=cfg)
+
+
+def encode_prompt(tokenizer: Any, text: str, raw: bool = False) -> list[int]:
+    """Token ids for a user prompt: as a user turn of the chat template when the tokenizer has one (and not
+    `raw`), else the text as is."""
+    if not raw and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tokenizer(text)["input_ids"])
 
 
 def load_model(

@@ -107,14 +107,14 @@ def test_cancel_frees_caches_in_target_and_draft(tiny_target):
     engine.add_request("a", _ids(tiny_target, PROMPTS[0]), SamplingParams(max_tokens=50, ignore_eos=True), 2)
     engine.add_request("b", _ids(tiny_target, PROMPTS[1]), SamplingParams(max_tokens=50, ignore_eos=True), 2)
     engine.step(), engine.step()
-    assert engine.target.cache.slots_in_use == 2 and engine.drafter.active_sequences == 2
+    assert engine.target.runner.cache.slots_in_use == 2 and engine.drafter.active_sequences == 2
     final = engine.abort("a")
     assert final.finish_reason == FinishReason.CANCELLED
-    assert engine.target.cache.slots_in_use == 1 and engine.drafter.active_sequences == 1
+    assert engine.target.runner.cache.slots_in_use == 1 and engine.drafter.active_sequences == 1
     assert engine.abort("nope") is None
     while engine.has_work:
         engine.step()
-    assert engine.target.cache.slots_in_use == 0 and engine.drafter.active_sequences == 0
+    assert engine.target.runner.cache.slots_in_use == 0 and engine.drafter.active_sequences == 0
 
 
 def test_waiting_requests_are_admitted_as_slots_free(tiny_target):
@@ -142,7 +142,7 @@ def test_bad_requests_fail_before_any_work(tiny_target, prompt, params, k, field
     with pytest.raises(InvalidArgument) as err:
         engine.add_request("r", prompt, params, k)
     assert err.value.field == field and field in str(err.value)
-    assert not engine.has_work and engine.target.cache.slots_in_use == 0
+    assert not engine.has_work and engine.target.runner.cache.slots_in_use == 0
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,246 @@
+"""Every conversion between the wire (specdec.v1 messages) and the engine's types, in one place.
+
+Decoding validates: a bad value raises `InvalidArgument` naming the request field, which the servicers turn
+into INVALID_ARGUMENT. Nothing else in the service touches a message's fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from specdec.v1 import generation_pb2 as pb
+from specdec.v1 import worker_pb2 as wpb
+from specdec_core.config import AUTO, SamplingParams
+from specdec_core.drafters.base import DraftRequest, Proposal
+from specdec_core.engine import RequestOutput, SpecStats
+from specdec_core.errors import InvalidArgument
+from specdec_core.stopping import FinishReason
+from specdec_core.target import PrefillItem, VerifyItem, VerifyOutcome
+
+FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+# -- public API ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str | None  # exactly one of text and token_ids
+    token_ids: tuple[int, ...] | None
+    raw: bool
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """A decoded GenerateRequest."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    num_speculative_tokens: int | str | None  # None: the server's default
+
+
+def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> GenerateCall:
+    has_text, has_ids = bool(request.prompt), len(request.prompt_token_ids) > 0
+    if has_text and has_ids:
+        raise InvalidArgument("prompt", "set either prompt or prompt_token_ids, not both")
+    if not (has_text or has_ids):
+        raise InvalidArgument("prompt", "missing: set prompt (text) or prompt_token_ids")
+    prompt = Prompt(
+        text=request.prompt if has_text else None,
+        token_ids=tuple(request.prompt_token_ids) if has_ids else None,
+        raw=request.raw_prompt,
+    )
+    return GenerateCall(
+        request_id=request.request_id,
+        prompt=prompt,
+        params=decode_sampling(request.sampling, default_max_tokens),
+        num_speculative_tokens=decode_speculation(request.speculation),
+    )
+
+
+def decode_sampling(sampling: pb.SamplingParams, default_max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=float(sampling.temperature),
+            top_p=float(sampling.top_p) if sampling.HasField("top_p") else 1.0,
+            top_k=int(sampling.top_k),
+            seed=int(sampling.seed) if sampling.HasField("seed") else None,
+            max_tokens=int(sampling.max_tokens) if sampling.HasField("max_tokens") else default_max_tokens,
+            stop=tuple(sampling.stop),
+            ignore_eos=sampling.ignore_eos,
+        )
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"sampling.{exc.field}", exc.message) from None
+
+
+def decode_speculation(options: pb.SpeculationOptions) -> int | str | None:
+    which = options.WhichOneof("length")
+    if which == "num_speculative_tokens":
+        return int(options.num_speculative_tokens)
+    if which == "adaptive":
+        return AUTO if options.adaptive else None
+    return None
+
+
+def encode_stats(stats: SpecStats) -> pb.SpeculationStats:
+    return pb.SpeculationStats(rounds=stats.rounds, proposed=stats.proposed, accepted=stats.accepted)
+
+
+def encode_chunk(request_id: str, output: RequestOutput) -> pb.GenerateStreamResponse:
+    chunk = pb.GenerateStreamResponse(request_id=request_id, text=output.new_text, token_ids=output.new_token_ids)
+    if output.finished:
+        chunk.finish_reason = FINISH_REASONS[output.finish_reason]
+        chunk.usage.CopyFrom(pb.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens))
+        chunk.speculation.CopyFrom(encode_stats(output.stats))
+    return chunk
+
+
+def merge_chunks(request_id: str, outputs: Sequence[RequestOutput]) -> pb.GenerateResponse:
+    """The unary response: every chunk's text and tokens, the last one's reason, usage and stats."""
+    last = outputs[-1]
+    return pb.GenerateResponse(
+        request_id=request_id,
+        text="".join(o.new_text for o in outputs),
+        token_ids=[t for o in outputs for t in o.new_token_ids],
+        finish_reason=FINISH_REASONS[last.finish_reason] if last.finished else pb.FINISH_REASON_UNSPECIFIED,
+        usage=pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens),
+        speculation=encode_stats(last.stats),
+    )
+
+
+# -- internal: router <-> workers -------------------------------------------------------------------------------
+
+
+def encode_token_sampling(params: SamplingParams) -> wpb.TokenSampling:
+    return wpb.TokenSampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+
+
+def decode_token_sampling(sampling: wpb.TokenSampling) -> SamplingParams:
+    """The shaping part of a request's settings (all a worker needs); the rest keeps its defaults."""
+    try:
+        return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p or 1.0, top_k=sampling.top_k)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"sampling.{exc.field}", exc.message) from None
+
+
+def encode_distribution(q: torch.Tensor) -> wpb.SparseDistribution:  # q: [V]
+    ids = torch.nonzero(q).squeeze(-1)  # [nnz]
+    return wpb.SparseDistribution(token_ids=ids.tolist(), probs=q[ids].tolist())
+
+
+def decode_distributions(rows: Sequence[wpb.SparseDistribution], vocab_size: int) -> torch.Tensor | None:
+    """[len(rows), V] float32, or None when there are no rows (deterministic drafts)."""
+    if not rows:
+        return None
+    q = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        ids = torch.tensor(list(row.token_ids), dtype=torch.long)
+        if len(row.probs) != len(ids) or (len(ids) and int(ids.max()) >= vocab_size):
+            raise InvalidArgument("q", "a draft distribution has mismatched or out-of-vocabulary entries")
+        q[i, ids] = torch.tensor(list(row.probs), dtype=torch.float32)
+    return q
+
+
+def encode_prefill(items: Sequence[PrefillItem]) -> wpb.PrefillRequest:
+    request = wpb.PrefillRequest()
+    for item in items:
+        msg = request.items.add(session_id=item.seq_id, prompt_token_ids=list(item.prompt_ids))
+        msg.sampling.CopyFrom(encode_token_sampling(item.params))
+        if item.uniform is not None:
+            msg.uniform = item.uniform
+    return request
+
+
+def decode_prefill(request: wpb.PrefillRequest) -> list[PrefillItem]:
+    return [
+        PrefillItem(
+            seq_id=item.session_id,
+            prompt_ids=list(item.prompt_token_ids),
+            params=decode_token_sampling(item.sampling),
+            uniform=item.uniform if item.HasField("uniform") else None,
+        )
+        for item in request.items
+    ]
+
+
+def encode_verify(items: Sequence[VerifyItem]) -> wpb.VerifyRequest:
+    request = wpb.VerifyRequest()
+    for item in items:
+        msg = request.items.add(
+            session_id=item.seq_id, last_token_id=item.last_token_id, draft_token_ids=list(item.draft_token_ids)
+        )
+        msg.sampling.CopyFrom(encode_token_sampling(item.params))
+        if item.q is not None:
+            msg.q.extend(encode_distribution(row) for row in item.q)
+        if item.uniform_accept is not None:
+            msg.uniform_accept.extend(item.uniform_accept.tolist())
+        if item.uniform_sample is not None:
+            msg.uniform_sample = item.uniform_sample
+    return request
+
+
+def decode_verify(request: wpb.VerifyRequest, vocab_size: int) -> list[VerifyItem]:
+    items = []
+    for item in request.items:
+        params = decode_token_sampling(item.sampling)
+        n = len(item.draft_token_ids)
+        if not params.greedy and (len(item.uniform_accept) != n or not item.HasField("uniform_sample")):
+            raise InvalidArgument("uniform_accept", "a sampled row needs one uniform per draft and uniform_sample")
+        if item.q and len(item.q) != n:
+            raise InvalidArgument("q", f"{len(item.q)} distributions for {n} drafts")
+        items.append(
+            VerifyItem(
+                seq_id=item.session_id,
+                last_token_id=item.last_token_id,
+                draft_token_ids=list(item.draft_token_ids),
+                q=decode_distributions(item.q, vocab_size),
+                params=params,
+                uniform_accept=None if params.greedy else torch.tensor(list(item.uniform_accept), dtype=torch.float64),
+                uniform_sample=item.uniform_sample if item.HasField("uniform_sample") else None,
+            )
+        )
+    return items
+
+
+def encode_outcomes(outcomes: Sequence[VerifyOutcome]) -> wpb.VerifyResponse:
+    return wpb.VerifyResponse(
+        outcomes=[wpb.VerifyOutcome(token_ids=o.token_ids, num_accepted=o.num_accepted) for o in outcomes]
+    )
+
+
+def decode_outcomes(response: wpb.VerifyResponse) -> list[VerifyOutcome]:
+    return [VerifyOutcome(tuple(o.token_ids), o.num_accepted) for o in response.outcomes]
+
+
+def encode_propose_item(request: DraftRequest, new_token_ids: Sequence[int]) -> wpb.ProposeRequest.Item:
+    item = wpb.ProposeRequest.Item(
+        session_id=request.seq_id,
+        new_token_ids=list(new_token_ids),
+        num_committed=len(request.token_ids),
+        num_tokens=request.num_tokens,
+    )
+    item.sampling.CopyFrom(encode_token_sampling(request.params))
+    if request.uniform is not None:
+        item.uniform.extend(request.uniform.tolist())
+    return item
+
+
+def encode_proposal(proposal: Proposal) -> wpb.Proposal:
+    msg = wpb.Proposal(token_ids=proposal.token_ids)
+    if proposal.q is not None:
+        msg.q.extend(encode_distribution(row) for row in proposal.q)
+    return msg
+
+
+def decode_proposal(msg: wpb.Proposal, vocab_size: int) -> Proposal:
+    return Proposal(token_ids=list(msg.token_ids), q=decode_distributions(msg.q, vocab_size))

@@ -1,0 +1,116 @@
+"""The serving config: one YAML file (or the `args` of a Serve config) -> `ServeConfig`.
+
+Unknown keys are errors that name them: a misspelt key must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specdec_core.errors import InvalidArgument
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+Device = Literal["cpu", "cuda"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Placement(_Strict):
+    """Where and how many: per worker deployment."""
+
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, ge=0)  # also the worker's torch threads (at least 1)
+    num_gpus: float = Field(0.0, ge=0)
+    max_sequences: int = Field(8, ge=1)  # KV cache slots per replica: sessions it can hold at once
+
+
+class TargetConfig(Placement):
+    model: str  # a path, a .gguf file or a `specdec models` name
+    dtype: Dtype = "bfloat16"
+    device: Device = "cpu"
+    tensor_parallel_size: int = Field(1, ge=1)
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("tensor parallelism is not available yet: use 1")
+        return value
+
+
+class DraftConfig(Placement):
+    method: Literal["draft_model", "ngram", "none"] = "draft_model"
+    model: str | None = None  # required for draft_model
+    dtype: Dtype = "bfloat16"
+    device: Device = "cpu"
+    quantization: Literal["none", "int8"] = "none"  # int8: CPU draft models only
+    num_speculative_tokens: Union[int, Literal["auto"]] = "auto"
+    max_speculative_tokens: int = Field(8, ge=1, le=16)
+    ngram_max: int = Field(4, ge=1)
+    ngram_min: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DraftConfig":
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method draft_model needs draft.model")
+        if isinstance(self.num_speculative_tokens, int) and not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens:
+            raise ValueError(f"num_speculative_tokens must be in [0, {self.max_speculative_tokens}] or auto")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min must be <= ngram_max")
+        return self
+
+
+class RouterConfig(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.5, ge=0)
+    max_seq_len: int = Field(2048, ge=16)  # prompt plus output tokens per request
+    default_max_tokens: int = Field(256, ge=1)  # when a request does not say
+    max_ongoing_requests: int = Field(256, ge=1)  # per router replica, waiting ones included
+    rpc_timeout_s: float = Field(120.0, gt=0)  # one call to a worker
+    worker_start_timeout_s: float = Field(900.0, gt=0)  # how long a router waits for workers to come up
+
+
+class ServeConfig(_Strict):
+    app_name: str = "specdec"
+    grpc_port: int = Field(9000, ge=1, le=65535)
+    http_port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy (health checks)
+    worker_grpc_port: int = Field(0, ge=0, le=65535)  # workers' internal gRPC servers; 0: any free port
+    session_idle_timeout_s: float = Field(300.0, gt=0)  # a worker frees a session unused this long
+    target: TargetConfig
+    draft: DraftConfig = DraftConfig(method="none")
+    router: RouterConfig = RouterConfig()
+
+
+def parse_config(data: Any) -> ServeConfig:
+    """Validate a mapping; `InvalidArgument` names every bad or unknown key."""
+    if not isinstance(data, dict):
+        raise InvalidArgument("config", f"expected a mapping of keys, got {type(data).__name__}")
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            where = ".".join(str(part) for part in error["loc"]) or "config"
+            if error["type"] == "extra_forbidden":
+                problems.append(f"{where}: unknown key")
+            else:
+                problems.append(f"{where}: {error['msg']}")
+        fields = ", ".join(dict.fromkeys(p.split(":")[0] for p in problems))
+        raise InvalidArgument(fields, "; ".join(problems)) from None
+
+
+def load_config(path: str | Path) -> ServeConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidArgument("config", f"no config file at {str(path)!r}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise InvalidArgument("config", f"{path} is not valid YAML: {exc}") from None
+    return parse_config(data)

@@ -1,0 +1,177 @@
+"""The router: the public GenerationService behind Ray Serve's gRPC proxy, and the draft -> verify rounds.
+
+Each router replica runs the engine (`SpecEngine`) over remote workers: the drafter and the target are gRPC
+clients of the worker deployments (`deployments.remote`), or an in-router n-gram drafter. The engine decides k,
+keeps the per-request randomness, stopping and text; the workers keep the caches and the models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import grpc
+import ray
+from ray import serve
+
+from deployments import codec, registry
+from deployments.config import ServeConfig, parse_config
+from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool, WorkerUnavailable
+from deployments.scheduler import Scheduler
+from specdec.v1 import generation_pb2 as pb
+from specdec.v1 import worker_pb2_grpc as wpb_grpc
+from specdec_core.drafters.ngram import NgramDrafter
+from specdec_core.engine import EngineConfig, RequestOutput, SpecEngine
+from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.models.loader import encode_prompt, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a client sees for an error."""
+    if isinstance(error, InvalidArgument):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, ResourceExhausted):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, WorkerUnavailable):
+        return error.code, str(error)
+    return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
+
+
+class RequestFailed(Exception):
+    """Raised out of a handler after the status was set on the gRPC context."""
+
+
+def wait_for_workers(app: str, kind: str, expected: int, timeout_s: float) -> list[str]:
+    """Addresses of `kind` workers once `expected` replicas registered (fewer, at least one, at the timeout)."""
+    reg = registry.registry()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        addresses = ray.get(reg.addresses.remote(app, kind))
+        if len(addresses) >= expected or (addresses and time.monotonic() > deadline):
+            return addresses
+        if time.monotonic() > deadline:
+            raise WorkerUnavailable(f"no {kind} worker registered within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+class Router:
+    """GenerationService: Generate, GenerateStream, GetModelInfo."""
+
+    def __init__(self, config: dict[str, Any], *worker_handles: Any) -> None:
+        # The worker handles are only bound so that Serve deploys the workers with the router.
+        self.config: ServeConfig = parse_config(config)
+        cfg = self.config
+        self.tokenizer = load_tokenizer(cfg.target.model)
+        timeout = cfg.router.rpc_timeout_s
+        target_addresses = wait_for_workers(cfg.app_name, "target", cfg.target.num_replicas, cfg.router.worker_start_timeout_s)
+        self.target_pool = ReplicaPool("target", target_addresses, wpb_grpc.TargetServiceStub, timeout)
+        drafter = None
+        self.draft_pool = None
+        if cfg.draft.method == "draft_model":
+            addresses = wait_for_workers(cfg.app_name, "draft", cfg.draft.num_replicas, cfg.router.worker_start_timeout_s)
+            self.draft_pool = ReplicaPool("draft", addresses, wpb_grpc.DraftServiceStub, timeout)
+            drafter = RemoteDrafter(self.draft_pool)
+        elif cfg.draft.method == "ngram":
+            drafter = NgramDrafter(max_n=cfg.draft.ngram_max, min_n=cfg.draft.ngram_min)
+        engine_config = EngineConfig(
+            max_speculative_tokens=cfg.draft.max_speculative_tokens,
+            num_speculative_tokens=cfg.draft.num_speculative_tokens,
+        )
+        target = RemoteTarget(self.target_pool)
+        self.max_seq_len = min(cfg.router.max_seq_len, target.max_seq_len)
+        engine = SpecEngine(target, drafter, self.tokenizer.tokenizer, self.tokenizer.eos_token_ids, engine_config)
+        self.scheduler = Scheduler(engine)
+        self._tag = uuid.uuid4().hex[:8]
+        log.info("router %s ready: %d target, %d draft replicas", self._tag, len(target_addresses),
+                 len(self.draft_pool.replicas) if self.draft_pool else 0)
+
+    # -- GenerationService -------------------------------------------------------------------------------------
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.GetModelInfoResponse:
+        cfg = self.config
+        return pb.GetModelInfoResponse(
+            target_model=cfg.target.model,
+            draft_model=(cfg.draft.model or "") if cfg.draft.method == "draft_model" else "",
+            draft_method=cfg.draft.method,
+            max_context_length=self.max_seq_len,
+            vocab_size=len(self.tokenizer.tokenizer),
+            tensor_parallel_size=cfg.target.tensor_parallel_size,
+            num_speculative_tokens=str(cfg.draft.num_speculative_tokens) if cfg.draft.method != "none" else "0",
+            max_speculative_tokens=cfg.draft.max_speculative_tokens,
+            default_max_tokens=cfg.router.default_max_tokens,
+            eos_token_ids=sorted(self.tokenizer.eos_token_ids),
+        )
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
+        request_id = request.request_id or uuid.uuid4().hex
+        outputs = [output async for output in self._run(request, request_id, grpc_context)]
+        return codec.merge_chunks(request_id, outputs)
+
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateStreamResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
+        async for output in self._run(request, request_id, grpc_context):
+            yield codec.encode_chunk(request_id, output)
+
+    # -- one request ---------------------------------------------------------------------------------------------
+
+    async def _run(self, request: pb.GenerateRequest, request_id: str, grpc_context: Any) -> AsyncIterator[RequestOutput]:
+        """Submit a request to the engine and yield its outputs; on a refusal or failure set the gRPC status and
+        raise. Cancelled (the client went away) -> the engine aborts it, which frees its caches."""
+        try:
+            call = codec.decode_generate(request, self.config.router.default_max_tokens)
+            prompt_ids = self._prompt_ids(call.prompt)
+        except InvalidArgument as exc:
+            self._fail(grpc_context, exc)
+        if self.scheduler.num_active >= self.config.router.max_ongoing_requests:
+            self._fail(grpc_context, ResourceExhausted("requests", "the router is at max_ongoing_requests; retry later"))
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+        session_id = f"{self._tag}-{uuid.uuid4().hex[:16]}"  # unique across routers: workers key caches by it
+        self.scheduler.submit(
+            session_id, prompt_ids, call.params, call.num_speculative_tokens,
+            lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
+        )
+        finished = False
+        try:
+            while not finished:
+                item = await inbox.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    self._fail(grpc_context, item)
+                if item.error is not None:
+                    finished = True
+                    self._fail(grpc_context, item.error)
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.scheduler.cancel(session_id)
+
+    def _prompt_ids(self, prompt: codec.Prompt) -> list[int]:
+        if prompt.token_ids is not None:
+            vocab = len(self.tokenizer.tokenizer)
+            bad = next((t for t in prompt.token_ids if t >= vocab), None)
+            if bad is not None:
+                raise InvalidArgument("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+            return list(prompt.token_ids)
+        return encode_prompt(self.tokenizer.tokenizer, prompt.text, raw=prompt.raw)
+
+    @staticmethod
+    def _fail(grpc_context: Any, error: BaseException) -> None:
+        code, details = status_of(error)
+        grpc_context.set_code(code)
+        grpc_context.set_details(details)
+        raise RequestFailed(details)
+
+    def __del__(self) -> None:
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            scheduler.close()
+
+
+RouterDeployment = serve.deployment(Router, name="Router")

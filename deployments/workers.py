@@ -1,0 +1,245 @@
+"""The draft and target workers' gRPC services (specdec.v1.DraftService / TargetService).
+
+A worker owns one model and the per-session state on it (KV caches). It serves batched calls from routers:
+one Propose or Verify per round for all of a router's sessions on this worker. Model calls are serialised by
+one lock: a worker runs one forward at a time, batching is the router's job.
+
+These servicers are plain gRPC: the Serve deployments in `deployments.app` host them, and tests run them
+alone. A failed call releases the sessions it touched, so an error never leaks a cache; sessions that stop
+being used (a router that died) are released after `idle_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import Any, Callable, Iterable
+
+import grpc
+import torch
+
+from deployments import codec
+from specdec.v1 import worker_pb2 as wpb
+from specdec.v1 import worker_pb2_grpc as wpb_grpc
+from specdec_core.drafters.base import DraftRequest
+from specdec_core.drafters.draft_model import DraftModelDrafter
+from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.target import LocalTarget
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class UnknownSession(LookupError):
+    pass
+
+
+def rpc(method: Callable) -> Callable:
+    """Run a servicer method under the worker's lock; map engine errors onto gRPC status codes."""
+
+    @functools.wraps(method)
+    def wrapper(self: "_SessionWorker", request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            with self._lock:
+                self.calls += 1
+                return method(self, request)
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ResourceExhausted as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except UnknownSession as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except Exception as exc:  # a bug or a device error: never leave a half-updated cache behind
+            log.exception("%s failed", method.__name__)
+            self._release_after_error(request)
+            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed: {type(exc).__name__}: {exc}")
+
+    return wrapper
+
+
+class _SessionWorker:
+    """Session bookkeeping shared by both workers: last use, idle expiry, stats."""
+
+    def __init__(self, model_name: str, idle_timeout_s: float) -> None:
+        self.model_name = model_name
+        self.idle_timeout_s = idle_timeout_s
+        self.calls = 0
+        self.sessions_started = 0
+        self.sessions_expired = 0
+        self._lock = threading.RLock()
+        self._last_used: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="session-reaper", daemon=True)
+        self._reaper.start()
+
+    # Subclasses free a session's state here.
+    def _free(self, session_id: str) -> None:
+        raise NotImplementedError
+
+    def _touch(self, session_ids: Iterable[str]) -> None:
+        now = time.monotonic()
+        for sid in session_ids:
+            if sid not in self._last_used:
+                raise UnknownSession(f"session_id: no active session {sid!r} on this worker")
+            self._last_used[sid] = now
+
+    def _started(self, session_ids: Iterable[str]) -> None:
+        now = time.monotonic()
+        for sid in session_ids:
+            self._last_used[sid] = now
+            self.sessions_started += 1
+
+    def release(self, session_ids: Iterable[str]) -> int:
+        released = 0
+        with self._lock:
+            for sid in session_ids:
+                if self._last_used.pop(sid, None) is not None:
+                    self._free(sid)
+                    released += 1
+        return released
+
+    def _release_after_error(self, request: Any) -> None:
+        items = getattr(request, "items", [])
+        self.release([item.session_id for item in items])
+
+    def _reap(self) -> None:
+        while not self._stop.wait(min(5.0, self.idle_timeout_s / 2)):
+            cutoff = time.monotonic() - self.idle_timeout_s
+            with self._lock:
+                idle = [sid for sid, t in self._last_used.items() if t < cutoff]
+            if idle:
+                self.sessions_expired += self.release(idle)
+                log.warning("released %d sessions idle for more than %.0f s", len(idle), self.idle_timeout_s)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self._last_used)
+
+    def _stats(self, free_slots: int, num_slots: int, vocab_size: int, max_seq_len: int) -> wpb.WorkerStats:
+        return wpb.WorkerStats(
+            model=self.model_name,
+            active_sessions=self.active_sessions,
+            free_slots=free_slots,
+            num_slots=num_slots,
+            vocab_size=vocab_size,
+            max_seq_len=max_seq_len,
+            calls=self.calls,
+            sessions_started=self.sessions_started,
+            sessions_expired=self.sessions_expired,
+        )
+
+
+class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
+    def __init__(self, target: LocalTarget, model_name: str, idle_timeout_s: float = 300.0) -> None:
+        super().__init__(model_name, idle_timeout_s)
+        self.target = target
+
+    def _free(self, session_id: str) -> None:
+        self.target.release(session_id)
+
+    @rpc
+    def Prefill(self, request: wpb.PrefillRequest) -> wpb.PrefillResponse:
+        items = codec.decode_prefill(request)
+        for item in items:
+            if not item.prompt_ids or max(item.prompt_ids) >= self.target.vocab_size:
+                raise InvalidArgument("prompt_token_ids", "empty, or a token id outside the vocabulary")
+            if len(item.prompt_ids) >= self.target.max_seq_len:
+                raise ResourceExhausted("prompt_token_ids", f"{len(item.prompt_ids)} tokens do not fit the context")
+        first = self.target.prefill(items)
+        self._started(item.seq_id for item in items)
+        return wpb.PrefillResponse(first_token_ids=first)
+
+    @rpc
+    def Verify(self, request: wpb.VerifyRequest) -> wpb.VerifyResponse:
+        self._touch(item.session_id for item in request.items)
+        items = codec.decode_verify(request, self.target.vocab_size)
+        return codec.encode_outcomes(self.target.verify(items))
+
+    def Release(self, request: wpb.ReleaseRequest, context: grpc.ServicerContext) -> wpb.ReleaseResponse:
+        return wpb.ReleaseResponse(released=self.release(request.session_ids))
+
+    def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+        runner = self.target.runner
+        return self._stats(self.target.free_slots, runner.config.num_slots, self.target.vocab_size, self.target.max_seq_len)
+
+
+class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
+    """A draft model's sessions: the committed tokens it has been told about, and its cache."""
+
+    def __init__(self, drafter: DraftModelDrafter, model_name: str, idle_timeout_s: float = 300.0) -> None:
+        super().__init__(model_name, idle_timeout_s)
+        self.drafter = drafter
+        self._tokens: dict[str, list[int]] = {}
+
+    def _free(self, session_id: str) -> None:
+        self._tokens.pop(session_id, None)
+        self.drafter.release(session_id)
+
+    @rpc
+    def Start(self, request: wpb.StartRequest) -> wpb.StartResponse:
+        runner = self.drafter.runner
+        if len(request.items) > runner.cache.free_slots:
+            raise ResourceExhausted("sessions", f"{len(request.items)} new sessions, {runner.cache.free_slots} free")
+        for item in request.items:
+            if item.session_id in self._tokens:
+                raise InvalidArgument("session_id", f"session {item.session_id!r} is already active")
+            if not item.prompt_token_ids or len(item.prompt_token_ids) >= runner.max_seq_len:
+                raise InvalidArgument("prompt_token_ids", "empty, or longer than the draft's context")
+        for item in request.items:
+            prompt = list(item.prompt_token_ids)
+            self.drafter.start(item.session_id, prompt)
+            self._tokens[item.session_id] = prompt
+            self._started([item.session_id])
+        return wpb.StartResponse()
+
+    @rpc
+    def Propose(self, request: wpb.ProposeRequest) -> wpb.ProposeResponse:
+        self._touch(item.session_id for item in request.items)
+        requests = []
+        for item in request.items:
+            tokens = self._tokens[item.session_id]
+            tokens.extend(item.new_token_ids)
+            if len(tokens) != item.num_committed:
+                raise InvalidArgument(
+                    "num_committed", f"session {item.session_id!r} has {len(tokens)} tokens, router says {item.num_committed}"
+                )
+            self.drafter.observe(item.session_id, len(tokens))
+            params = codec.decode_token_sampling(item.sampling)
+            if not params.greedy and len(item.uniform) != item.num_tokens:
+                raise InvalidArgument("uniform", f"{len(item.uniform)} uniforms for {item.num_tokens} sampled drafts")
+            uniform = None if params.greedy else torch.tensor(list(item.uniform), dtype=torch.float64)
+            requests.append(DraftRequest(item.session_id, tokens, item.num_tokens, params, uniform))
+        proposals = self.drafter.propose(requests)
+        return wpb.ProposeResponse(proposals=[codec.encode_proposal(p) for p in proposals])
+
+    def Release(self, request: wpb.ReleaseRequest, context: grpc.ServicerContext) -> wpb.ReleaseResponse:
+        return wpb.ReleaseResponse(released=self.release(request.session_ids))
+
+    def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+        runner = self.drafter.runner
+        return self._stats(runner.cache.free_slots, runner.config.num_slots, self.drafter.target_vocab_size, runner.max_seq_len)
+
+
+def start_server(servicer: Any, host: str = "0.0.0.0", port: int = 0, max_workers: int = 8) -> tuple[grpc.Server, int]:
+    """Serve `servicer` (either worker) on host:port (0: any free port); returns the server and its port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    if isinstance(servicer, TargetServicer):
+        wpb_grpc.add_TargetServiceServicer_to_server(servicer, server)
+    else:
+        wpb_grpc.add_DraftServiceServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind a gRPC server on {host}:{port}")
+    server.start()
+    return server, bound

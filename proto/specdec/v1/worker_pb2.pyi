@@ -1,0 +1,175 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TokenSampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StartRequest(_message.Message):
+    __slots__ = ("items",)
+    class Item(_message.Message):
+        __slots__ = ("session_id", "prompt_token_ids")
+        SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+        PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        session_id: str
+        prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[StartRequest.Item]
+    def __init__(self, items: _Optional[_Iterable[_Union[StartRequest.Item, _Mapping]]] = ...) -> None: ...
+
+class StartResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("items",)
+    class Item(_message.Message):
+        __slots__ = ("session_id", "new_token_ids", "num_committed", "num_tokens", "sampling", "uniform")
+        SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+        NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+        NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        SAMPLING_FIELD_NUMBER: _ClassVar[int]
+        UNIFORM_FIELD_NUMBER: _ClassVar[int]
+        session_id: str
+        new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+        num_committed: int
+        num_tokens: int
+        sampling: TokenSampling
+        uniform: _containers.RepeatedScalarFieldContainer[float]
+        def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[_Iterable[float]] = ...) -> None: ...
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ProposeRequest.Item]
+    def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest.Item, _Mapping]]] = ...) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("token_ids", "q")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("proposals",)
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
+    def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("items",)
+    class Item(_message.Message):
+        __slots__ = ("session_id", "prompt_token_ids", "sampling", "uniform")
+        SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+        PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        SAMPLING_FIELD_NUMBER: _ClassVar[int]
+        UNIFORM_FIELD_NUMBER: _ClassVar[int]
+        session_id: str
+        prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+        sampling: TokenSampling
+        uniform: float
+        def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[float] = ...) -> None: ...
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PrefillRequest.Item]
+    def __init__(self, items: _Optional[_Iterable[_Union[PrefillRequest.Item, _Mapping]]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token_ids",)
+    FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("items",)
+    class Item(_message.Message):
+        __slots__ = ("session_id", "last_token_id", "draft_token_ids", "q", "sampling", "uniform_accept", "uniform_sample")
+        SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+        LAST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+        DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        Q_FIELD_NUMBER: _ClassVar[int]
+        SAMPLING_FIELD_NUMBER: _ClassVar[int]
+        UNIFORM_ACCEPT_FIELD_NUMBER: _ClassVar[int]
+        UNIFORM_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+        session_id: str
+        last_token_id: int
+        draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+        q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+        sampling: TokenSampling
+        uniform_accept: _containers.RepeatedScalarFieldContainer[float]
+        uniform_sample: float
+        def __init__(self, session_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform_accept: _Optional[_Iterable[float]] = ..., uniform_sample: _Optional[float] = ...) -> None: ...
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[VerifyRequest.Item]
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyRequest.Item, _Mapping]]] = ...) -> None: ...
+
+class VerifyOutcome(_message.Message):
+    __slots__ = ("token_ids", "num_accepted")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[VerifyOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[VerifyOutcome, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("model", "active_sessions", "free_slots", "num_slots", "vocab_size", "max_seq_len", "calls", "sessions_started", "sessions_expired")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_STARTED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    active_sessions: int
+    free_slots: int
+    num_slots: int
+    vocab_size: int
+    max_seq_len: int
+    calls: int
+    sessions_started: int
+    sessions_expired: int
+    def __init__(self, model: _Optional[str] = ..., active_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., calls: _Optional[int] = ..., sessions_started: _Optional[int] = ..., sessions_expired: _Optional[int] = ...) -> None: ...

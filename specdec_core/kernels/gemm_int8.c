@@ -1,0 +1,109 @@
+/*
+ * Draft-model matrix multiply with int8 weights *and* int8 activations (VNNI):
+ *   y[m, n] = sx[m] * sw[n] * (sum_k xq[m, k] * wq[n, k]) + b[n]
+ *   x: bf16 [M, K], quantized here per row (symmetric, xq in [-127, 127], sx[m] = max|x[m]| / 127);
+ *   wq: int8 [N, K] with per-row scales sw [N] and row sums wsum [N]; b: bf16 [N] or NULL; y: bf16 [M, N].
+ *
+ * Why: a bf16 or int8-weight kernel on a CPU without native bf16 spends more time widening weights to fp32
+ * than reading them, so a draft step stays compute-bound. One `vpdpbusd` multiplies 64 byte pairs and sums
+ * them in groups of four into 16 int32 lanes, with no widening: the step becomes bound by memory again, at one
+ * byte per weight. Only ever used for drafting: the draft's precision moves the acceptance rate, never the
+ * target's output.
+ *
+ * `vpdpbusd` multiplies *unsigned* by signed bytes, so x is stored as xq + 128 and the excess 128 * wsum[n]
+ * is subtracted at the end (integer arithmetic, so exact). Per lane the sum stays below 2^31 for K < 2^16.
+ *
+ * Requires AVX-512 VNNI (`specdec_has_vnni`); K a multiple of 64 and N a multiple of NB (the caller checks).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+#define NB 8         /* weight rows per block */
+#define MB 6         /* input rows per pass over the weights */
+#define KB 64        /* k values per step */
+#define PREFETCH 512 /* bytes ahead in each weight row */
+
+#ifdef __AVX512VNNI__
+
+int specdec_has_vnni(void) { return 1; }
+
+/* Row i of x as unsigned bytes xq + 128 into xu [K], and its scale. */
+static float quantize_row(const uint16_t *x, uint8_t *xu, int64_t K) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(bf16_to_float(x[k])));
+    float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (int64_t k = 0; k < K; k++) xu[k] = (uint8_t)(lrintf(bf16_to_float(x[k]) / scale) + 128);
+    return scale;
+}
+
+#define DEFINE_BLOCK(NR, ROWS)                                                                          \
+    static void block_##ROWS(const uint8_t *xu, const float *sx, const int8_t *w, const float *sw,     \
+                             const int32_t *wsum, const uint16_t *b, uint16_t *y, int64_t N, int64_t K,  \
+                             int64_t n0) {                                                              \
+        __m512i acc[NR][ROWS];                                                                          \
+        for (int j = 0; j < NR; j++)                                                                    \
+            for (int i = 0; i < ROWS; i++) acc[j][i] = _mm512_setzero_si512();                          \
+        for (int64_t k = 0; k < K; k += KB) {                                                           \
+            __m512i xv[ROWS];                                                                           \
+            for (int i = 0; i < ROWS; i++) xv[i] = _mm512_loadu_si512((const void *)(xu + i * K + k)); \
+            _Pragma("GCC unroll 8") /* fully: the accumulators must live in registers */               \
+            for (int j = 0; j < NR; j++) {                                                              \
+                const int8_t *row = w + (n0 + j) * K + k;                                               \
+                _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T0);                                \
+                __m512i wv = _mm512_loadu_si512((const void *)row);                                     \
+                _Pragma("GCC unroll 8")                                                                 \
+                for (int i = 0; i < ROWS; i++) acc[j][i] = _mm512_dpbusd_epi32(acc[j][i], xv[i], wv);   \
+            }                                                                                           \
+        }                                                                                               \
+        for (int i = 0; i < ROWS; i++)                                                                  \
+            for (int j = 0; j < NR; j++) {                                                              \
+                int64_t dot = _mm512_reduce_add_epi32(acc[j][i]) - 128 * (int64_t)wsum[n0 + j];         \
+                float sum = (float)dot * sx[i] * sw[n0 + j];                                            \
+                if (b) sum += bf16_to_float(b[n0 + j]);                                                 \
+                y[i * N + n0 + j] = float_to_bf16(sum);                                                 \
+            }                                                                                           \
+    }
+
+DEFINE_BLOCK(8, 1)
+DEFINE_BLOCK(8, 2)
+DEFINE_BLOCK(8, 3)
+DEFINE_BLOCK(4, 4)
+DEFINE_BLOCK(4, 5)
+DEFINE_BLOCK(4, 6)
+
+typedef void (*block_fn)(const uint8_t *, const float *, const int8_t *, const float *, const int32_t *,
+                         const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
+
+void specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const int32_t *wsum,
+                       const uint16_t *b, uint16_t *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+    static const block_fn blocks[MB + 1] = {0, block_1, block_2, block_3, block_4, block_5, block_6};
+    uint8_t *xu = aligned_alloc(64, (size_t)(M * K));
+    float *sx = malloc((size_t)M * sizeof(float));
+    for (int64_t m = 0; m < M; m++) sx[m] = quantize_row(x + m * K, xu + m * K, K);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += NB)
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+            int64_t rows = M - m0 < MB ? M - m0 : MB;
+            block_fn fn = blocks[rows];
+            const uint8_t *xm = xu + m0 * K;
+            uint16_t *ym = y + m0 * N;
+            fn(xm, sx + m0, w, sw, wsum, b, ym, N, K, n0);
+            if (rows > 3) fn(xm, sx + m0, w, sw, wsum, b, ym, N, K, n0 + 4); /* 4-row blocks: two halves */
+        }
+    free(xu);
+    free(sx);
+}
+
+#else
+
+int specdec_has_vnni(void) { return 0; }
+
+void specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const int32_t *wsum,
+                       const uint16_t *b, uint16_t *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+    (void)x, (void)w, (void)sw, (void)wsum, (void)b, (void)y, (void)M, (void)N, (void)K, (void)nthreads;
+}
+
+#endif

@@ -1,0 +1,222 @@
+"""The target's side of a round: prefill, then verify and accept next to the target's own logits.
+
+Accepting where the logits are keeps what crosses a stage boundary small: the caller sends each sequence's last
+committed token, its drafts and the draft's probabilities, and gets back a few token ids. In the server this
+class runs inside the target worker; in-process the engine calls it directly. Both see the same `Target`
+protocol.
+
+Per sequence the target's cache holds every committed token but the last, which the next `verify` reads
+together with the drafts; after acceptance the cache is rolled back to that invariant by moving its length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from specdec_core.config import SamplingParams
+from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.rejection import VerifyResult, greedy_accept, rejection_sample
+from specdec_core.runner import ModelRunner
+from specdec_core.sampling import processed_probs, sample_from
+
+PREFILL_BATCH = 16  # prompts of one length prefilled together
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    seq_id: str
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    uniform: float | None  # in [0, 1): draws the first token; None when greedy
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    seq_id: str
+    last_token_id: int  # the last committed token (not yet in the target's cache)
+    draft_token_ids: Sequence[int]  # 0..k drafts
+    q: torch.Tensor | None  # [len(draft_token_ids), V] draft probabilities; None: point masses
+    params: SamplingParams
+    uniform_accept: torch.Tensor | None  # [len(draft_token_ids)] float64 in [0, 1); None when greedy
+    uniform_sample: float | None  # draws the recovered or bonus token; None when greedy
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    token_ids: tuple[int, ...]  # accepted drafts, then the recovered or bonus token
+    num_accepted: int
+
+
+class Target(Protocol):
+    """What the engine needs from the target model, wherever it runs."""
+
+    vocab_size: int
+    max_seq_len: int
+
+    @property
+    def free_slots(self) -> int: ...
+
+    def prefill(self, items: Sequence[PrefillItem]) -> list[int]:
+        """Start each sequence: read its prompt and return its first token."""
+
+    def verify(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome]:
+        """One batched forward over every row's last token plus drafts; accept and roll back per row."""
+
+    def release(self, seq_id: str) -> None:
+        """Free a sequence's cache (idempotent)."""
+
+
+class LocalTarget:
+    """`Target` over a `ModelRunner` in this process."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self.max_seq_len = runner.max_seq_len
+        self._slots: dict[str, int] = {}
+
+    @property
+    def free_slots(self) -> int:
+        return self.runner.cache.free_slots
+
+    @property
+    def active_sequences(self) -> int:
+        return len(self._slots)
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._slots
+
+    def release(self, seq_id: str) -> None:
+        slot = self._slots.pop(seq_id, None)
+        if slot is not None:
+            self.runner.release(slot)
+
+    # -- prefill -------------------------------------------------------------------------------------------------
+
+    def prefill(self, items: Sequence[PrefillItem]) -> list[int]:
+        if len(items) > self.free_slots:
+            raise ResourceExhausted("sequences", f"{len(items)} new sequences, {self.free_slots} free cache slots")
+        for item in items:
+            if item.seq_id in self._slots:
+                raise InvalidArgument("session_id", f"sequence {item.seq_id!r} is already active")
+        for item in items:
+            self._slots[item.seq_id] = self.runner.allocate()
+        try:
+            logits = self._prefill_logits(items)  # [A, V]
+        except Exception:
+            for item in items:
+                self.release(item.seq_id)
+            raise
+        return self._sample_first(logits, items)
+
+    def _prefill_logits(self, items: Sequence[PrefillItem]) -> torch.Tensor:  # [A, V]
+        """Prefill prompts in batches of equal length (no padding wasted); logits of each prompt's last token."""
+        by_length: dict[int, list[int]] = {}
+        for i, item in enumerate(items):
+            by_length.setdefault(len(item.prompt_ids), []).append(i)
+        rows: list[torch.Tensor | None] = [None] * len(items)
+        for members in by_length.values():
+            for start in range(0, len(members), PREFILL_BATCH):
+                chunk = members[start : start + PREFILL_BATCH]
+                slots = [self._slots[items[i].seq_id] for i in chunk]
+                logits = self.runner.extend(slots, [list(items[i].prompt_ids) for i in chunk])
+                for i, row in zip(chunk, logits):
+                    rows[i] = row
+        return torch.stack(rows)  # type: ignore[arg-type]
+
+    def _sample_first(self, logits: torch.Tensor, items: Sequence[PrefillItem]) -> list[int]:
+        tokens = logits.argmax(dim=-1).tolist()
+        sampled = [i for i, item in enumerate(items) if not item.params.greedy]
+        if sampled:
+            probs = _probs(logits[sampled], [items[i].params for i in sampled])
+            uniform = torch.tensor([items[i].uniform for i in sampled], dtype=torch.float64)
+            for i, token in zip(sampled, sample_from(probs, uniform).tolist()):
+                tokens[i] = token
+        return tokens
+
+    # -- verify --------------------------------------------------------------------------------------------------
+
+    def verify(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome]:
+        slots = [self._slot(item.seq_id) for item in items]
+        starts = [self.runner.length(slot) for slot in slots]
+        feeds = [[item.last_token_id, *item.draft_token_ids] for item in items]
+        logits = self.runner.extend(slots, feeds, all_logits=True)  # [B, T, V]
+        result = self._accept(items, logits)
+        outcomes = []
+        for b, (slot, start) in enumerate(zip(slots, starts)):
+            n = int(result.num_accepted[b])
+            # Keep the committed prefix: the last token read plus the accepted drafts. The new last token
+            # (recovered or bonus) is read by the next round.
+            self.runner.truncate(slot, start + 1 + n)
+            outcomes.append(VerifyOutcome(tuple(result.tokens(b)), n))
+        return outcomes
+
+    def _slot(self, seq_id: str) -> int:
+        slot = self._slots.get(seq_id)
+        if slot is None:
+            raise InvalidArgument("session_id", f"no active sequence {seq_id!r}")
+        return slot
+
+    def _accept(self, items: Sequence[VerifyItem], logits: torch.Tensor) -> VerifyResult:
+        """Greedy rows by argmax, sampled rows by rejection sampling."""
+        B, T, V = logits.shape
+        drafts = torch.full((B, T - 1), -1, dtype=torch.long)  # [B, K]
+        for b, item in enumerate(items):
+            drafts[b, : len(item.draft_token_ids)] = torch.tensor(list(item.draft_token_ids), dtype=torch.long)
+        num_draft = torch.tensor([len(item.draft_token_ids) for item in items])  # [B]
+        sampled = [b for b, item in enumerate(items) if not item.params.greedy]
+        if len(sampled) < B:
+            result = greedy_accept(drafts, num_draft, logits.argmax(dim=-1).cpu())
+            if not sampled:
+                return result
+        sub = self._rejection_sample([items[b] for b in sampled], logits[sampled], drafts[sampled])
+        if len(sampled) == B:
+            return sub
+        out, n = result.output_token_ids.clone(), result.num_accepted.clone()
+        out[sampled], n[sampled] = sub.output_token_ids, sub.num_accepted
+        return VerifyResult(out, n)
+
+    @staticmethod
+    def _rejection_sample(
+        items: Sequence[VerifyItem],
+        logits: torch.Tensor,  # [S, K+1, V]
+        drafts: torch.Tensor,  # [S, K]
+    ) -> VerifyResult:
+        S, T, V = logits.shape
+        K = T - 1
+        p = _probs(logits.reshape(S * T, V), [item.params for item in items for _ in range(T)]).view(S, T, V)
+        q = None
+        if any(item.q is not None for item in items):
+            q = torch.zeros(S, K, V, dtype=p.dtype, device=p.device)  # [S, K, V]
+            for i, item in enumerate(items):
+                if item.q is not None:
+                    q[i, : item.q.shape[0]] = item.q.to(p.dtype)
+        num_draft = torch.tensor([len(item.draft_token_ids) for item in items])  # [S]
+        uniform_accept = torch.ones(S, K, dtype=torch.float64)  # [S, K]; padding positions are never accepted
+        for i, item in enumerate(items):
+            n = len(item.draft_token_ids)
+            if n:
+                uniform_accept[i, :n] = item.uniform_accept
+        uniform_sample = torch.tensor([item.uniform_sample for item in items], dtype=torch.float64)  # [S]
+        device = p.device
+        return rejection_sample(
+            drafts.to(device),
+            num_draft.to(device),
+            p,
+            q,
+            uniform_accept.to(device, p.dtype),
+            uniform_sample.to(device, p.dtype),
+        )
+
+
+def _probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [N, V]
+    device = logits.device
+    return processed_probs(
+        logits,
+        torch.tensor([p.temperature for p in params], device=device),
+        torch.tensor([p.top_k for p in params], device=device),
+        torch.tensor([p.top_p for p in params], device=device),
+    )
