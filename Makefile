@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SPECDEC := $(VENV)/bin/specdec
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench clean proto
 
 setup: $(STAMP)
 
@@ -30,3 +30,7 @@ demo: setup
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
+
+# Regenerate the checked-in gRPC stubs after editing proto/specdec/v1/*.proto (a test checks they match).
+proto: setup
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto --grpc_python_out=proto proto/specdec/v1/*.proto

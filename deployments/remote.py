@@ -41,6 +41,7 @@ class Replica:
     channel: grpc.Channel
     sessions: set[str]
     stats: wpb.WorkerStats
+    last_pinned: int = 0  # when it last got a session: ties go to the one that waited longest
 
 
 class ReplicaPool:
@@ -52,6 +53,7 @@ class ReplicaPool:
         self._stub_type = stub_type
         self._replicas: dict[str, Replica] = {}
         self._pinned: dict[str, Replica] = {}
+        self._tick = 0
         self._lock = threading.Lock()
         self.update(addresses)
         if not self._replicas:
@@ -86,8 +88,11 @@ class ReplicaPool:
         return sum(max(0, r.stats.num_slots - len(r.sessions)) for r in self._replicas.values())
 
     def pin(self, session_id: str) -> Replica:
+        """The replica for a new session: the least loaded (fewest of our sessions for its slots)."""
         with self._lock:
-            replica = min(self._replicas.values(), key=lambda r: len(r.sessions) - r.stats.num_slots)
+            self._tick += 1
+            replica = min(self._replicas.values(), key=lambda r: (len(r.sessions) - r.stats.num_slots, r.last_pinned))
+            replica.last_pinned = self._tick
             replica.sessions.add(session_id)
             self._pinned[session_id] = replica
             return replica

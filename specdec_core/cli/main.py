@@ -17,6 +17,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     models_cmd.register(sub)
     bench_cmd.register(sub)
+    try:  # the serving commands need ray and grpc; the engine does not
+        from deployments import cli as serving_cli
+    except ImportError:
+        serving_cli = None
+    if serving_cli is not None:
+        serving_cli.register(sub)
     return parser
 
 

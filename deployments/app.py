@@ -1,0 +1,146 @@
+"""The Serve application: draft and target worker deployments and the router, built from one config.
+
+`build_app(config)` is the one builder. `specdec serve CONFIG.yaml` calls it; so does Serve itself through
+`build` (import path `deployments.app:build`, the config as the application's `args`) for `serve run` and
+`serve deploy` with a Serve config file.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+from ray.serve.config import gRPCOptions
+
+from deployments import registry
+from deployments.config import DraftConfig, Placement, ServeConfig, TargetConfig, parse_config
+from deployments.router import RouterDeployment
+from deployments.workers import DraftServicer, TargetServicer, start_server
+from specdec_core.drafters.draft_model import DraftModelDrafter
+from specdec_core.models.loader import check_tokenizers_compatible, load_model, load_tokenizer
+from specdec_core.runner import ModelRunner, RunnerConfig
+from specdec_core.target import LocalTarget
+
+log = logging.getLogger(__name__)
+
+SERVICER_FUNCTIONS = ["specdec.v1.generation_pb2_grpc.add_GenerationServiceServicer_to_server"]
+
+
+def grpc_options(config: ServeConfig) -> gRPCOptions:
+    return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS)
+
+
+def _runner_config(config: ServeConfig, placement: Placement) -> RunnerConfig:
+    return RunnerConfig(
+        num_slots=placement.max_sequences,
+        max_seq_len=config.router.max_seq_len,
+        max_extend=config.draft.max_speculative_tokens + 1,
+    )
+
+
+def _use_cpus(num_cpus: float) -> None:
+    """Ray starts workers with OMP_NUM_THREADS=1; a CPU worker should use the cores it was given."""
+    torch.set_num_threads(max(1, int(num_cpus)))
+
+
+class _Worker:
+    """Common to both workers: serve the internal gRPC service and register its address."""
+
+    kind = ""
+
+    def _serve(self, config: ServeConfig, servicer: Any) -> None:
+        self.servicer = servicer
+        self.server, port = start_server(servicer, port=config.worker_grpc_port)
+        self.address = f"{ray.util.get_node_ip_address()}:{port}"
+        self.app = config.app_name
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        ray.get(registry.registry().register.remote(self.app, self.kind, self.replica_id, self.address))
+        log.info("%s worker %s serving on %s", self.kind, self.replica_id, self.address)
+
+    def get_address(self) -> str:
+        return self.address
+
+    def check_health(self) -> None:
+        if self.servicer is None:
+            raise RuntimeError("worker not started")
+
+    def __del__(self) -> None:
+        server = getattr(self, "server", None)
+        if server is None:
+            return
+        try:
+            ray.get(registry.registry().unregister.remote(self.app, self.kind, self.replica_id), timeout=5)
+        except Exception:  # the cluster may be going down
+            pass
+        self.servicer.close()
+        server.stop(grace=2)
+
+
+class TargetWorker(_Worker):
+    kind = "target"
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        cfg = parse_config(config)
+        _use_cpus(cfg.target.num_cpus)
+        loaded = load_model(cfg.target.model, dtype=cfg.target.dtype, device=cfg.target.device)
+        runner = ModelRunner(loaded.model, _runner_config(cfg, cfg.target))
+        self._serve(cfg, TargetServicer(LocalTarget(runner), cfg.target.model, cfg.session_idle_timeout_s))
+
+
+class DraftWorker(_Worker):
+    kind = "draft"
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        cfg = parse_config(config)
+        _use_cpus(cfg.draft.num_cpus)
+        loaded = load_model(cfg.draft.model, dtype=cfg.draft.dtype, device=cfg.draft.device)
+        target = load_tokenizer(cfg.target.model)
+        check_tokenizers_compatible(target.tokenizer, loaded.tokenizer)  # refuse to start with a mismatched pair
+        if cfg.draft.quantization == "int8":
+            from specdec_core.kernels.cpu import quantize_draft_int8
+
+            if quantize_draft_int8(loaded.model) == 0:
+                log.warning("int8 draft quantization unavailable here: drafting in %s", cfg.draft.dtype)
+        target_vocab = _target_vocab_size(target)
+        runner = ModelRunner(loaded.model, _runner_config(cfg, cfg.draft))
+        drafter = DraftModelDrafter(runner, max(target_vocab, len(target.tokenizer)))
+        self._serve(cfg, DraftServicer(drafter, cfg.draft.model, cfg.session_idle_timeout_s))
+
+
+def _target_vocab_size(target: Any) -> int:
+    """The target's embedding rows (may exceed the tokenizer: q must cover every id the target scores)."""
+    return int(target.hf_config.get("vocab_size") or len(target.tokenizer))
+
+
+def _deployment(cls: type, name: str, placement: Placement) -> Any:
+    return serve.deployment(cls, name=name).options(
+        num_replicas=placement.num_replicas,
+        ray_actor_options={"num_cpus": placement.num_cpus, "num_gpus": placement.num_gpus},
+        max_ongoing_requests=1000,
+    )
+
+
+def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
+    """The Serve application for `config`: a router bound to its workers."""
+    cfg = config if isinstance(config, ServeConfig) else parse_config(config)
+    args = cfg.model_dump(mode="json")
+    workers = [_deployment(TargetWorker, "TargetWorker", cfg.target).bind(args)]
+    if cfg.draft.method == "draft_model":
+        workers.append(_deployment(DraftWorker, "DraftWorker", cfg.draft).bind(args))
+    router = RouterDeployment.options(
+        num_replicas=cfg.router.num_replicas,
+        ray_actor_options={"num_cpus": cfg.router.num_cpus},
+        max_ongoing_requests=cfg.router.max_ongoing_requests,
+    )
+    return router.bind(args, *workers)
+
+
+def build(args: dict[str, Any]) -> serve.Application:
+    """Serve's application builder: `import_path: deployments.app:build` with the specdec config as `args`."""
+    return build_app(args)
+
+
+__all__ = ["build", "build_app", "grpc_options", "DraftConfig", "TargetConfig"]

@@ -1,0 +1,63 @@
+"""Serving fixtures: a tiny target and a draft that agrees with it often (a noisy copy), on disk."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+
+@pytest.fixture(scope="session")
+def near_draft_dir(tiny_dir) -> Path:
+    """The tiny target with noise on its weights: greedy drafts right often enough to exercise acceptance."""
+    out = tiny_dir / "near_draft"
+    if not out.exists():
+        shutil.copytree(tiny_dir / "target", out)
+        gen = torch.Generator().manual_seed(7)
+        for file in out.glob("*.safetensors"):
+            state = load_file(file)
+            noisy = {k: (v + torch.randn(v.shape, generator=gen) * 0.05 * v.float().std().clamp(min=1e-3)).to(v.dtype)
+                     for k, v in state.items()}
+            save_file(noisy, file, metadata={"format": "pt"})
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def served(tiny_dir, near_draft_dir):
+    """The whole stack on one local Ray cluster for the test session: Serve's gRPC proxy, the router, one target
+    worker and two draft replicas, tiny models. Yields (address, config)."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from deployments import registry
+    from deployments.app import build_app, grpc_options
+    from deployments.config import parse_config
+
+    config = parse_config({
+        "grpc_port": _free_port(),
+        "http_port": _free_port(),
+        "target": {"model": str(tiny_dir / "target"), "dtype": "float32", "num_cpus": 1, "max_sequences": 8},
+        "draft": {"method": "draft_model", "model": str(near_draft_dir), "dtype": "float32",
+                  "num_speculative_tokens": 3, "num_cpus": 1, "num_replicas": 2, "max_sequences": 8},
+        "router": {"max_seq_len": 256, "default_max_tokens": 16, "num_cpus": 0.5},
+    })
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": config.http_port}, grpc_options=grpc_options(config))
+        serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
+        yield f"127.0.0.1:{config.grpc_port}", config
+    finally:
+        serve.shutdown()
+        registry.shutdown()
+        ray.shutdown()

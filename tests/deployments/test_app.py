@@ -1,0 +1,167 @@
+"""The served stack end to end: client -> Serve's gRPC proxy -> router -> draft and target workers (real Ray Serve,
+real gRPC on loopback, tiny models). Answers must equal the in-process engine's."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+
+from deployments import registry
+from specdec.v1 import generation_pb2 as pb
+from specdec.v1 import generation_pb2_grpc as pb_grpc
+from specdec.v1 import worker_pb2 as wpb
+from specdec.v1 import worker_pb2_grpc as wpb_grpc
+from specdec_core.config import SamplingParams
+from specdec_core.models.loader import load_model
+from tests.helpers import make_engine, run_to_completion
+
+
+@pytest.fixture(scope="module")
+def stub(served):
+    address, _ = served
+    channel = grpc.insecure_channel(address)
+    yield pb_grpc.GenerationServiceStub(channel)
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def local_pair(tiny_dir, near_draft_dir):
+    return load_model(tiny_dir / "target", dtype="float32"), load_model(near_draft_dir, dtype="float32")
+
+
+def local_tokens(local_pair, prompt_ids, params, k=3):
+    target, draft = local_pair
+    engine = make_engine(target, draft.model, num_slots=8, max_seq_len=256)
+    return run_to_completion(engine, [("r", prompt_ids, params, k)])["r"][0]
+
+
+def request(prompt_ids, k=None, **sampling):
+    message = pb.GenerateRequest(prompt_token_ids=prompt_ids, sampling=pb.SamplingParams(**sampling))
+    if k is not None:
+        message.speculation.num_speculative_tokens = k
+    return message
+
+
+def worker_stats(served, kind):
+    _, config = served
+    addresses = ray.get(registry.registry().addresses.remote(config.app_name, kind))
+    stats = []
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            method = wpb_grpc.TargetServiceStub if kind == "target" else wpb_grpc.DraftServiceStub
+            stats.append(method(channel).GetStats(wpb.GetStatsRequest(), timeout=10))
+    return stats
+
+
+def wait_until_idle(served, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(s.active_sessions == 0 for kind in ("target", "draft") for s in worker_stats(served, kind)):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_generate_gives_the_in_process_engines_greedy_tokens(stub, local_pair):
+    prompt = list(range(5, 30))
+    response = stub.Generate(request(prompt, k=3, max_tokens=24, ignore_eos=True), timeout=120)
+    assert list(response.token_ids) == local_tokens(local_pair, prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert response.finish_reason == pb.FINISH_REASON_LENGTH
+    assert response.usage.prompt_tokens == len(prompt) and response.usage.completion_tokens == 24
+    assert response.speculation.rounds > 0 and response.speculation.proposed >= response.speculation.accepted > 0
+
+
+def test_seeded_sampling_gives_the_in_process_engines_tokens(stub, local_pair):
+    prompt = list(range(50, 60))
+    settings = dict(temperature=1.0, top_k=40, seed=1234, max_tokens=20, ignore_eos=True)
+    served_a = stub.Generate(request(prompt, k=3, **settings), timeout=120).token_ids
+    served_b = stub.Generate(request(prompt, k=3, **settings), timeout=120).token_ids
+    assert list(served_a) == list(served_b)
+    assert list(served_a) == local_tokens(local_pair, prompt, SamplingParams(**settings))
+
+
+def test_stream_chunks_add_up_to_the_unary_answer(stub):
+    message = request(list(range(7, 19)), k=2, max_tokens=20, ignore_eos=True)
+    chunks = list(stub.GenerateStream(message, timeout=120))
+    whole = stub.Generate(message, timeout=120)
+    assert len(chunks) > 1
+    assert [t for c in chunks for t in c.token_ids] == list(whole.token_ids)
+    assert "".join(c.text for c in chunks) == whole.text
+    assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+    assert chunks[-1].finish_reason == whole.finish_reason and chunks[-1].usage == whole.usage
+
+
+def test_concurrent_streams_do_not_disturb_each_other(stub):
+    cases = [
+        request(list(range(5, 25)), k=3, max_tokens=30, ignore_eos=True),
+        request(list(range(100, 104)), k=0, max_tokens=9, ignore_eos=True),
+        request(list(range(60, 75)), temperature=0.9, top_p=0.8, seed=5, max_tokens=25, ignore_eos=True),
+        request(list(range(200, 240)), k=5, max_tokens=14, ignore_eos=True),
+    ]
+    solo = [list(stub.Generate(m, timeout=120).token_ids) for m in cases]
+    together: list = [None] * len(cases)
+
+    def run(i):
+        together[i] = [t for chunk in stub.GenerateStream(cases[i], timeout=120) for t in chunk.token_ids]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == solo
+
+
+def test_a_cancelled_stream_frees_its_caches_in_both_workers(stub, served):
+    call = stub.GenerateStream(request(list(range(5, 25)), k=3, max_tokens=200, ignore_eos=True), timeout=120)
+    next(call)
+    next(call)
+    assert any(s.active_sessions == 1 for s in worker_stats(served, "target"))
+    call.cancel()
+    assert wait_until_idle(served), "a cancelled stream left sessions in the workers"
+
+
+def test_sessions_stick_to_one_draft_replica_and_spread_over_both(stub, served):
+    assert wait_until_idle(served)
+    before = sum(s.sessions_started for s in worker_stats(served, "draft"))
+    per_replica_before = [s.sessions_started for s in worker_stats(served, "draft")]
+    n = 6
+    for i in range(n):
+        stub.Generate(request(list(range(10 + i, 30 + i)), k=3, max_tokens=12, ignore_eos=True), timeout=120)
+    stats = worker_stats(served, "draft")
+    assert len(stats) == 2
+    assert sum(s.sessions_started for s in stats) - before == n  # each session prefilled the draft exactly once
+    assert all(s.sessions_started > b for s, b in zip(stats, per_replica_before))  # both replicas took sessions
+
+
+@pytest.mark.parametrize(
+    "message, field",
+    [
+        (pb.GenerateRequest(), "prompt"),
+        (pb.GenerateRequest(prompt="hi", prompt_token_ids=[1, 2]), "prompt"),
+        (pb.GenerateRequest(prompt_token_ids=[1, 99999]), "prompt_token_ids"),
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=-0.5)), "sampling.temperature"),
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=0.0)), "sampling.top_p"),
+        (pb.GenerateRequest(prompt_token_ids=list(range(5, 205)), sampling=pb.SamplingParams(max_tokens=100)), "max_tokens"),
+        (pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(num_speculative_tokens=99)), "num_speculative_tokens"),
+    ],
+)
+def test_bad_input_is_invalid_argument_naming_the_field(stub, message, field):
+    for method in (stub.Generate, lambda m, timeout: list(stub.GenerateStream(m, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as err:
+            method(message, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert field in err.value.details()
+    ok = stub.Generate(request([5, 6, 7], max_tokens=3, ignore_eos=True), timeout=60)  # still serving
+    assert len(ok.token_ids) == 3
+
+
+def test_model_info(stub, served):
+    _, config = served
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert info.target_model == config.target.model and info.draft_method == "draft_model"
+    assert info.max_context_length == 256 and info.num_speculative_tokens == "3"

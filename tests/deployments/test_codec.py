@@ -1,0 +1,50 @@
+"""Wire <-> engine conversions: exact where exactness matters, errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deployments import codec
+from specdec.v1 import generation_pb2 as pb
+from specdec_core.config import AUTO, SamplingParams
+from specdec_core.errors import InvalidArgument
+from specdec_core.target import VerifyItem
+
+
+def test_draft_distributions_cross_the_wire_exactly():
+    torch.manual_seed(0)
+    q = torch.softmax(torch.randn(3, 50), dim=-1)
+    q[:, 10:] = 0  # sparse, as the drafter sends them
+    q = q / q.sum(-1, keepdim=True)
+    item = VerifyItem("s", 4, [1, 2, 3], q, SamplingParams(temperature=0.7, top_k=5), torch.rand(3, dtype=torch.float64), 0.25)
+    back = codec.decode_verify(codec.encode_verify([item]), vocab_size=50)[0]
+    assert torch.equal(back.q, q)
+    assert torch.equal(back.uniform_accept, item.uniform_accept) and back.uniform_sample == 0.25
+    assert (back.params.temperature, back.params.top_k) == (pytest.approx(0.7), 5)
+    assert back.draft_token_ids == [1, 2, 3] and back.last_token_id == 4
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, field",
+    [
+        ({}, "prompt"),
+        ({"prompt": "hi", "prompt_token_ids": [1]}, "prompt"),
+        ({"prompt": "hi", "sampling": pb.SamplingParams(temperature=-1)}, "sampling.temperature"),
+        ({"prompt": "hi", "sampling": pb.SamplingParams(top_p=1.5)}, "sampling.top_p"),
+        ({"prompt": "hi", "sampling": pb.SamplingParams(max_tokens=0)}, "sampling.max_tokens"),
+    ],
+)
+def test_bad_requests_name_the_field(request_kwargs, field):
+    with pytest.raises(InvalidArgument) as err:
+        codec.decode_generate(pb.GenerateRequest(**request_kwargs), default_max_tokens=16)
+    assert err.value.field == field
+
+
+def test_defaults_and_speculation_options():
+    call = codec.decode_generate(pb.GenerateRequest(prompt="x"), default_max_tokens=33)
+    assert call.params == SamplingParams(max_tokens=33) and call.num_speculative_tokens is None
+    off = pb.GenerateRequest(prompt="x", speculation=pb.SpeculationOptions(num_speculative_tokens=0))
+    assert codec.decode_generate(off, 1).num_speculative_tokens == 0
+    auto = pb.GenerateRequest(prompt="x", speculation=pb.SpeculationOptions(adaptive=True))
+    assert codec.decode_generate(auto, 1).num_speculative_tokens == AUTO

@@ -1,0 +1,113 @@
+"""The workers' gRPC services and the router's gRPC clients of them, over real sockets, without Ray.
+
+An engine whose target and drafter are remote must produce exactly what the in-process engine produces.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool, WorkerUnavailable
+from deployments.workers import DraftServicer, TargetServicer, start_server
+from specdec.v1 import worker_pb2 as wpb
+from specdec.v1 import worker_pb2_grpc as wpb_grpc
+from specdec_core.config import SamplingParams
+from specdec_core.drafters.draft_model import DraftModelDrafter
+from specdec_core.engine import SpecEngine
+from specdec_core.models.loader import load_model
+from specdec_core.runner import ModelRunner, RunnerConfig
+from specdec_core.stopping import FinishReason
+from specdec_core.target import LocalTarget
+from tests.helpers import make_engine, run_to_completion
+
+RUNNER = RunnerConfig(num_slots=4, max_seq_len=256)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir, near_draft_dir):
+    return load_model(tiny_dir / "target", dtype="float32"), load_model(near_draft_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def servers(pair):
+    target, draft = pair
+    t = TargetServicer(LocalTarget(ModelRunner(target.model, RUNNER)), "tiny-target")
+    d = DraftServicer(DraftModelDrafter(ModelRunner(draft.model, RUNNER), target.model.vocab_size), "tiny-draft")
+    (ts, tport), (ds, dport) = start_server(t, "127.0.0.1"), start_server(d, "127.0.0.1")
+    yield {"target": (t, f"127.0.0.1:{tport}"), "draft": (d, f"127.0.0.1:{dport}")}
+    ts.stop(0)
+    ds.stop(0)
+
+
+def remote_engine(pair, servers, **config):
+    target, _ = pair
+    tpool = ReplicaPool("target", [servers["target"][1]], wpb_grpc.TargetServiceStub, timeout_s=30)
+    dpool = ReplicaPool("draft", [servers["draft"][1]], wpb_grpc.DraftServiceStub, timeout_s=30)
+    return SpecEngine(RemoteTarget(tpool), RemoteDrafter(dpool), target.tokenizer, target.eos_token_ids)
+
+
+REQUESTS = [
+    ("greedy-k3", list(range(5, 25)), SamplingParams(max_tokens=24, ignore_eos=True), 3),
+    ("greedy-auto", list(range(40, 47)), SamplingParams(max_tokens=17, ignore_eos=True), "auto"),
+    ("greedy-off", list(range(9, 30)), SamplingParams(max_tokens=9, ignore_eos=True), 0),
+    ("sampled", list(range(60, 75)), SamplingParams(temperature=1.0, top_k=50, seed=3, max_tokens=20, ignore_eos=True), 4),
+    ("nucleus", list(range(80, 84)), SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=15, ignore_eos=True), 2),
+]
+
+
+def test_remote_engine_matches_the_in_process_engine(pair, servers):
+    target, draft = pair
+    local = run_to_completion(make_engine(target, draft.model, num_slots=8), REQUESTS)
+    remote = run_to_completion(remote_engine(pair, servers), REQUESTS)  # all five batched together
+    for request_id, *_ in REQUESTS:
+        assert remote[request_id][0] == local[request_id][0], request_id
+        assert remote[request_id][2].stats == local[request_id][2].stats, request_id
+    assert sum(out.stats.accepted for _, _, out in remote.values()) > 0  # the drafts were used, not just sent
+    for servicer, _ in servers.values():
+        assert servicer.active_sessions == 0  # finished sessions were released in both workers
+
+
+def test_aborted_requests_free_both_workers(pair, servers):
+    engine = remote_engine(pair, servers)
+    engine.add_request("long", list(range(5, 25)), SamplingParams(max_tokens=200, ignore_eos=True), 3)
+    engine.step()
+    engine.step()
+    assert all(servicer.active_sessions == 1 for servicer, _ in servers.values())
+    final = engine.abort("long")
+    assert final.finish_reason is FinishReason.CANCELLED
+    assert all(servicer.active_sessions == 0 for servicer, _ in servers.values())
+
+
+def test_worker_errors_are_statuses_naming_the_field(servers):
+    _, address = servers["target"]
+    stub = wpb_grpc.TargetServiceStub(grpc.insecure_channel(address))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Verify(wpb.VerifyRequest(items=[wpb.VerifyRequest.Item(session_id="nope", last_token_id=1)]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "session_id" in err.value.details()
+    bad = wpb.PrefillRequest(items=[wpb.PrefillRequest.Item(session_id="s", prompt_token_ids=[1, 10**6])])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Prefill(bad, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_token_ids" in err.value.details()
+    assert stub.GetStats(wpb.GetStatsRequest(), timeout=10).active_sessions == 0  # nothing leaked
+
+
+def test_a_worker_that_goes_away_fails_its_requests_as_unavailable(pair):
+    target, _ = pair
+    servicer = TargetServicer(LocalTarget(ModelRunner(target.model, RUNNER)), "doomed")
+    server, port = start_server(servicer, "127.0.0.1")
+    pool = ReplicaPool("target", [f"127.0.0.1:{port}"], wpb_grpc.TargetServiceStub, timeout_s=10)
+    engine = SpecEngine(RemoteTarget(pool), None, target.tokenizer, target.eos_token_ids)
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), 0)
+    engine.step()
+    server.stop(0).wait()
+    outputs = engine.step()
+    assert [o.finish_reason for o in outputs] == [FinishReason.ERROR]
+    assert isinstance(outputs[0].error, WorkerUnavailable)
+    assert outputs[0].error.code == grpc.StatusCode.UNAVAILABLE
+    assert not engine.has_work
+
+
+def test_no_reachable_worker_is_an_immediate_error():
+    with pytest.raises(WorkerUnavailable, match="no target worker"):
+        ReplicaPool("target", ["127.0.0.1:1"], wpb_grpc.TargetServiceStub, timeout_s=5)
