@@ -9,24 +9,33 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tests/clients/node/package-lock.json
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: the CPU build on disk, never a CUDA download.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# The cross-stack client test (Node's @grpc/grpc-js) runs where node is installed.
+	if command -v npm >/dev/null; then npm ci --prefix tests/clients/node --no-audit --no-fund --silent; fi
 	touch $(STAMP)
 
 test: setup
 	$(PY) -m pytest -q
 
-# The demo pair, pulled once into $(SPECDEC_HOME) (default ~/.cache/specdec), then target-only vs speculative.
+# The main job: pull the demo pair once into $(SPECDEC_HOME) (default ~/.cache/specdec), serve it on a local
+# Ray Serve (gRPC, port 9000) and stream one completion with speculation on and off.
 demo: setup
+	$(SPECDEC) models pull qwen2.5-coder-1.5b-instruct
+	$(SPECDEC) models pull qwen2.5-coder-0.5b-instruct
+	$(PY) -m deployments.demo deployments/configs/demo_cpu.yaml
+
+# The in-process benchmark of the demo pair (target-only vs speculative, same prompts, one process).
+bench: setup
 	$(SPECDEC) models pull qwen2.5-coder-1.5b-instruct
 	$(SPECDEC) models pull qwen2.5-coder-0.5b-instruct
 	$(SPECDEC) bench offline --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
 		--prompts benchmarks/prompts/demo.jsonl --max-new-tokens 96 --temperature 0 --dtype bfloat16 \
-		--num-speculative-tokens auto --json out/demo.json
+		--num-speculative-tokens auto --draft-quantization int8 --json out/demo.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

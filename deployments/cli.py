@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 
@@ -38,17 +39,32 @@ def register(sub: Any) -> None:
 
 
 def serve_main(args: argparse.Namespace) -> int:
+    from deployments.config import load_config
+
+    config = load_config(args.config)
+    stop = threading.Event()
+    with serving(config):
+        # After ray.init, which installs handlers of its own: stop by leaving the loop, so the cleanup runs.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"specdec: serving {config.target.model} (draft: {config.draft.method}) on gRPC port {config.grpc_port}",
+              flush=True)
+        while not stop.is_set():
+            stop.wait(1.0)
+        print("specdec: shutting down", flush=True)
+    return 0
+
+
+@contextlib.contextmanager
+def serving(config: Any) -> Iterator[None]:
+    """Deploy `config` on Ray Serve for the duration of the block: on the cluster at $RAY_ADDRESS, or on a local
+    one started (and stopped, with every process it started) here."""
     import ray
     from ray import serve
 
     from deployments import registry
     from deployments.app import build_app, grpc_options
-    from deployments.config import load_config
 
-    config = load_config(args.config)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     address = os.environ.get("RAY_ADDRESS")
     started_ray = not address
     if started_ray:
@@ -61,11 +77,7 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": "0.0.0.0", "port": config.http_port}, grpc_options=grpc_options(config))
         serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
-        print(f"specdec: serving {config.target.model} (draft: {config.draft.method}) on gRPC port {config.grpc_port}",
-              flush=True)
-        while not stop.is_set():
-            stop.wait(1.0)
-        print("specdec: shutting down", flush=True)
+        yield
     finally:
         try:
             serve.delete(config.app_name)
@@ -75,7 +87,6 @@ def serve_main(args: argparse.Namespace) -> int:
         finally:
             if started_ray:
                 ray.shutdown()
-    return 0
 
 
 def _cpus_needed(config: Any) -> float:

@@ -49,8 +49,13 @@ def rpc(method: Callable) -> Callable:
     def wrapper(self: "_SessionWorker", request: Any, context: grpc.ServicerContext) -> Any:
         try:
             with self._lock:
+                start = time.perf_counter()
+                response = method(self, request)
                 self.calls += 1
-                return method(self, request)
+                self.busy_seconds += time.perf_counter() - start
+                self.bytes_received += request.ByteSize()
+                self.bytes_sent += response.ByteSize()
+                return response
         except InvalidArgument as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ResourceExhausted as exc:
@@ -72,6 +77,9 @@ class _SessionWorker:
         self.model_name = model_name
         self.idle_timeout_s = idle_timeout_s
         self.calls = 0
+        self.busy_seconds = 0.0
+        self.bytes_received = 0
+        self.bytes_sent = 0
         self.sessions_started = 0
         self.sessions_expired = 0
         self._lock = threading.RLock()
@@ -137,6 +145,9 @@ class _SessionWorker:
             calls=self.calls,
             sessions_started=self.sessions_started,
             sessions_expired=self.sessions_expired,
+            busy_seconds=self.busy_seconds,
+            bytes_received=self.bytes_received,
+            bytes_sent=self.bytes_sent,
         )
 
 

@@ -1,4 +1,4 @@
-"""`specdec bench offline`."""
+"""`specdec bench offline` (and `specdec bench serve`, from deployments.bench, where it is installed)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                          help="store the draft's weights in int8 (CPU): cheaper drafts, same output")
     offline.add_argument("--json", required=True, type=Path, help="where to write the report")
     offline.set_defaults(func=_offline)
+    try:  # `bench serve` needs the serving stack (ray, grpc); the engine does not
+        from deployments import bench as serve_bench
+    except ImportError:
+        return
+    serve_bench.register(modes)
 
 
 def _offline(args: argparse.Namespace) -> int:

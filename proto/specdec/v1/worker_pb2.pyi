@@ -153,7 +153,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("model", "active_sessions", "free_slots", "num_slots", "vocab_size", "max_seq_len", "calls", "sessions_started", "sessions_expired")
+    __slots__ = ("model", "active_sessions", "free_slots", "num_slots", "vocab_size", "max_seq_len", "calls", "sessions_started", "sessions_expired", "busy_seconds", "bytes_received", "bytes_sent")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,9 @@ class WorkerStats(_message.Message):
     CALLS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_STARTED_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     model: str
     active_sessions: int
     free_slots: int
@@ -172,4 +175,7 @@ class WorkerStats(_message.Message):
     calls: int
     sessions_started: int
     sessions_expired: int
-    def __init__(self, model: _Optional[str] = ..., active_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., calls: _Optional[int] = ..., sessions_started: _Optional[int] = ..., sessions_expired: _Optional[int] = ...) -> None: ...
+    busy_seconds: float
+    bytes_received: int
+    bytes_sent: int
+    def __init__(self, model: _Optional[str] = ..., active_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., calls: _Optional[int] = ..., sessions_started: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,189 @@
+"""`specdec bench serve CONFIG.yaml`: speculation on vs off through the whole stack, side by side.
+
+Serves CONFIG (local Ray, or $RAY_ADDRESS), then streams each prompt over gRPC through Serve's proxy, the router
+and the workers, once with speculation off (k = 0) and once with the config's setting, alternating which goes
+first. The workers' counters give the time they spent computing and the bytes they exchanged, so the rest of a
+round's time is the router's and the RPCs' overhead. `--compare-offline` then runs `specdec bench offline` on the
+same models and prompts in this process, to compare the served speedup with the in-process one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from specdec.v1 import generation_pb2 as pb
+from specdec.v1 import generation_pb2_grpc as pb_grpc
+from specdec.v1 import worker_pb2 as wpb
+from specdec.v1 import worker_pb2_grpc as wpb_grpc
+
+
+def register(modes: Any) -> None:
+    parser = modes.add_parser("serve", help="speculation on vs off through the served stack (gRPC, Ray Serve)")
+    parser.add_argument("config", type=Path, help="the serving config to deploy")
+    parser.add_argument("--prompts", required=True, type=Path, help='JSONL, one {"prompt": "..."} per line')
+    parser.add_argument("--max-new-tokens", required=True, type=int)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
+    parser.add_argument("--compare-offline", action="store_true",
+                        help="then run `specdec bench offline` on the same models and prompts, in this process")
+    parser.add_argument("--json", required=True, type=Path, help="where to write the report")
+    parser.set_defaults(func=_main)
+
+
+@dataclass
+class Mode:
+    seconds: float = 0.0
+    tokens: int = 0
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    worker_seconds: float = 0.0
+    wire_bytes: int = 0
+    token_ids: list[list[int]] = field(default_factory=list)
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _main(args: argparse.Namespace) -> int:
+    from specdec_core.bench.offline import write_report
+
+    report = run_serve_bench(args.config, args.prompts, args.max_new_tokens, args.temperature, args.seed,
+                             args.compare_offline)
+    write_report(report, args.json)
+    print(json.dumps({k: v for k, v in report.items() if not isinstance(v, (list, dict))}, indent=2))
+    return 0
+
+
+def run_serve_bench(config_path: Path, prompts_path: Path, max_new_tokens: int, temperature: float, seed: int,
+                    compare_offline: bool) -> dict[str, Any]:
+    from deployments.cli import serving
+    from deployments.config import load_config
+    from specdec_core.bench.offline import read_prompts
+
+    config = load_config(config_path)
+    texts = read_prompts(prompts_path)
+    off, on = Mode(), Mode()
+    with serving(config), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        workers = _worker_stubs(config)
+        for mode_k in (0, None):  # warm-up: first-call costs stay out of the figures
+            _stream(stub, _request(texts[0], 8, temperature, seed, mode_k))
+        for i, text in enumerate(texts):
+            runs = [(0, off), (None, on)]
+            for k, mode in runs if i % 2 == 0 else runs[::-1]:
+                before = _counters(workers)
+                _timed(stub, _request(text, max_new_tokens, temperature, seed + i, k), mode)
+                busy, wire = (after - b for after, b in zip(_counters(workers), before))
+                mode.worker_seconds += busy
+                mode.wire_bytes += wire
+    report = _report(config, texts, max_new_tokens, temperature, off, on)
+    if compare_offline:
+        report.update(_offline(config, prompts_path, max_new_tokens, temperature, seed, report["stack_speedup"]))
+    return report
+
+
+def _request(text: str, max_tokens: int, temperature: float, seed: int, k: int | None) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(prompt=text, sampling=pb.SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                                                         seed=seed))
+    if k is not None:
+        request.speculation.num_speculative_tokens = k
+    return request
+
+
+def _stream(stub: Any, request: pb.GenerateRequest) -> list[pb.GenerateStreamResponse]:
+    return list(stub.GenerateStream(request, timeout=3600))
+
+
+def _timed(stub: Any, request: pb.GenerateRequest, mode: Mode) -> None:
+    start = time.perf_counter()
+    chunks = _stream(stub, request)
+    mode.seconds += time.perf_counter() - start
+    ids = [t for c in chunks for t in c.token_ids]
+    mode.token_ids.append(ids)
+    mode.tokens += len(ids)
+    stats = chunks[-1].speculation
+    mode.rounds += stats.rounds
+    mode.proposed += stats.proposed
+    mode.accepted += stats.accepted
+
+
+def _worker_stubs(config: Any) -> list[Any]:
+    import ray
+
+    from deployments import registry
+
+    reg = registry.registry()
+    stubs = []
+    kinds = [("target", wpb_grpc.TargetServiceStub)]
+    if config.draft.method == "draft_model":
+        kinds.append(("draft", wpb_grpc.DraftServiceStub))
+    for kind, stub_type in kinds:
+        for address in ray.get(reg.addresses.remote(config.app_name, kind)):
+            stubs.append(stub_type(grpc.insecure_channel(address)))
+    return stubs
+
+
+def _counters(workers: list[Any]) -> tuple[float, int]:
+    """(seconds computing, bytes exchanged) summed over the workers."""
+    stats = [w.GetStats(wpb.GetStatsRequest(), timeout=30) for w in workers]
+    return sum(s.busy_seconds for s in stats), sum(s.bytes_received + s.bytes_sent for s in stats)
+
+
+def _report(config: Any, texts: list[str], max_new_tokens: int, temperature: float, off: Mode, on: Mode) -> dict[str, Any]:
+    speedup = on.tokens_per_s() / off.tokens_per_s() if off.tokens_per_s() else 0.0
+    steps = on.rounds + len(texts)  # the rounds, and each request's prefill
+
+    def overhead_ms(mode: Mode, n: int) -> float:
+        return 1000 * (mode.seconds - mode.worker_seconds) / n if n else 0.0
+
+    return {
+        "config": config.model_dump(mode="json"),
+        "num_prompts": len(texts),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "stack_target_only_tokens_per_s": off.tokens_per_s(),
+        "stack_speculative_tokens_per_s": on.tokens_per_s(),
+        "stack_speedup": speedup,
+        "acceptance_rate": on.accepted / on.proposed if on.proposed else 0.0,
+        "mean_tokens_per_round": (on.tokens - len(texts)) / on.rounds if on.rounds else 0.0,
+        "rounds": on.rounds,
+        "overhead_ms_per_round": overhead_ms(on, steps),
+        "overhead_ms_per_step_target_only": overhead_ms(off, off.rounds + len(texts)),
+        "wire_bytes_per_round": on.wire_bytes / steps if steps else 0.0,
+        "identical_to_target": on.token_ids == off.token_ids,
+        "prompts": [{"target_only_token_ids": a, "speculative_token_ids": b} for a, b in zip(off.token_ids, on.token_ids)],
+    }
+
+
+def _offline(config: Any, prompts: Path, max_new_tokens: int, temperature: float, seed: int,
+             stack_speedup: float) -> dict[str, Any]:
+    from specdec_core.bench.offline import OfflineBenchConfig, run_offline_bench
+
+    draft = config.draft
+    offline = run_offline_bench(OfflineBenchConfig(
+        target=config.target.model,
+        draft=draft.model if draft.method == "draft_model" else None,
+        ngram=draft.method == "ngram",
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        dtype=config.target.dtype,
+        device=config.target.device,
+        num_speculative_tokens=draft.num_speculative_tokens,
+        draft_quantization=draft.quantization,
+    ))
+    return {
+        "offline_target_only_tokens_per_s": offline["target_only_tokens_per_s"],
+        "offline_speculative_tokens_per_s": offline["speculative_tokens_per_s"],
+        "offline_speedup": offline["speedup"],
+        "stack_speedup_vs_offline": stack_speedup / offline["speedup"] if offline["speedup"] else 0.0,
+    }

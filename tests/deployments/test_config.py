@@ -1,0 +1,54 @@
+"""The serving config: unknown keys and bad values are errors that name them; the example configs load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.config import load_config, parse_config
+from specdec_core.errors import InvalidArgument
+
+CONFIGS = Path(__file__).resolve().parents[2] / "deployments" / "configs"
+
+
+def test_unknown_keys_are_named():
+    with pytest.raises(InvalidArgument) as err:
+        parse_config({"target": {"model": "m", "dtyp": "bfloat16"}, "grcp_port": 1})
+    assert "target.dtyp" in str(err.value) and "grcp_port" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({}, "target"),
+        ({"target": {"model": "m"}, "draft": {"method": "draft_model"}}, "draft"),
+        ({"target": {"model": "m"}, "draft": {"method": "beam"}}, "draft.method"),
+        ({"target": {"model": "m", "dtype": "int4"}}, "target.dtype"),
+        ({"target": {"model": "m"}, "grpc_port": 0}, "grpc_port"),
+        ({"target": {"model": "m"}, "draft": {"method": "ngram", "num_speculative_tokens": "many"}}, "draft.num_speculative_tokens"),
+    ],
+)
+def test_bad_values_name_the_key(config, field):
+    with pytest.raises(InvalidArgument) as err:
+        parse_config(config)
+    assert field in str(err.value)
+
+
+@pytest.mark.parametrize("path", sorted(p for p in CONFIGS.glob("*.yaml") if not p.name.startswith("serve_")))
+def test_example_configs_load(path):
+    config = load_config(path)
+    assert config.target.model
+
+
+def test_serve_config_args_are_a_specdec_config():
+    serve_config = yaml.safe_load((CONFIGS / "serve_demo_cpu.yaml").read_text())
+    app = serve_config["applications"][0]
+    assert app["import_path"] == "deployments.app:build" and app["name"] == "specdec"
+    assert parse_config(app["args"]).grpc_port == serve_config["grpc_options"]["port"]
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(InvalidArgument, match="no config file"):
+        load_config(tmp_path / "nope.yaml")
