@@ -71,7 +71,7 @@ def run_serve_bench(config_path: Path, prompts_path: Path, max_new_tokens: int, 
     config = load_config(config_path)
     texts = read_prompts(prompts_path)
     off, on = Mode(), Mode()
-    with serving(config), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
+    with serving(config, quiet=True), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         workers = _worker_stubs(config)
         for mode_k in (0, None):  # warm-up: first-call costs stay out of the figures

@@ -56,9 +56,12 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def serving(config: Any) -> Iterator[None]:
+def serving(config: Any, quiet: bool = False) -> Iterator[None]:
     """Deploy `config` on Ray Serve for the duration of the block: on the cluster at $RAY_ADDRESS, or on a local
-    one started (and stopped, with every process it started) here."""
+    one started (and stopped, with every process it started) here. `quiet`: keep the cluster's logs out of this
+    process's output."""
+    import logging
+
     import ray
     from ray import serve
 
@@ -71,9 +74,12 @@ def serving(config: Any) -> Iterator[None]:
         # Draft and target take turns within a round, so on one machine they may share its cores: give the local
         # cluster enough logical CPUs for every deployment's request.
         needed = _cpus_needed(config)
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False)
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False,
+                 log_to_driver=not quiet, logging_level=logging.WARNING if quiet else logging.INFO)
     else:
-        ray.init(address=address)
+        ray.init(address=address, log_to_driver=not quiet)
+    if quiet:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     try:
         serve.start(http_options={"host": "0.0.0.0", "port": config.http_port}, grpc_options=grpc_options(config))
         serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     print(f"demo: deploying {config.target.model} + {config.draft.model or config.draft.method} (this loads both models)",
           flush=True)
-    with serving(config), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
+    with serving(config, quiet=True), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         base = pb.GenerateRequest(prompt=args.prompt, sampling=pb.SamplingParams(max_tokens=args.max_tokens))
         stream(stub, pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=4)), echo=False)  # warm-up

@@ -52,3 +52,12 @@ def test_serve_config_args_are_a_specdec_config():
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(InvalidArgument, match="no config file"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_the_builder_makes_an_application_without_a_cluster():
+    from ray.serve import Application
+
+    from deployments.app import build
+
+    app = build({"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d", "num_replicas": 2}})
+    assert isinstance(app, Application)

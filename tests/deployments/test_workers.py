@@ -111,3 +111,25 @@ def test_a_worker_that_goes_away_fails_its_requests_as_unavailable(pair):
 def test_no_reachable_worker_is_an_immediate_error():
     with pytest.raises(WorkerUnavailable, match="no target worker"):
         ReplicaPool("target", ["127.0.0.1:1"], wpb_grpc.TargetServiceStub, timeout_s=5)
+
+
+def test_idle_sessions_are_released(pair):
+    import time
+
+    target, _ = pair
+    servicer = TargetServicer(LocalTarget(ModelRunner(target.model, RUNNER)), "idle", idle_timeout_s=0.4)
+    server, port = start_server(servicer, "127.0.0.1")
+    try:
+        stub = wpb_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        item = wpb.PrefillRequest.Item(session_id="forgotten", prompt_token_ids=[5, 6, 7])
+        stub.Prefill(wpb.PrefillRequest(items=[item]), timeout=10)
+        assert servicer.active_sessions == 1
+        deadline = time.monotonic() + 10
+        while servicer.active_sessions and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stats = stub.GetStats(wpb.GetStatsRequest(), timeout=10)
+        assert stats.active_sessions == 0 and stats.sessions_expired == 1
+        assert servicer.target.runner.cache.free_slots == RUNNER.num_slots  # the cache slot came back too
+    finally:
+        servicer.close()
+        server.stop(0)

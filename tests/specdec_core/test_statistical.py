@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec_core import engine as engine_module
+from specdec_core import target as target_module
 from specdec_core import rejection
 from specdec_core.config import SamplingParams
 from specdec_core.runner import ModelRunner, RunnerConfig
@@ -117,6 +117,6 @@ def test_a_wrong_sampler_fails_the_same_test(tiny_target, draft, law, monkeypatc
     if bug == "no_residual":
         monkeypatch.setattr(rejection, "_residual", _no_residual)
     else:
-        monkeypatch.setattr(engine_module, "rejection_sample", _bonus_from_last_draft_position)
+        monkeypatch.setattr(target_module, "rejection_sample", _bonus_from_last_draft_position)
     counts, _ = _sample(tiny_target, draft)
     assert _p_value(counts, law) < 1e-6
