@@ -42,6 +42,7 @@ class Replica:
     sessions: set[str]
     stats: wpb.WorkerStats
     last_pinned: int = 0  # when it last got a session: ties go to the one that waited longest
+    retired: bool = False  # no longer registered: takes no new sessions
 
 
 class ReplicaPool:
@@ -60,7 +61,16 @@ class ReplicaPool:
             raise WorkerUnavailable(f"no {kind} worker is reachable")
 
     def update(self, addresses: Sequence[str]) -> None:
-        """Add replicas that appeared. (A replica that vanished fails its sessions on their next call.)"""
+        """Follow the registered replicas: add those that appeared; a replica that is gone takes no new sessions
+        and is dropped once its sessions end (a dead one fails them on their next call)."""
+        with self._lock:
+            for address in [a for a in self._replicas if a not in addresses]:
+                replica = self._replicas[address]
+                if not replica.sessions:
+                    replica.channel.close()
+                    del self._replicas[address]
+                else:
+                    replica.retired = True
         for address in addresses:
             if address in self._replicas:
                 continue
@@ -81,17 +91,20 @@ class ReplicaPool:
 
     @property
     def info(self) -> wpb.WorkerStats:
-        return next(iter(self._replicas.values())).stats
+        return self.replicas[0].stats
 
     @property
     def free_slots(self) -> int:
-        return sum(max(0, r.stats.num_slots - len(r.sessions)) for r in self._replicas.values())
+        return sum(max(0, r.stats.num_slots - len(r.sessions)) for r in self.replicas if not r.retired)
 
     def pin(self, session_id: str) -> Replica:
         """The replica for a new session: the least loaded (fewest of our sessions for its slots)."""
         with self._lock:
             self._tick += 1
-            replica = min(self._replicas.values(), key=lambda r: (len(r.sessions) - r.stats.num_slots, r.last_pinned))
+            live = [r for r in self._replicas.values() if not r.retired]
+            if not live:
+                raise WorkerUnavailable(f"no {self.kind} worker is registered")
+            replica = min(live, key=lambda r: (len(r.sessions) - r.stats.num_slots, r.last_pinned))
             replica.last_pinned = self._tick
             replica.sessions.add(session_id)
             self._pinned[session_id] = replica

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -87,8 +88,23 @@ class Router:
         engine = SpecEngine(target, drafter, self.tokenizer.tokenizer, self.tokenizer.eos_token_ids, engine_config)
         self.scheduler = Scheduler(engine)
         self._tag = uuid.uuid4().hex[:8]
+        self._refresher = threading.Thread(target=self._follow_workers, name="follow-workers", daemon=True)
+        self._refresher.start()
         log.info("router %s ready: %d target, %d draft replicas", self._tag, len(target_addresses),
                  len(self.draft_pool.replicas) if self.draft_pool else 0)
+
+    def _follow_workers(self, period_s: float = 10.0) -> None:
+        """Replicas come and go (autoscaling, restarts): re-read the registry now and then."""
+        reg = registry.registry()
+        app = self.config.app_name
+        while not self.scheduler.closed:
+            time.sleep(period_s)
+            try:
+                self.target_pool.update(ray.get(reg.addresses.remote(app, "target")))
+                if self.draft_pool is not None:
+                    self.draft_pool.update(ray.get(reg.addresses.remote(app, "draft")))
+            except Exception:
+                log.warning("could not refresh the worker list", exc_info=True)
 
     # -- GenerationService -------------------------------------------------------------------------------------
 

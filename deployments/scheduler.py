@@ -59,6 +59,10 @@ class Scheduler:
         self._inbox.put(_Cancel(request_id))
 
     @property
+    def closed(self) -> bool:
+        return self._stop.is_set()
+
+    @property
     def num_active(self) -> int:
         return len(self._sinks)
 

@@ -133,3 +133,27 @@ def test_idle_sessions_are_released(pair):
     finally:
         servicer.close()
         server.stop(0)
+
+
+def test_the_pool_follows_replicas_that_come_and_go(pair, servers):
+    target, _ = pair
+    first = servers["target"][1]
+    extra = TargetServicer(LocalTarget(ModelRunner(target.model, RUNNER)), "extra")
+    server, port = start_server(extra, "127.0.0.1")
+    second = f"127.0.0.1:{port}"
+    try:
+        pool = ReplicaPool("target", [first], wpb_grpc.TargetServiceStub, timeout_s=10)
+        pool.update([first, second])
+        assert sorted(r.address for r in pool.replicas) == sorted([first, second])
+        pinned = pool.pin("kept")
+        pool.update([a for a in (first, second) if a != pinned.address])  # the replica holding "kept" is gone
+        assert pool.replica_of("kept") is pinned  # its session still goes there
+        assert all(pool.pin(f"new-{i}") is not pinned for i in range(3))  # new sessions do not
+        for i in range(3):
+            pool.unpin(f"new-{i}")
+        pool.unpin("kept")
+        pool.update([a for a in (first, second) if a != pinned.address])
+        assert [r.address for r in pool.replicas] == [a for a in (first, second) if a != pinned.address]
+    finally:
+        extra.close()
+        server.stop(0)

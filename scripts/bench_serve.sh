@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The served-stack benchmark behind docs/benchmarks.md: the demo pair through client -> Serve's gRPC proxy ->
+# router -> workers, speculation on vs off, then the same prompts in-process (`bench offline`) in the same run.
+# Usage: scripts/bench_serve.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-docs/bench}
+specdec=.venv/bin/specdec
+$specdec models pull qwen2.5-coder-1.5b-instruct >/dev/null
+$specdec models pull qwen2.5-coder-0.5b-instruct >/dev/null
+$specdec bench serve deployments/configs/demo_cpu.yaml --prompts benchmarks/prompts/code.jsonl \
+  --max-new-tokens 96 --temperature 0 --compare-offline --json "$out/serve_greedy_int8_draft.json"
