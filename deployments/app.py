@@ -84,10 +84,22 @@ class TargetWorker(_Worker):
 
     def __init__(self, config: dict[str, Any]) -> None:
         cfg = parse_config(config)
-        _use_cpus(cfg.target.num_cpus)
-        loaded = load_model(cfg.target.model, dtype=cfg.target.dtype, device=cfg.target.device)
-        runner = ModelRunner(loaded.model, _runner_config(cfg, cfg.target))
-        self._serve(cfg, TargetServicer(LocalTarget(runner), cfg.target.model, cfg.session_idle_timeout_s))
+        t = cfg.target
+        _use_cpus(t.num_cpus)
+        if t.tensor_parallel_size > 1:
+            from deployments.tensor_parallel import TensorParallelTarget
+
+            target: Any = TensorParallelTarget(t.model, t.dtype, t.device, t.tensor_parallel_size,
+                                               _runner_config(cfg, t), t.num_cpus, t.num_gpus, cfg.router.rpc_timeout_s)
+        else:
+            loaded = load_model(t.model, dtype=t.dtype, device=t.device)
+            target = LocalTarget(ModelRunner(loaded.model, _runner_config(cfg, t)))
+        self._serve(cfg, TargetServicer(target, t.model, cfg.session_idle_timeout_s))
+
+    def check_health(self) -> None:
+        super().check_health()
+        if not getattr(self.servicer.target, "healthy", True):
+            raise RuntimeError("a tensor-parallel rank failed")
 
 
 class DraftWorker(_Worker):
@@ -115,19 +127,25 @@ def _target_vocab_size(target: Any) -> int:
     return int(target.hf_config.get("vocab_size") or len(target.tokenizer))
 
 
-def _deployment(cls: type, name: str, placement: Placement) -> Any:
+def _deployment(cls: type, name: str, placement: Placement, ranks: int = 1) -> Any:
+    resources = {"num_cpus": placement.num_cpus, "num_gpus": placement.num_gpus}
+    options: dict[str, Any] = {}
+    if ranks > 1:  # one bundle per rank, reserved together; the replica itself is rank 0, in bundle 0
+        bundle = {"CPU": placement.num_cpus, **({"GPU": placement.num_gpus} if placement.num_gpus else {})}
+        options = {"placement_group_bundles": [bundle] * ranks,
+                   "placement_group_strategy": "STRICT_PACK" if placement.num_gpus else "PACK"}
     return serve.deployment(cls, name=name).options(
-        num_replicas=placement.num_replicas,
-        ray_actor_options={"num_cpus": placement.num_cpus, "num_gpus": placement.num_gpus},
-        max_ongoing_requests=1000,
+        num_replicas=placement.num_replicas, ray_actor_options=resources, max_ongoing_requests=1000, **options
     )
 
 
 def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
     """The Serve application for `config`: a router bound to its workers."""
     cfg = config if isinstance(config, ServeConfig) else parse_config(config)
+    if cfg.target.tensor_parallel_size > 1:
+        _check_tensor_parallel(cfg.target)
     args = cfg.model_dump(mode="json")
-    workers = [_deployment(TargetWorker, "TargetWorker", cfg.target).bind(args)]
+    workers = [_deployment(TargetWorker, "TargetWorker", cfg.target, cfg.target.tensor_parallel_size).bind(args)]
     if cfg.draft.method == "draft_model":
         workers.append(_deployment(DraftWorker, "DraftWorker", cfg.draft).bind(args))
     router = RouterDeployment.options(
@@ -136,6 +154,19 @@ def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
         max_ongoing_requests=cfg.router.max_ongoing_requests,
     )
     return router.bind(args, *workers)
+
+
+def _check_tensor_parallel(target: TargetConfig) -> None:
+    """Refuse a tensor_parallel_size the model cannot be split by, before anything is deployed."""
+    import json
+
+    from specdec_core.models.families import args_from_hf_config
+    from specdec_core.models.loader import resolve_source
+    from specdec_core.parallel import check_shardable
+
+    path = resolve_source(target.model)
+    if path.is_dir():
+        check_shardable(args_from_hf_config(json.loads((path / "config.json").read_text())), target.tensor_parallel_size)
 
 
 def build(args: dict[str, Any]) -> serve.Application:

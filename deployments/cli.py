@@ -96,7 +96,9 @@ def serving(config: Any, quiet: bool = False) -> Iterator[None]:
 
 
 def _cpus_needed(config: Any) -> float:
-    total = config.target.num_cpus * config.target.num_replicas + config.router.num_cpus * config.router.num_replicas
+    target = config.target
+    total = target.num_cpus * target.tensor_parallel_size * target.num_replicas
+    total += config.router.num_cpus * config.router.num_replicas
     if config.draft.method == "draft_model":
         total += config.draft.num_cpus * config.draft.num_replicas
     return total + 1  # Serve's controller and proxy

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specdec_core.errors import InvalidArgument
 
@@ -34,14 +34,8 @@ class TargetConfig(Placement):
     model: str  # a path, a .gguf file or a `specdec models` name
     dtype: Dtype = "bfloat16"
     device: Device = "cpu"
+    # Ranks per replica (1 = unsplit). num_cpus / num_gpus are per rank; the ranks are reserved together.
     tensor_parallel_size: int = Field(1, ge=1)
-
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _tp(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("tensor parallelism is not available yet: use 1")
-        return value
 
 
 class DraftConfig(Placement):

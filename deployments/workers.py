@@ -26,7 +26,7 @@ from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.drafters.base import DraftRequest
 from specdec_core.drafters.draft_model import DraftModelDrafter
-from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specdec_core.target import LocalTarget
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,9 @@ def rpc(method: Callable) -> Callable:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except UnknownSession as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except Unavailable as exc:
+            self._release_after_error(request)
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Exception as exc:  # a bug or a device error: never leave a half-updated cache behind
             log.exception("%s failed", method.__name__)
             self._release_after_error(request)

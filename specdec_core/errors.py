@@ -27,6 +27,14 @@ class ResourceExhausted(SpecdecError):
         self.field, self.message = field, message
 
 
+class Unavailable(SpecdecError):
+    """A part of the model (a worker, a tensor-parallel rank) could not be reached; `field` names which."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
 class ModelNotFound(SpecdecError, LookupError):
     """A model name is not in the catalog, or a path does not exist."""
 

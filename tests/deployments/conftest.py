@@ -34,13 +34,28 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def served(tiny_dir, near_draft_dir):
-    """The whole stack on one local Ray cluster for the test session: Serve's gRPC proxy, the router, one target
-    worker and two draft replicas, tiny models. Yields (address, config)."""
+def ray_cluster():
+    """The one local Ray cluster of the test session."""
     ray = pytest.importorskip("ray")
+    from deployments import registry
+
+    ray.init(num_cpus=10, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        registry.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def served(ray_cluster, tiny_dir, near_draft_dir):
+    """The whole stack on the session's Ray cluster: Serve's gRPC proxy, the router, one target worker and two
+    draft replicas, tiny models. Yields (address, config)."""
     from ray import serve
 
-    from deployments import registry
     from deployments.app import build_app, grpc_options
     from deployments.config import parse_config
 
@@ -52,12 +67,6 @@ def served(tiny_dir, near_draft_dir):
                   "num_speculative_tokens": 3, "num_cpus": 1, "num_replicas": 2, "max_sequences": 8},
         "router": {"max_seq_len": 256, "default_max_tokens": 16, "num_cpus": 0.5},
     })
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": config.http_port}, grpc_options=grpc_options(config))
-        serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
-        yield f"127.0.0.1:{config.grpc_port}", config
-    finally:
-        serve.shutdown()
-        registry.shutdown()
-        ray.shutdown()
+    serve.start(http_options={"host": "127.0.0.1", "port": config.http_port}, grpc_options=grpc_options(config))
+    serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
+    yield f"127.0.0.1:{config.grpc_port}", config

@@ -1,0 +1,144 @@
+"""A tensor-parallel target: one TargetWorker replica spanning N ranks (Ray actors in one placement group).
+
+The replica's own process is rank 0: it serves the internal gRPC service, as an unsplit target worker does. Ranks
+1..N-1 are actors it creates in the replica's placement group (one bundle per rank, reserved together by Serve).
+All ranks join one torch.distributed process group (gloo on CPU, NCCL on CUDA) and hold their shard of the model
+(`specdec_core.parallel`) and of every session's KV cache.
+
+Each call (prefill, verify, release) goes to every rank with the same arguments: the ranks run the same forward,
+meeting in its all-reduces, and then the same acceptance on the same (replicated) logits with the same uniforms,
+so their caches advance and roll back together with no further messages. Rank 0 returns its result and checks
+that the others agree. A rank that dies or stops answering fails the call with `Unavailable` and marks the
+replica unhealthy, so Serve replaces it (and the actors it owns) instead of letting requests hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import uuid
+from typing import Any, Sequence
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from specdec_core.errors import Unavailable
+from specdec_core.models.loader import load_model
+from specdec_core.parallel import shard_model
+from specdec_core.runner import ModelRunner, RunnerConfig
+from specdec_core.target import LocalTarget, PrefillItem, VerifyItem, VerifyOutcome
+
+log = logging.getLogger(__name__)
+
+RANK_NAME_PREFIX = "specdec-target-rank-"  # actor names: PREFIX<group>-<rank>, for operators and tests
+
+
+def build_sharded_target(
+    model: str, dtype: str, device: str, rank: int, world_size: int, init_method: str, runner_config: RunnerConfig,
+    timeout_s: float,
+) -> LocalTarget:
+    """Join the process group as `rank`, load `model`, keep this rank's shard, and wrap it in a `LocalTarget`."""
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    loaded = load_model(model, dtype=dtype, device=device, cpu_kernels=False)
+    shard_model(loaded.model, rank, world_size)
+    if device == "cpu" and loaded.model.embed_tokens.weight.dtype == torch.bfloat16:
+        from specdec_core.kernels.cpu import use_cpu_kernels
+
+        use_cpu_kernels(loaded.model)
+    return LocalTarget(ModelRunner(loaded.model, runner_config))
+
+
+@ray.remote
+class TargetRank:
+    """Rank r > 0 of a tensor-parallel target."""
+
+    def __init__(self, model: str, dtype: str, device: str, rank: int, world_size: int, init_method: str,
+                 runner_config: RunnerConfig, num_threads: int, timeout_s: float) -> None:
+        torch.set_num_threads(num_threads)
+        self.target = build_sharded_target(model, dtype, device, rank, world_size, init_method, runner_config,
+                                           timeout_s)
+
+    def ready(self) -> bool:
+        return True
+
+    def prefill(self, items: Sequence[PrefillItem]) -> list[int]:
+        return self.target.prefill(items)
+
+    def verify(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome]:
+        return self.target.verify(items)
+
+    def release(self, seq_id: str) -> None:
+        self.target.release(seq_id)
+
+
+class TensorParallelTarget:
+    """`Target` over N ranks: rank 0 in this process, the rest as `TargetRank` actors."""
+
+    def __init__(self, model: str, dtype: str, device: str, world_size: int, runner_config: RunnerConfig,
+                 num_cpus: float, num_gpus: float, timeout_s: float = 120.0) -> None:
+        self.timeout_s = timeout_s
+        self.world_size = world_size
+        self.healthy = True
+        init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        pg = ray.util.get_current_placement_group()
+        threads = max(1, int(num_cpus))
+        group_id = uuid.uuid4().hex[:8]
+        self.ranks = []
+        for rank in range(1, world_size):
+            strategy = None if pg is None else PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+            self.ranks.append(
+                TargetRank.options(
+                    name=f"{RANK_NAME_PREFIX}{group_id}-{rank}", num_cpus=num_cpus, num_gpus=num_gpus,
+                    scheduling_strategy=strategy,
+                ).remote(
+                    model, dtype, device, rank, world_size, init_method, runner_config, threads, timeout_s
+                )
+            )
+        # Joins the group the actors are waiting in; returns once every rank has joined.
+        self.local = build_sharded_target(model, dtype, device, 0, world_size, init_method, runner_config, timeout_s)
+        ray.get([r.ready.remote() for r in self.ranks], timeout=timeout_s)
+        self.vocab_size = self.local.vocab_size
+        self.max_seq_len = self.local.max_seq_len
+        self.runner = self.local.runner
+        log.info("tensor-parallel target ready: %d ranks", world_size)
+
+    @property
+    def free_slots(self) -> int:
+        return self.local.free_slots
+
+    def prefill(self, items: Sequence[PrefillItem]) -> list[int]:
+        return self._everywhere("prefill", items)
+
+    def verify(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome]:
+        return self._everywhere("verify", items)
+
+    def release(self, seq_id: str) -> None:
+        self.local.release(seq_id)
+        for rank in self.ranks:
+            rank.release.remote(seq_id)  # ordered before any later call to that rank
+
+    def _everywhere(self, method: str, items: Sequence[Any]) -> Any:
+        if not self.healthy:
+            raise Unavailable("target", "a tensor-parallel rank failed; the replica is being replaced")
+        pending = [getattr(rank, method).remote(list(items)) for rank in self.ranks]
+        try:
+            mine = getattr(self.local, method)(items)
+            theirs = ray.get(pending, timeout=self.timeout_s)
+        except (ray.exceptions.RayError, RuntimeError) as exc:
+            self.healthy = False
+            raise Unavailable("target", f"a tensor-parallel rank failed during {method}: {exc}") from exc
+        if any(other != mine for other in theirs):
+            self.healthy = False
+            raise Unavailable("target", f"tensor-parallel ranks disagree after {method}")
+        return mine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
