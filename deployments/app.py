@@ -18,6 +18,7 @@ from ray.serve.config import gRPCOptions
 from deployments import registry
 from deployments.config import DraftConfig, Placement, ServeConfig, TargetConfig, parse_config
 from deployments.router import RouterDeployment
+from deployments.telemetry import otel_environment, setup_tracing
 from deployments.workers import DraftServicer, TargetServicer, start_server
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.models.loader import check_tokenizers_compatible, load_model, load_tokenizer
@@ -52,6 +53,7 @@ class _Worker:
     kind = ""
 
     def _serve(self, config: ServeConfig, servicer: Any) -> None:
+        setup_tracing(f"{config.app_name}-{self.kind}")
         self.servicer = servicer
         self.server, port = start_server(servicer, port=config.worker_grpc_port)
         self.address = f"{ray.util.get_node_ip_address()}:{port}"
@@ -127,8 +129,17 @@ def _target_vocab_size(target: Any) -> int:
     return int(target.hf_config.get("vocab_size") or len(target.tokenizer))
 
 
+def _actor_options(num_cpus: float, num_gpus: float = 0.0) -> dict[str, Any]:
+    """Resources, and this process's OTEL_* settings so that every deployment exports its spans alike."""
+    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    env = otel_environment()
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    return options
+
+
 def _deployment(cls: type, name: str, placement: Placement, ranks: int = 1) -> Any:
-    resources = {"num_cpus": placement.num_cpus, "num_gpus": placement.num_gpus}
+    resources = _actor_options(placement.num_cpus, placement.num_gpus)
     options: dict[str, Any] = {}
     if ranks > 1:  # one bundle per rank, reserved together; the replica itself is rank 0, in bundle 0
         bundle = {"CPU": placement.num_cpus, **({"GPU": placement.num_gpus} if placement.num_gpus else {})}
@@ -150,7 +161,7 @@ def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
         workers.append(_deployment(DraftWorker, "DraftWorker", cfg.draft).bind(args))
     router = RouterDeployment.options(
         num_replicas=cfg.router.num_replicas,
-        ray_actor_options={"num_cpus": cfg.router.num_cpus},
+        ray_actor_options=_actor_options(cfg.router.num_cpus),
         max_ongoing_requests=cfg.router.max_ongoing_requests,
     )
     return router.bind(args, *workers)

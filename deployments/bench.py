@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import ray
 
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc as pb_grpc
@@ -116,8 +117,6 @@ def _timed(stub: Any, request: pb.GenerateRequest, mode: Mode) -> None:
 
 
 def _worker_stubs(config: Any) -> list[Any]:
-    import ray
-
     from deployments import registry
 
     reg = registry.registry()
@@ -187,3 +186,86 @@ def _offline(config: Any, prompts: Path, max_new_tokens: int, temperature: float
         "offline_speedup": offline["speedup"],
         "stack_speedup_vs_offline": stack_speedup / offline["speedup"] if offline["speedup"] else 0.0,
     }
+
+
+# -- tensor parallelism ------------------------------------------------------------------------------------------
+
+
+def register_tp(modes: Any) -> None:
+    parser = modes.add_parser("tp", help="a forward of the target split over N ranks vs unsplit (Ray actors, gloo)")
+    parser.add_argument("--model", required=True, help="path or `specdec models` name")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tensor-parallel-size", type=int, default=2)
+    parser.add_argument("--context", type=int, default=200, help="tokens already in the cache")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--json", required=True, type=Path)
+    parser.set_defaults(func=_tp_main)
+
+
+def _tp_main(args: argparse.Namespace) -> int:
+    import os
+
+    from specdec_core.bench.offline import write_report
+
+    world = args.tensor_parallel_size
+    ray.init(num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False, log_to_driver=False)
+    try:
+        cpus = os.cpu_count() or 1
+        unsplit = ray.get(_time_forwards.remote(args.model, args.dtype, 0, 1, "", cpus, args.context, args.repeats))
+        init = f"tcp://127.0.0.1:{_port()}"
+        threads = max(1, cpus // world)
+        ranks = ray.get([_time_forwards.remote(args.model, args.dtype, r, world, init, threads, args.context, args.repeats)
+                         for r in range(world)])
+    finally:
+        ray.shutdown()
+    report = {"model": args.model, "dtype": args.dtype, "tensor_parallel_size": world, "cpus": cpus,
+              "unsplit_threads": cpus, "threads_per_rank": threads, "unsplit": unsplit, "rank0": ranks[0]}
+    for t in unsplit["step_ms"]:
+        report[f"tp_over_unsplit_time_T{t}"] = ranks[0]["step_ms"][t] / unsplit["step_ms"][t]
+    write_report(report, args.json)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _port() -> int:
+    from deployments.tensor_parallel import _free_port
+
+    return _free_port()
+
+
+def _remote_time_forwards(model: str, dtype: str, rank: int, world: int, init: str, threads: int, context: int,
+                          repeats: int) -> dict[str, Any]:
+    """Per forward size T (1 = decode, 4 = verify of k = 3): best wall ms, and ms in all-reduces."""
+    import torch
+
+    from specdec_core.parallel import RowParallelLinear
+    from specdec_core.runner import ModelRunner, RunnerConfig
+
+    torch.set_num_threads(threads)
+    config = RunnerConfig(num_slots=1, max_seq_len=context + 16, max_extend=8)
+    if world == 1:
+        from specdec_core.models.loader import load_model
+
+        runner = ModelRunner(load_model(model, dtype=dtype).model, config)
+    else:
+        from deployments.tensor_parallel import build_sharded_target
+
+        runner = build_sharded_target(model, dtype, "cpu", rank, world, init, config, 600).runner
+    slot = runner.allocate()
+    runner.extend([slot], [list(range(1000, 1000 + context))])
+    step_ms, collective_ms = {}, {}
+    for T in (1, 4):
+        best, coll = float("inf"), 0.0
+        for _ in range(repeats):
+            RowParallelLinear.collective_seconds = 0.0
+            start = time.perf_counter()
+            runner.extend([slot], [list(range(500, 500 + T))], all_logits=T > 1)
+            elapsed = time.perf_counter() - start
+            runner.truncate(slot, context)
+            if elapsed < best:
+                best, coll = elapsed, RowParallelLinear.collective_seconds
+        step_ms[T], collective_ms[T] = 1000 * best, 1000 * coll
+    return {"step_ms": step_ms, "collective_ms": collective_ms}
+
+
+_time_forwards = ray.remote(num_cpus=1)(_remote_time_forwards)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 import grpc
 
 from deployments import codec
+from deployments.telemetry import RequestTracer, carrier_metadata
 from deployments.workers import GRPC_OPTIONS
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
@@ -123,10 +125,12 @@ class ReplicaPool:
                 replica.sessions.discard(session_id)
             return replica
 
-    def fan_out(self, groups: dict[str, tuple[Replica, object]], method: str) -> dict[str, object]:
+    def fan_out(self, groups: dict[str, tuple[Replica, object]], method: str,
+                metadata: dict[str, list[tuple[str, str]]] | None = None) -> dict[str, object]:
         """Send one request per replica, all at once; the responses by address. Raises on any failure."""
+        metadata = metadata or {}
         calls = {
-            address: getattr(replica.stub, method).future(request, timeout=self.timeout_s)
+            address: getattr(replica.stub, method).future(request, timeout=self.timeout_s, metadata=metadata.get(address))
             for address, (replica, request) in groups.items()
         }
         responses = {}
@@ -172,11 +176,20 @@ def _group(pool: ReplicaPool, items: Sequence[T], session_of: Callable[[T], str]
     return groups
 
 
+def _trace_metadata(tracer: RequestTracer | None, groups: dict[str, list[int]], ids: Sequence[str],
+                    rounds: bool) -> dict[str, list[tuple[str, str]]]:
+    """Per replica: the traceparent of its first sequence's span, the others as links."""
+    if tracer is None:
+        return {}
+    return {address: carrier_metadata(tracer.spans([ids[i] for i in idx], rounds)) for address, idx in groups.items()}
+
+
 class RemoteTarget:
     """`Target` over the target workers."""
 
-    def __init__(self, pool: ReplicaPool) -> None:
+    def __init__(self, pool: ReplicaPool, tracer: RequestTracer | None = None) -> None:
         self.pool = pool
+        self.tracer = tracer
         info = pool.info
         self.vocab_size = info.vocab_size
         self.max_seq_len = info.max_seq_len
@@ -194,7 +207,8 @@ class RemoteTarget:
                 address: (self.pool.replica_of(items[idx[0]].seq_id), codec.encode_prefill([items[i] for i in idx]))
                 for address, idx in groups.items()
             }
-            responses = self.pool.fan_out(requests, "Prefill")
+            metadata = _trace_metadata(self.tracer, groups, [item.seq_id for item in items], rounds=False)
+            responses = self.pool.fan_out(requests, "Prefill", metadata)
         except Exception:
             for item in items:
                 self.pool.release(item.seq_id)
@@ -206,12 +220,22 @@ class RemoteTarget:
         return first
 
     def verify(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome]:
+        ids = [item.seq_id for item in items]
+        if self.tracer is not None:
+            self.tracer.begin_round(ids)
         groups = _group(self.pool, items, lambda item: item.seq_id)
         requests = {
             address: (self.pool.replica_of(items[idx[0]].seq_id), codec.encode_verify([items[i] for i in idx]))
             for address, idx in groups.items()
         }
-        responses = self.pool.fan_out(requests, "Verify")
+        start = time.perf_counter()
+        responses = self.pool.fan_out(requests, "Verify", _trace_metadata(self.tracer, groups, ids, rounds=True))
+        if self.tracer is not None:
+            sizes = [0] * len(items)
+            for address, idx in groups.items():
+                for i, msg in zip(idx, requests[address][1].items):
+                    sizes[i] = msg.ByteSize()
+            self.tracer.add_call(ids, "verify", time.perf_counter() - start, sizes)
         outcomes: list[VerifyOutcome | None] = [None] * len(items)
         for address, idx in groups.items():
             for i, outcome in zip(idx, codec.decode_outcomes(responses[address])):
@@ -228,15 +252,19 @@ class RemoteDrafter:
 
     name = "draft_model"
 
-    def __init__(self, pool: ReplicaPool) -> None:
+    def __init__(self, pool: ReplicaPool, tracer: RequestTracer | None = None) -> None:
         self.pool = pool
+        self.tracer = tracer
         self._sent: dict[str, int] = {}  # committed tokens the worker has been told about, per session
 
     def start(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
         replica = self.pool.pin(seq_id)
         request = wpb.StartRequest(items=[wpb.StartRequest.Item(session_id=seq_id, prompt_token_ids=list(prompt_ids))])
+        metadata = {}
+        if self.tracer is not None:
+            metadata = {replica.address: carrier_metadata(self.tracer.spans([seq_id], rounds=False))}
         try:
-            self.pool.fan_out({replica.address: (replica, request)}, "Start")
+            self.pool.fan_out({replica.address: (replica, request)}, "Start", metadata)
         except Exception:
             self.pool.unpin(seq_id)
             raise
@@ -246,6 +274,9 @@ class RemoteDrafter:
         pass  # sent with the next Propose
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
+        ids = [r.seq_id for r in requests]
+        if self.tracer is not None:
+            self.tracer.begin_round(ids)
         groups = _group(self.pool, requests, lambda r: r.seq_id)
         messages = {}
         for address, idx in groups.items():
@@ -254,7 +285,14 @@ class RemoteDrafter:
                 r = requests[i]
                 message.items.append(codec.encode_propose_item(r, r.token_ids[self._sent[r.seq_id] :]))
             messages[address] = (self.pool.replica_of(requests[idx[0]].seq_id), message)
-        responses = self.pool.fan_out(messages, "Propose")
+        start = time.perf_counter()
+        responses = self.pool.fan_out(messages, "Propose", _trace_metadata(self.tracer, groups, ids, rounds=True))
+        if self.tracer is not None:
+            sizes = [0] * len(requests)
+            for address, idx in groups.items():
+                for i, msg in zip(idx, messages[address][1].items):
+                    sizes[i] = msg.ByteSize()
+            self.tracer.add_call(ids, "draft", time.perf_counter() - start, sizes)
         for r in requests:
             self._sent[r.seq_id] = len(r.token_ids)
         proposals: list[Proposal | None] = [None] * len(requests)

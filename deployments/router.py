@@ -22,6 +22,7 @@ from deployments import codec, registry
 from deployments.config import ServeConfig, parse_config
 from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool, WorkerUnavailable
 from deployments.scheduler import Scheduler
+from deployments.telemetry import RequestTracer, context_from_metadata, setup_tracing
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.drafters.ngram import NgramDrafter
@@ -67,6 +68,9 @@ class Router:
         # The worker handles are only bound so that Serve deploys the workers with the router.
         self.config: ServeConfig = parse_config(config)
         cfg = self.config
+        setup_tracing(cfg.app_name)
+        draft_name = cfg.draft.model if cfg.draft.method == "draft_model" else cfg.draft.method
+        self.tracer = RequestTracer(cfg.target.model, draft_name or "none")
         self.tokenizer = load_tokenizer(cfg.target.model)
         timeout = cfg.router.rpc_timeout_s
         target_addresses = wait_for_workers(cfg.app_name, "target", cfg.target.num_replicas, cfg.router.worker_start_timeout_s)
@@ -76,14 +80,14 @@ class Router:
         if cfg.draft.method == "draft_model":
             addresses = wait_for_workers(cfg.app_name, "draft", cfg.draft.num_replicas, cfg.router.worker_start_timeout_s)
             self.draft_pool = ReplicaPool("draft", addresses, wpb_grpc.DraftServiceStub, timeout)
-            drafter = RemoteDrafter(self.draft_pool)
+            drafter = RemoteDrafter(self.draft_pool, self.tracer)
         elif cfg.draft.method == "ngram":
             drafter = NgramDrafter(max_n=cfg.draft.ngram_max, min_n=cfg.draft.ngram_min)
         engine_config = EngineConfig(
             max_speculative_tokens=cfg.draft.max_speculative_tokens,
             num_speculative_tokens=cfg.draft.num_speculative_tokens,
         )
-        target = RemoteTarget(self.target_pool)
+        target = RemoteTarget(self.target_pool, self.tracer)
         self.max_seq_len = min(cfg.router.max_seq_len, target.max_seq_len)
         engine = SpecEngine(target, drafter, self.tokenizer.tokenizer, self.tokenizer.eos_token_ids, engine_config)
         self.scheduler = Scheduler(engine)
@@ -148,10 +152,17 @@ class Router:
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         session_id = f"{self._tag}-{uuid.uuid4().hex[:16]}"  # unique across routers: workers key caches by it
-        self.scheduler.submit(
-            session_id, prompt_ids, call.params, call.num_speculative_tokens,
-            lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
-        )
+        parent, _ = context_from_metadata(grpc_context.invocation_metadata() or ())  # a client's traceparent
+        self.tracer.start_request(session_id, call.params, parent, request_id)
+
+        def deliver(item: Any) -> None:  # on the engine thread
+            if isinstance(item, Exception):
+                self.tracer.abandon(session_id, item)
+            else:
+                self.tracer.observe(session_id, item)
+            loop.call_soon_threadsafe(inbox.put_nowait, item)
+
+        self.scheduler.submit(session_id, prompt_ids, call.params, call.num_speculative_tokens, deliver)
         finished = False
         try:
             while not finished:

@@ -20,8 +20,10 @@ from typing import Any, Callable, Iterable
 
 import grpc
 import torch
+from opentelemetry.trace import SpanKind
 
 from deployments import codec
+from deployments.telemetry import context_from_metadata, tracer
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.drafters.base import DraftRequest
@@ -43,34 +45,44 @@ class UnknownSession(LookupError):
 
 
 def rpc(method: Callable) -> Callable:
-    """Run a servicer method under the worker's lock; map engine errors onto gRPC status codes."""
+    """Serve a method in a span joined to the caller's trace (W3C traceparent in the call's metadata)."""
 
     @functools.wraps(method)
     def wrapper(self: "_SessionWorker", request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            with self._lock:
-                start = time.perf_counter()
-                response = method(self, request)
-                self.calls += 1
-                self.busy_seconds += time.perf_counter() - start
-                self.bytes_received += request.ByteSize()
-                self.bytes_sent += response.ByteSize()
-                return response
-        except InvalidArgument as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except ResourceExhausted as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except UnknownSession as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except Unavailable as exc:
-            self._release_after_error(request)
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except Exception as exc:  # a bug or a device error: never leave a half-updated cache behind
-            log.exception("%s failed", method.__name__)
-            self._release_after_error(request)
-            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed: {type(exc).__name__}: {exc}")
+        parent, links = context_from_metadata(context.invocation_metadata() or ())
+        attributes = {"specdec.worker": self.kind, "specdec.model": self.model_name,
+                      "specdec.batch_size": len(getattr(request, "items", ()))}
+        with tracer().start_as_current_span(f"specdec.{self.kind}.{method.__name__}", context=parent, links=links,
+                                            kind=SpanKind.SERVER, attributes=attributes):
+            return _call(self, method, request, context)
 
     return wrapper
+
+
+def _call(self: "_SessionWorker", method: Callable, request: Any, context: grpc.ServicerContext) -> Any:
+    """The call under the worker's lock, with its counters; engine errors as gRPC status codes."""
+    try:
+        with self._lock:
+            start = time.perf_counter()
+            response = method(self, request)
+            self.calls += 1
+            self.busy_seconds += time.perf_counter() - start
+            self.bytes_received += request.ByteSize()
+            self.bytes_sent += response.ByteSize()
+            return response
+    except InvalidArgument as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except ResourceExhausted as exc:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    except UnknownSession as exc:
+        context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+    except Unavailable as exc:
+        self._release_after_error(request)
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    except Exception as exc:  # a bug or a device error: never leave a half-updated cache behind
+        log.exception("%s failed", method.__name__)
+        self._release_after_error(request)
+        context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed: {type(exc).__name__}: {exc}")
 
 
 class _SessionWorker:
@@ -155,6 +167,7 @@ class _SessionWorker:
 
 
 class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
+    kind = "target"
     def __init__(self, target: LocalTarget, model_name: str, idle_timeout_s: float = 300.0) -> None:
         super().__init__(model_name, idle_timeout_s)
         self.target = target
@@ -190,6 +203,8 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
 
 class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
     """A draft model's sessions: the committed tokens it has been told about, and its cache."""
+
+    kind = "draft"
 
     def __init__(self, drafter: DraftModelDrafter, model_name: str, idle_timeout_s: float = 300.0) -> None:
         super().__init__(model_name, idle_timeout_s)

@@ -22,6 +22,8 @@ Apply `shard_model` to a freshly loaded model *before* `kernels.cpu.use_cpu_kern
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -33,6 +35,8 @@ from specdec_core.models.transformer import ModelArgs, Transformer
 class RowParallelLinear(nn.Module):
     """A linear layer holding a slice of the input features; the ranks' partial outputs are summed."""
 
+    collective_seconds = 0.0  # wall time in all-reduces, all layers of this process (read by benchmarks)
+
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.linear = linear
@@ -40,7 +44,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
+        start = time.perf_counter()
         dist.all_reduce(y, group=self.group)
+        RowParallelLinear.collective_seconds += time.perf_counter() - start
         return y
 
 

@@ -37,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     except ImportError:
         return
     serve_bench.register(modes)
+    serve_bench.register_tp(modes)
 
 
 def _offline(args: argparse.Namespace) -> int:
