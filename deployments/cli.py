@@ -34,6 +34,14 @@ def register(sub: Any) -> None:
     gen.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
     gen.set_defaults(func=generate_main)
 
+    proposals = sub.add_parser("proposals", help="the proposal log (config: proposal_log)")
+    actions = proposals.add_subparsers(dest="proposals_command", required=True)
+    stats = actions.add_parser("stats", help="acceptance by draft position and the mismatch rate over time")
+    stats.add_argument("files", nargs="+", help="proposals.jsonl files (rotated ones too)")
+    stats.add_argument("--bucket-seconds", type=float, default=60.0, help="time bucket for the mismatch rate")
+    stats.add_argument("--json", action="store_true", help="print the summary as JSON")
+    stats.set_defaults(func=proposals_stats_main)
+
 
 # -- serve -------------------------------------------------------------------------------------------------------
 
@@ -102,6 +110,19 @@ def _cpus_needed(config: Any) -> float:
     if config.draft.method == "draft_model":
         total += config.draft.num_cpus * config.draft.num_replicas
     return total + 1  # Serve's controller and proxy
+
+
+# -- proposals ---------------------------------------------------------------------------------------------------
+
+
+def proposals_stats_main(args: argparse.Namespace) -> int:
+    import json
+
+    from deployments.proposals import format_summary, read_records, summarize
+
+    summary = summarize(read_records(args.files), args.bucket_seconds)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 0
 
 
 # -- generate ----------------------------------------------------------------------------------------------------

@@ -70,6 +70,15 @@ class RouterConfig(_Strict):
     worker_start_timeout_s: float = Field(900.0, gt=0)  # how long a router waits for workers to come up
 
 
+class ProposalLogConfig(_Strict):
+    """Opt-in: one JSON line per round of a sample of requests (token ids only, never prompt text)."""
+
+    directory: str
+    sample_rate: float = Field(0.1, gt=0, le=1)  # fraction of requests logged
+    max_bytes: int = Field(64 * 1024 * 1024, ge=1024)  # per file before rotating
+    backup_count: int = Field(5, ge=0)
+
+
 class ServeConfig(_Strict):
     app_name: str = "specdec"
     grpc_port: int = Field(9000, ge=1, le=65535)
@@ -79,6 +88,7 @@ class ServeConfig(_Strict):
     target: TargetConfig
     draft: DraftConfig = DraftConfig(method="none")
     router: RouterConfig = RouterConfig()
+    proposal_log: ProposalLogConfig | None = None
 
 
 def parse_config(data: Any) -> ServeConfig:

@@ -20,6 +20,7 @@ from ray import serve
 
 from deployments import codec, registry
 from deployments.config import ServeConfig, parse_config
+from deployments.proposals import ProposalLog
 from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool, WorkerUnavailable
 from deployments.scheduler import Scheduler
 from deployments.telemetry import RequestTracer, context_from_metadata, setup_tracing
@@ -90,6 +91,11 @@ class Router:
         target = RemoteTarget(self.target_pool, self.tracer)
         self.max_seq_len = min(cfg.router.max_seq_len, target.max_seq_len)
         engine = SpecEngine(target, drafter, self.tokenizer.tokenizer, self.tokenizer.eos_token_ids, engine_config)
+        self.proposals = None
+        if cfg.proposal_log is not None:
+            log_cfg = cfg.proposal_log
+            self.proposals = ProposalLog(log_cfg.directory, log_cfg.sample_rate, cfg.target.model, draft_name or "none",
+                                         log_cfg.max_bytes, log_cfg.backup_count)
         self.scheduler = Scheduler(engine)
         self._tag = uuid.uuid4().hex[:8]
         self._refresher = threading.Thread(target=self._follow_workers, name="follow-workers", daemon=True)
@@ -154,12 +160,16 @@ class Router:
         session_id = f"{self._tag}-{uuid.uuid4().hex[:16]}"  # unique across routers: workers key caches by it
         parent, _ = context_from_metadata(grpc_context.invocation_metadata() or ())  # a client's traceparent
         self.tracer.start_request(session_id, call.params, parent, request_id)
+        if self.proposals is not None:
+            self.proposals.start(session_id, request_id)
 
         def deliver(item: Any) -> None:  # on the engine thread
             if isinstance(item, Exception):
                 self.tracer.abandon(session_id, item)
             else:
                 self.tracer.observe(session_id, item)
+                if self.proposals is not None:
+                    self.proposals.observe(session_id, item)
             loop.call_soon_threadsafe(inbox.put_nowait, item)
 
         self.scheduler.submit(session_id, prompt_ids, call.params, call.num_speculative_tokens, deliver)
@@ -199,6 +209,9 @@ class Router:
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:
             scheduler.close()
+        proposals = getattr(self, "proposals", None)
+        if proposals is not None:
+            proposals.close()
 
 
 RouterDeployment = serve.deployment(Router, name="Router")

@@ -1,0 +1,128 @@
+"""The proposal log: one JSON line per round of sampled requests, tying each proposal to what the target kept.
+
+It is the data for distilling a better draft and for watching acceptance drift. Opt-in (`proposal_log` in the
+config), sampled per request, and written off the round's path: the engine thread only puts a record on a
+queue; a `logging.handlers.QueueListener` thread writes it to rotating files. No prompt text is ever written;
+token ids of the proposals only.
+
+Record: {"ts": unix seconds, "request_id", "round": index, "position": output tokens before the round, "k",
+"proposed": [token ids], "accepted": count, "bonus": bool, "target": model, "draft": model}.
+
+`specdec proposals stats FILE...` summarises acceptance by draft position and the mismatch rate over time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import logging.handlers
+import queue
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+from specdec_core.engine import RequestOutput
+
+
+class ProposalLog:
+    def __init__(self, directory: str | Path, sample_rate: float, target: str, draft: str,
+                 max_bytes: int = 64 * 1024 * 1024, backup_count: int = 5) -> None:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.sample_rate = sample_rate
+        self._models = {"target": target, "draft": draft}
+        handler = logging.handlers.RotatingFileHandler(path / "proposals.jsonl", maxBytes=max_bytes,
+                                                       backupCount=backup_count, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._listener = logging.handlers.QueueListener(self._queue, handler)
+        self._listener.start()
+        self._logger = logging.Logger(f"specdec.proposals.{id(self)}")  # not in the logging tree: no propagation
+        self._logger.addHandler(logging.handlers.QueueHandler(self._queue))
+        self._sampled: dict[str, tuple[str, int]] = {}  # session -> (request id, rounds logged)
+
+    def start(self, session_id: str, request_id: str) -> None:
+        if random.random() < self.sample_rate:
+            self._sampled[session_id] = (request_id, 0)
+
+    def observe(self, session_id: str, output: RequestOutput) -> None:
+        """Called on the engine thread for each output: queue a record for a sampled request's round."""
+        entry = self._sampled.get(session_id)
+        if entry is None:
+            return
+        request_id, index = entry
+        info = output.round
+        if info is not None and info.k > 0:
+            record = {
+                "ts": round(time.time(), 3),
+                "request_id": request_id,
+                "round": index,
+                "position": output.num_output_tokens - len(output.new_token_ids),
+                "k": info.k,
+                "proposed": list(info.proposed_token_ids),
+                "accepted": info.num_accepted,
+                "bonus": info.bonus,
+                **self._models,
+            }
+            self._logger.info(json.dumps(record, separators=(",", ":")))
+            self._sampled[session_id] = (request_id, index + 1)
+        if output.finished:
+            self._sampled.pop(session_id, None)
+
+    def close(self) -> None:
+        self._listener.stop()  # writes what is queued
+
+
+def read_records(paths: Iterable[str | Path]) -> Iterable[dict[str, Any]]:
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)
+
+
+def summarize(records: Iterable[dict[str, Any]], bucket_s: float = 60.0) -> dict[str, Any]:
+    """Acceptance by draft position (the i-th proposed token is accepted iff accepted > i), overall, and the
+    mismatch rate (1 - acceptance) per time bucket."""
+    by_position: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # position -> [accepted, proposed]
+    by_time: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    rounds = proposed = accepted = 0
+    requests = set()
+    for r in records:
+        n, a = len(r["proposed"]), min(r["accepted"], len(r["proposed"]))
+        rounds += 1
+        proposed += n
+        accepted += a
+        requests.add(r["request_id"])
+        for i in range(n):
+            by_position[i][1] += 1
+            by_position[i][0] += int(i < a)
+        bucket = int(r["ts"] // bucket_s)
+        by_time[bucket][0] += a
+        by_time[bucket][1] += n
+    return {
+        "requests": len(requests),
+        "rounds": rounds,
+        "proposed": proposed,
+        "accepted": accepted,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "acceptance_by_position": {i: a / p for i, (a, p) in sorted(by_position.items())},
+        "mismatch_rate_over_time": [
+            {"start": b * bucket_s, "mismatch_rate": 1 - a / p, "proposed": p} for b, (a, p) in sorted(by_time.items()) if p
+        ],
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [
+        f"requests {summary['requests']}, rounds {summary['rounds']}, proposed {summary['proposed']}, "
+        f"accepted {summary['accepted']} ({summary['acceptance_rate']:.1%})",
+        "acceptance by draft position:",
+        *(f"  {i + 1:>3}: {rate:.1%}" for i, rate in summary["acceptance_by_position"].items()),
+        "mismatch rate over time:",
+        *(f"  {time.strftime('%Y-%m-%d %H:%M', time.gmtime(row['start']))}  {row['mismatch_rate']:.1%}  "
+          f"({row['proposed']} proposed)" for row in summary["mismatch_rate_over_time"]),
+    ]
+    return "\n".join(lines)
