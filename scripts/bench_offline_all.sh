@@ -20,6 +20,3 @@ $specdec bench offline "${common[@]}" --ngram --compare-hf --prompt-lookup-num-t
 # Sampling at temperature 0.7, against transformers' assisted sampling.
 $specdec bench offline "${common[@]}" --draft $draft --draft-quantization int8 --compare-hf \
   --prompts benchmarks/prompts/code.jsonl --max-new-tokens 96 --temperature 0.7 --seed 0 --json "$out/t07_int8_draft.json"
-# Greedy with the draft in bf16 as well (both models bf16).
-$specdec bench offline "${common[@]}" --draft $draft --draft-quantization none \
-  --prompts benchmarks/prompts/code.jsonl --max-new-tokens 96 --temperature 0 --json "$out/greedy_bf16_draft.json"
