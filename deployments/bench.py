@@ -269,3 +269,94 @@ def _remote_time_forwards(model: str, dtype: str, rank: int, world: int, init: s
 
 
 _time_forwards = ray.remote(num_cpus=1)(_remote_time_forwards)
+
+
+# -- tracing overhead ----------------------------------------------------------------------------------------------
+
+
+def register_tracing(modes: Any) -> None:
+    parser = modes.add_parser("tracing", help="served throughput with every span recorded and exported vs none, side by side")
+    parser.add_argument("config", type=Path, help="the serving config to deploy")
+    parser.add_argument("--prompts", required=True, type=Path, help='JSONL, one {"prompt": "..."} per line')
+    parser.add_argument("--max-new-tokens", required=True, type=int)
+    parser.add_argument("--json", required=True, type=Path)
+    parser.set_defaults(func=_tracing_main)
+
+
+def _tracing_main(args: argparse.Namespace) -> int:
+    from specdec_core.bench.offline import write_report
+
+    report = run_tracing_bench(args.config, args.prompts, args.max_new_tokens)
+    write_report(report, args.json)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+class _SpanCounter:
+    """An OTLP TraceService receiver that counts what arrives."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+        self.spans = 0
+        counter = self
+
+        class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:
+                from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+                counter.spans += sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        from concurrent import futures
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+
+def run_tracing_bench(config_path: Path, prompts_path: Path, max_new_tokens: int) -> dict[str, Any]:
+    """Every request traced (a sampled client traceparent, the parent-based sampler follows it) or none (an unsampled
+    one), alternating on one deployment that exports to a local OTLP receiver."""
+    import os
+    import secrets
+
+    from deployments.cli import serving
+    from deployments.config import load_config
+    from specdec_core.bench.offline import read_prompts
+
+    config = load_config(config_path)
+    texts = read_prompts(prompts_path)
+    receiver = _SpanCounter()
+    os.environ.update({
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
+        "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+    })
+    traced, untraced = Mode(), Mode()
+    with serving(config, quiet=True), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        _stream(stub, _request(texts[0], 8, 0.0, 0, None))
+        for i, text in enumerate(texts):
+            runs = [("01", traced), ("00", untraced)]
+            for flags, mode in runs if i % 2 == 0 else runs[::-1]:
+                parent = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-{flags}"
+                start = time.perf_counter()
+                chunks = list(stub.GenerateStream(_request(text, max_new_tokens, 0.0, 0, None), timeout=3600,
+                                                  metadata=[("traceparent", parent)]))
+                mode.seconds += time.perf_counter() - start
+                mode.tokens += sum(len(c.token_ids) for c in chunks)
+                mode.rounds += chunks[-1].speculation.rounds
+        time.sleep(6)  # the batch processors' export interval (5 s) before the deployments go away
+    receiver.server.stop(0)
+    return {
+        "config": str(config_path),
+        "num_prompts": len(texts),
+        "max_new_tokens": max_new_tokens,
+        "traced_tokens_per_s": traced.tokens_per_s(),
+        "untraced_tokens_per_s": untraced.tokens_per_s(),
+        "tracing_cost": 1 - traced.tokens_per_s() / untraced.tokens_per_s() if untraced.tokens_per_s() else 0.0,
+        "traced_rounds": traced.rounds,
+        "spans_received": receiver.spans,
+    }

@@ -20,6 +20,7 @@ from ray import serve
 
 from deployments import codec, registry
 from deployments.config import ServeConfig, parse_config
+from deployments.metrics import ServingMetrics
 from deployments.proposals import ProposalLog
 from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool, WorkerUnavailable
 from deployments.scheduler import Scheduler
@@ -72,6 +73,7 @@ class Router:
         setup_tracing(cfg.app_name)
         draft_name = cfg.draft.model if cfg.draft.method == "draft_model" else cfg.draft.method
         self.tracer = RequestTracer(cfg.target.model, draft_name or "none")
+        self.metrics = ServingMetrics(cfg.target.model, draft_name or "none")
         self.tokenizer = load_tokenizer(cfg.target.model)
         timeout = cfg.router.rpc_timeout_s
         target_addresses = wait_for_workers(cfg.app_name, "target", cfg.target.num_replicas, cfg.router.worker_start_timeout_s)
@@ -162,12 +164,15 @@ class Router:
         self.tracer.start_request(session_id, call.params, parent, request_id)
         if self.proposals is not None:
             self.proposals.start(session_id, request_id)
+        speculating = self.config.draft.method != "none" and call.num_speculative_tokens != 0
+        times = [time.monotonic(), None]  # start, first token
 
         def deliver(item: Any) -> None:  # on the engine thread
             if isinstance(item, Exception):
                 self.tracer.abandon(session_id, item)
             else:
                 self.tracer.observe(session_id, item)
+                self._measure(item, speculating, times)
                 if self.proposals is not None:
                     self.proposals.observe(session_id, item)
             loop.call_soon_threadsafe(inbox.put_nowait, item)
@@ -188,6 +193,17 @@ class Router:
         finally:
             if not finished:
                 self.scheduler.cancel(session_id)
+
+    def _measure(self, output: RequestOutput, speculating: bool, times: list) -> None:
+        if times[1] is None and output.new_token_ids:
+            times[1] = time.monotonic()
+        if output.round is not None:
+            self.metrics.round(output.round.k, output.round.num_accepted, speculating)
+        if output.finished:
+            self.metrics.finished(output, times[0], times[1])
+        self.metrics.slots_in_use("target", sum(len(r.sessions) for r in self.target_pool.replicas))
+        if self.draft_pool is not None:
+            self.metrics.slots_in_use("draft", sum(len(r.sessions) for r in self.draft_pool.replicas))
 
     def _prompt_ids(self, prompt: codec.Prompt) -> list[int]:
         if prompt.token_ids is not None:

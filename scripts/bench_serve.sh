@@ -12,3 +12,6 @@ $specdec bench serve deployments/configs/demo_cpu.yaml --prompts benchmarks/prom
   --max-new-tokens 96 --temperature 0 --compare-offline --json "$out/serve_greedy_int8_draft.json"
 # Tensor parallelism on this CPU: the 1.5B target unsplit vs over 2 ranks (gloo), one forward, and the all-reduce time.
 $specdec bench tp --model qwen2.5-coder-1.5b-instruct --tensor-parallel-size 2 --json "$out/tp2_cpu.json"
+# Tracing's cost: every request traced and exported (OTLP to a local receiver) vs none, alternating, one deployment.
+$specdec bench tracing deployments/configs/demo_cpu.yaml --prompts benchmarks/prompts/code.jsonl \
+  --max-new-tokens 96 --json "$out/tracing_cost.json"

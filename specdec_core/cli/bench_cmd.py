@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         return
     serve_bench.register(modes)
     serve_bench.register_tp(modes)
+    serve_bench.register_tracing(modes)
 
 
 def _offline(args: argparse.Namespace) -> int:

@@ -182,3 +182,23 @@ def test_specdec_generate_prints_the_text_and_the_stats(served, stub):
                                             speculation=pb.SpeculationOptions(num_speculative_tokens=2)), timeout=60)
     assert result.stdout.rstrip("\n") == want.text.rstrip("\n")
     assert "proposed" in result.stderr and "accepted" in result.stderr
+
+
+def test_metrics_reach_the_prometheus_endpoint(stub, ray_cluster):
+    import urllib.request
+
+    for _ in range(2):
+        stub.Generate(request(list(range(30, 50)), k=3, max_tokens=12, ignore_eos=True), timeout=120)
+    port = next(n["MetricsExportPort"] for n in ray_cluster.nodes() if n["Alive"])
+    wanted = ("ray_specdec_acceptance_rate_bucket", "ray_gen_ai_server_time_to_first_token_bucket",
+              "ray_specdec_requests", "ray_specdec_accepted_tokens_per_round_bucket")
+    deadline = time.monotonic() + 60
+    text = ""
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        if all(name in text for name in wanted):
+            break
+        time.sleep(2)
+    missing = [name for name in wanted if name not in text]
+    assert not missing, f"not exported: {missing}"
+    assert 'finish_reason="length"' in text

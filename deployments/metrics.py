@@ -1,0 +1,63 @@
+"""The router's metrics, exported through Ray's metrics pipeline (Prometheus format, prefixed `ray_`).
+
+Latency histograms are named after OpenTelemetry's gen_ai.server.* metrics; what is particular to speculative
+decoding is under specdec_*. Every series carries the model pair (`target`, `draft`) so that pairs compare.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+_LATENCY_S = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120]
+_PER_TOKEN_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2]
+_RATE = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+_TOKENS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16]
+_PAIR = ("target", "draft")
+
+
+class ServingMetrics:
+    def __init__(self, target: str, draft: str) -> None:
+        self._tags = {"target": target, "draft": draft}
+        self.requests = Counter("specdec_requests", "Requests by finish reason.", tag_keys=(*_PAIR, "finish_reason"))
+        self.ttft = Histogram("gen_ai_server_time_to_first_token", "Seconds to the first output token.",
+                              boundaries=_LATENCY_S, tag_keys=_PAIR)
+        self.tpot = Histogram("gen_ai_server_time_per_output_token", "Seconds per output token after the first.",
+                              boundaries=_PER_TOKEN_S, tag_keys=_PAIR)
+        self.duration = Histogram("gen_ai_server_request_duration", "Seconds per request.", boundaries=_LATENCY_S,
+                                  tag_keys=_PAIR)
+        self.acceptance = Histogram("specdec_acceptance_rate", "Accepted / proposed draft tokens per request.",
+                                    boundaries=_RATE, tag_keys=_PAIR)
+        self.accepted_per_round = Histogram("specdec_accepted_tokens_per_round", "Draft tokens accepted per round.",
+                                            boundaries=[0.5, *_TOKENS], tag_keys=_PAIR)
+        self.k = Histogram("specdec_speculation_length", "k chosen per round.", boundaries=[0.5, *_TOKENS], tag_keys=_PAIR)
+        self.fallbacks = Counter("specdec_target_only_rounds", "Rounds run without drafts while speculation is on.",
+                                 tag_keys=_PAIR)
+        self.slots = Gauge("specdec_kv_slots_in_use", "Sessions this router holds in the workers' KV caches.",
+                           tag_keys=(*_PAIR, "worker"))
+        for metric in (self.requests, self.ttft, self.tpot, self.duration, self.acceptance, self.accepted_per_round,
+                       self.k, self.fallbacks, self.slots):
+            metric.set_default_tags(self._tags)
+
+    def round(self, k: int, accepted: int, speculating: bool) -> None:
+        self.k.observe(k)
+        if k > 0:
+            self.accepted_per_round.observe(accepted)
+        elif speculating:
+            self.fallbacks.inc()
+
+    def finished(self, output: Any, start: float, first_token: float | None) -> None:
+        now = time.monotonic()
+        self.requests.inc(tags={"finish_reason": output.finish_reason.value})
+        self.duration.observe(now - start)
+        if first_token is not None:
+            self.ttft.observe(first_token - start)
+            if output.num_output_tokens > 1:
+                self.tpot.observe((now - first_token) / (output.num_output_tokens - 1))
+        if output.stats.proposed:
+            self.acceptance.observe(output.stats.accepted / output.stats.proposed)
+
+    def slots_in_use(self, worker: str, count: int) -> None:
+        self.slots.set(count, tags={"worker": worker})
