@@ -92,7 +92,8 @@ class TargetWorker(_Worker):
             from deployments.tensor_parallel import TensorParallelTarget
 
             target: Any = TensorParallelTarget(t.model, t.dtype, t.device, t.tensor_parallel_size,
-                                               _runner_config(cfg, t), t.num_cpus, t.num_gpus, cfg.router.rpc_timeout_s)
+                                               _runner_config(cfg, t), t.num_cpus, t.num_gpus, cfg.router.rpc_timeout_s,
+                                               t.resources)
         else:
             loaded = load_model(t.model, dtype=t.dtype, device=t.device)
             target = LocalTarget(ModelRunner(loaded.model, _runner_config(cfg, t)))
@@ -129,9 +130,11 @@ def _target_vocab_size(target: Any) -> int:
     return int(target.hf_config.get("vocab_size") or len(target.tokenizer))
 
 
-def _actor_options(num_cpus: float, num_gpus: float = 0.0) -> dict[str, Any]:
+def _actor_options(num_cpus: float, num_gpus: float = 0.0, resources: dict[str, float] | None = None) -> dict[str, Any]:
     """Resources, and this process's OTEL_* settings so that every deployment exports its spans alike."""
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    if resources:
+        options["resources"] = dict(resources)
     env = otel_environment()
     if env:
         options["runtime_env"] = {"env_vars": env}
@@ -139,10 +142,11 @@ def _actor_options(num_cpus: float, num_gpus: float = 0.0) -> dict[str, Any]:
 
 
 def _deployment(cls: type, name: str, placement: Placement, ranks: int = 1) -> Any:
-    resources = _actor_options(placement.num_cpus, placement.num_gpus)
+    resources = _actor_options(placement.num_cpus, placement.num_gpus, placement.resources)
     options: dict[str, Any] = {}
     if ranks > 1:  # one bundle per rank, reserved together; the replica itself is rank 0, in bundle 0
-        bundle = {"CPU": placement.num_cpus, **({"GPU": placement.num_gpus} if placement.num_gpus else {})}
+        bundle = {"CPU": placement.num_cpus, **({"GPU": placement.num_gpus} if placement.num_gpus else {}),
+                  **placement.resources}
         options = {"placement_group_bundles": [bundle] * ranks,
                    "placement_group_strategy": "STRICT_PACK" if placement.num_gpus else "PACK"}
     return serve.deployment(cls, name=name).options(
@@ -159,10 +163,13 @@ def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
     workers = [_deployment(TargetWorker, "TargetWorker", cfg.target, cfg.target.tensor_parallel_size).bind(args)]
     if cfg.draft.method == "draft_model":
         workers.append(_deployment(DraftWorker, "DraftWorker", cfg.draft).bind(args))
+    scaling: dict[str, Any] = {"num_replicas": cfg.router.num_replicas}
+    if cfg.router.autoscaling is not None:
+        scaling = {"autoscaling_config": cfg.router.autoscaling.model_dump()}
     router = RouterDeployment.options(
-        num_replicas=cfg.router.num_replicas,
         ray_actor_options=_actor_options(cfg.router.num_cpus),
         max_ongoing_requests=cfg.router.max_ongoing_requests,
+        **scaling,
     )
     return router.bind(args, *workers)
 

@@ -28,6 +28,8 @@ class Placement(_Strict):
     num_cpus: float = Field(1.0, ge=0)  # also the worker's torch threads (at least 1)
     num_gpus: float = Field(0.0, ge=0)
     max_sequences: int = Field(8, ge=1)  # KV cache slots per replica: sessions it can hold at once
+    # Custom Ray resources, e.g. {"target_gpu": 1} to land on a worker group started with that resource.
+    resources: dict[str, float] = Field(default_factory=dict)
 
 
 class TargetConfig(Placement):
@@ -60,8 +62,24 @@ class DraftConfig(Placement):
         return self
 
 
+class Autoscaling(_Strict):
+    """Serve autoscaling of the router by its ongoing requests (new replicas may need new nodes: in-tree Ray
+    autoscaling adds them on KubeRay)."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(32, gt=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> "Autoscaling":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        return self
+
+
 class RouterConfig(_Strict):
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1)  # ignored when autoscaling is set
+    autoscaling: Autoscaling | None = None
     num_cpus: float = Field(0.5, ge=0)
     max_seq_len: int = Field(2048, ge=16)  # prompt plus output tokens per request
     default_max_tokens: int = Field(256, ge=1)  # when a request does not say

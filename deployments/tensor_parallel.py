@@ -80,7 +80,8 @@ class TensorParallelTarget:
     """`Target` over N ranks: rank 0 in this process, the rest as `TargetRank` actors."""
 
     def __init__(self, model: str, dtype: str, device: str, world_size: int, runner_config: RunnerConfig,
-                 num_cpus: float, num_gpus: float, timeout_s: float = 120.0) -> None:
+                 num_cpus: float, num_gpus: float, timeout_s: float = 120.0,
+                 resources: dict[str, float] | None = None) -> None:
         self.timeout_s = timeout_s
         self.world_size = world_size
         self.healthy = True
@@ -94,6 +95,7 @@ class TensorParallelTarget:
             self.ranks.append(
                 TargetRank.options(
                     name=f"{RANK_NAME_PREFIX}{group_id}-{rank}", num_cpus=num_cpus, num_gpus=num_gpus,
+                    resources=dict(resources or {}),
                     scheduling_strategy=strategy,
                 ).remote(
                     model, dtype, device, rank, world_size, init_method, runner_config, threads, timeout_s
