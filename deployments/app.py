@@ -16,7 +16,7 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 
 from deployments import registry
-from deployments.config import DraftConfig, Placement, ServeConfig, TargetConfig, parse_config
+from deployments.config import Placement, ServeConfig, TargetConfig, parse_config
 from deployments.router import RouterDeployment
 from deployments.telemetry import otel_environment, setup_tracing
 from deployments.workers import DraftServicer, TargetServicer, start_server
@@ -191,5 +191,3 @@ def build(args: dict[str, Any]) -> serve.Application:
     """Serve's application builder: `import_path: deployments.app:build` with the specdec config as `args`."""
     return build_app(args)
 
-
-__all__ = ["build", "build_app", "grpc_options", "DraftConfig", "TargetConfig"]
