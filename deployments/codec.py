@@ -7,7 +7,7 @@ into INVALID_ARGUMENT. Nothing else in the service touches a message's fields.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -68,19 +68,24 @@ def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> Gen
     )
 
 
-def decode_sampling(sampling: pb.SamplingParams, default_max_tokens: int) -> SamplingParams:
+def _sampling(**values: Any) -> SamplingParams:
+    """SamplingParams whose validation errors name the request field (`sampling.<name>`)."""
     try:
-        return SamplingParams(
-            temperature=float(sampling.temperature),
-            top_p=float(sampling.top_p) if sampling.HasField("top_p") else 1.0,
-            top_k=int(sampling.top_k),
-            seed=int(sampling.seed) if sampling.HasField("seed") else None,
-            max_tokens=int(sampling.max_tokens) if sampling.HasField("max_tokens") else default_max_tokens,
-            stop=tuple(sampling.stop),
-            ignore_eos=sampling.ignore_eos,
-        )
+        return SamplingParams(**values)
     except InvalidArgument as exc:
         raise InvalidArgument(f"sampling.{exc.field}", exc.message) from None
+
+
+def decode_sampling(sampling: pb.SamplingParams, default_max_tokens: int) -> SamplingParams:
+    return _sampling(
+        temperature=float(sampling.temperature),
+        top_p=float(sampling.top_p) if sampling.HasField("top_p") else 1.0,
+        top_k=int(sampling.top_k),
+        seed=int(sampling.seed) if sampling.HasField("seed") else None,
+        max_tokens=int(sampling.max_tokens) if sampling.HasField("max_tokens") else default_max_tokens,
+        stop=tuple(sampling.stop),
+        ignore_eos=sampling.ignore_eos,
+    )
 
 
 def decode_speculation(options: pb.SpeculationOptions) -> int | str | None:
@@ -127,10 +132,7 @@ def encode_token_sampling(params: SamplingParams) -> wpb.TokenSampling:
 
 def decode_token_sampling(sampling: wpb.TokenSampling) -> SamplingParams:
     """The shaping part of a request's settings (all a worker needs); the rest keeps its defaults."""
-    try:
-        return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p or 1.0, top_k=sampling.top_k)
-    except InvalidArgument as exc:
-        raise InvalidArgument(f"sampling.{exc.field}", exc.message) from None
+    return _sampling(temperature=sampling.temperature, top_p=sampling.top_p or 1.0, top_k=sampling.top_k)
 
 
 def encode_distribution(q: torch.Tensor) -> wpb.SparseDistribution:  # q: [V]

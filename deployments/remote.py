@@ -176,6 +176,15 @@ def _group(pool: ReplicaPool, items: Sequence[T], session_of: Callable[[T], str]
     return groups
 
 
+def _item_sizes(groups: dict[str, list[int]], requests: dict[str, tuple[Replica, object]], n: int) -> list[int]:
+    """Serialized bytes of each sequence's item in the batched requests (in the caller's order)."""
+    sizes = [0] * n
+    for address, idx in groups.items():
+        for i, item in zip(idx, requests[address][1].items):
+            sizes[i] = item.ByteSize()
+    return sizes
+
+
 def _trace_metadata(tracer: RequestTracer | None, groups: dict[str, list[int]], ids: Sequence[str],
                     rounds: bool) -> dict[str, list[tuple[str, str]]]:
     """Per replica: the traceparent of its first sequence's span, the others as links."""
@@ -231,11 +240,7 @@ class RemoteTarget:
         start = time.perf_counter()
         responses = self.pool.fan_out(requests, "Verify", _trace_metadata(self.tracer, groups, ids, rounds=True))
         if self.tracer is not None:
-            sizes = [0] * len(items)
-            for address, idx in groups.items():
-                for i, msg in zip(idx, requests[address][1].items):
-                    sizes[i] = msg.ByteSize()
-            self.tracer.add_call(ids, "verify", time.perf_counter() - start, sizes)
+            self.tracer.add_call(ids, "verify", time.perf_counter() - start, _item_sizes(groups, requests, len(ids)))
         outcomes: list[VerifyOutcome | None] = [None] * len(items)
         for address, idx in groups.items():
             for i, outcome in zip(idx, codec.decode_outcomes(responses[address])):
@@ -288,11 +293,7 @@ class RemoteDrafter:
         start = time.perf_counter()
         responses = self.pool.fan_out(messages, "Propose", _trace_metadata(self.tracer, groups, ids, rounds=True))
         if self.tracer is not None:
-            sizes = [0] * len(requests)
-            for address, idx in groups.items():
-                for i, msg in zip(idx, messages[address][1].items):
-                    sizes[i] = msg.ByteSize()
-            self.tracer.add_call(ids, "draft", time.perf_counter() - start, sizes)
+            self.tracer.add_call(ids, "draft", time.perf_counter() - start, _item_sizes(groups, messages, len(ids)))
         for r in requests:
             self._sent[r.seq_id] = len(r.token_ids)
         proposals: list[Proposal | None] = [None] * len(requests)

@@ -129,6 +129,9 @@ class _SessionWorker:
                     released += 1
         return released
 
+    def Release(self, request: wpb.ReleaseRequest, context: grpc.ServicerContext) -> wpb.ReleaseResponse:
+        return wpb.ReleaseResponse(released=self.release(request.session_ids))
+
     def _release_after_error(self, request: Any) -> None:
         items = getattr(request, "items", [])
         self.release([item.session_id for item in items])
@@ -193,9 +196,6 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
         items = codec.decode_verify(request, self.target.vocab_size)
         return codec.encode_outcomes(self.target.verify(items))
 
-    def Release(self, request: wpb.ReleaseRequest, context: grpc.ServicerContext) -> wpb.ReleaseResponse:
-        return wpb.ReleaseResponse(released=self.release(request.session_ids))
-
     def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
         runner = self.target.runner
         return self._stats(self.target.free_slots, runner.config.num_slots, self.target.vocab_size, self.target.max_seq_len)
@@ -251,9 +251,6 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
             requests.append(DraftRequest(item.session_id, tokens, item.num_tokens, params, uniform))
         proposals = self.drafter.propose(requests)
         return wpb.ProposeResponse(proposals=[codec.encode_proposal(p) for p in proposals])
-
-    def Release(self, request: wpb.ReleaseRequest, context: grpc.ServicerContext) -> wpb.ReleaseResponse:
-        return wpb.ReleaseResponse(released=self.release(request.session_ids))
 
     def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
         runner = self.drafter.runner

@@ -26,11 +26,9 @@ def near_draft_dir(tiny_dir) -> Path:
 
 
 def _free_port() -> int:
-    import socket
+    from deployments.tensor_parallel import _free_port as free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 @pytest.fixture(scope="session")
