@@ -188,6 +188,7 @@ def encode_verify(items: Sequence[VerifyItem]) -> wpb.VerifyRequest:
             msg.uniform_accept.extend(item.uniform_accept.tolist())
         if item.uniform_sample is not None:
             msg.uniform_sample = item.uniform_sample
+        msg.return_probs = item.return_probs
     return request
 
 
@@ -209,6 +210,7 @@ def decode_verify(request: wpb.VerifyRequest, vocab_size: int) -> list[VerifyIte
                 params=params,
                 uniform_accept=None if params.greedy else torch.tensor(list(item.uniform_accept), dtype=torch.float64),
                 uniform_sample=item.uniform_sample if item.HasField("uniform_sample") else None,
+                return_probs=item.return_probs,
             )
         )
     return items
@@ -216,12 +218,19 @@ def decode_verify(request: wpb.VerifyRequest, vocab_size: int) -> list[VerifyIte
 
 def encode_outcomes(outcomes: Sequence[VerifyOutcome]) -> wpb.VerifyResponse:
     return wpb.VerifyResponse(
-        outcomes=[wpb.VerifyOutcome(token_ids=o.token_ids, num_accepted=o.num_accepted) for o in outcomes]
+        outcomes=[
+            wpb.VerifyOutcome(token_ids=o.token_ids, num_accepted=o.num_accepted, target_probs=o.target_probs or ())
+            for o in outcomes
+        ]
     )
 
 
-def decode_outcomes(response: wpb.VerifyResponse) -> list[VerifyOutcome]:
-    return [VerifyOutcome(tuple(o.token_ids), o.num_accepted) for o in response.outcomes]
+def decode_outcomes(response: wpb.VerifyResponse, return_probs: Sequence[bool]) -> list[VerifyOutcome]:
+    """`return_probs`: per outcome, whether its item asked (an empty repeated field cannot say)."""
+    return [
+        VerifyOutcome(tuple(o.token_ids), o.num_accepted, tuple(o.target_probs) if asked else None)
+        for o, asked in zip(response.outcomes, return_probs)
+    ]
 
 
 def encode_propose_item(request: DraftRequest, new_token_ids: Sequence[int]) -> wpb.ProposeRequest.Item:
@@ -234,15 +243,27 @@ def encode_propose_item(request: DraftRequest, new_token_ids: Sequence[int]) -> 
     item.sampling.CopyFrom(encode_token_sampling(request.params))
     if request.uniform is not None:
         item.uniform.extend(request.uniform.tolist())
+    item.return_probs = request.return_probs
     return item
 
 
+def decode_propose_item(item: wpb.ProposeRequest.Item, token_ids: Sequence[int]) -> DraftRequest:
+    """`token_ids`: the session's committed tokens, which the draft worker keeps."""
+    params = decode_token_sampling(item.sampling)
+    if not params.greedy and len(item.uniform) != item.num_tokens:
+        raise InvalidArgument("uniform", f"{len(item.uniform)} uniforms for {item.num_tokens} sampled drafts")
+    uniform = None if params.greedy else torch.tensor(list(item.uniform), dtype=torch.float64)
+    return DraftRequest(item.session_id, token_ids, item.num_tokens, params, uniform, item.return_probs)
+
+
 def encode_proposal(proposal: Proposal) -> wpb.Proposal:
-    msg = wpb.Proposal(token_ids=proposal.token_ids)
+    msg = wpb.Proposal(token_ids=proposal.token_ids, draft_probs=proposal.draft_probs or ())
     if proposal.q is not None:
         msg.q.extend(encode_distribution(row) for row in proposal.q)
     return msg
 
 
-def decode_proposal(msg: wpb.Proposal, vocab_size: int) -> Proposal:
-    return Proposal(token_ids=list(msg.token_ids), q=decode_distributions(msg.q, vocab_size))
+def decode_proposal(msg: wpb.Proposal, vocab_size: int, return_probs: bool) -> Proposal:
+    """`return_probs`: whether the item asked (an empty repeated field cannot say)."""
+    draft_probs = tuple(msg.draft_probs) if return_probs else None
+    return Proposal(token_ids=list(msg.token_ids), q=decode_distributions(msg.q, vocab_size), draft_probs=draft_probs)

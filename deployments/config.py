@@ -95,6 +95,9 @@ class ProposalLogConfig(_Strict):
     sample_rate: float = Field(0.1, gt=0, le=1)  # fraction of requests logged
     max_bytes: int = Field(64 * 1024 * 1024, ge=1024)  # per file before rotating
     backup_count: int = Field(5, ge=0)
+    # Records also carry q and p of each proposed token (the draft's and the target's probabilities). Only sampled
+    # requests pay for it: their workers compute a softmax per proposed token.
+    include_probs: bool = False
 
 
 class ServeConfig(_Strict):

@@ -2,6 +2,8 @@
 
 Latency histograms are named after OpenTelemetry's gen_ai.server.* metrics; what is particular to speculative
 decoding is under specdec_*. Every series carries the model pair (`target`, `draft`) so that pairs compare.
+The draft and verify latencies are observed by the remote drafter and target (`deployments.remote`), once per
+batched call, with the same measurement the round spans carry as draft_ms / verify_ms.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 _LATENCY_S = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120]
 _PER_TOKEN_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2]
+_CALL_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 _RATE = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 _TOKENS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16]
 _PAIR = ("target", "draft")
@@ -33,12 +36,17 @@ class ServingMetrics:
         self.accepted_per_round = Histogram("specdec_accepted_tokens_per_round", "Draft tokens accepted per round.",
                                             boundaries=[0.5, *_TOKENS], tag_keys=_PAIR)
         self.k = Histogram("specdec_speculation_length", "k chosen per round.", boundaries=[0.5, *_TOKENS], tag_keys=_PAIR)
+        self.draft_latency = Histogram("specdec_draft_latency_seconds",
+                                       "Seconds per batched draft call (all k steps) of a round.",
+                                       boundaries=_CALL_S, tag_keys=_PAIR)
+        self.verify_latency = Histogram("specdec_verify_latency_seconds", "Seconds per batched verify call of a round.",
+                                        boundaries=_CALL_S, tag_keys=_PAIR)
         self.fallbacks = Counter("specdec_target_only_rounds", "Rounds run without drafts while speculation is on.",
                                  tag_keys=_PAIR)
         self.slots = Gauge("specdec_kv_slots_in_use", "Sessions this router holds in the workers' KV caches.",
                            tag_keys=(*_PAIR, "worker"))
         for metric in (self.requests, self.ttft, self.tpot, self.duration, self.acceptance, self.accepted_per_round,
-                       self.k, self.fallbacks, self.slots):
+                       self.k, self.draft_latency, self.verify_latency, self.fallbacks, self.slots):
             metric.set_default_tags(self._tags)
 
     def round(self, k: int, accepted: int, speculating: bool) -> None:

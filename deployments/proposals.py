@@ -6,9 +6,14 @@ queue; a `logging.handlers.QueueListener` thread writes it to rotating files. No
 token ids of the proposals only.
 
 Record: {"ts": unix seconds, "request_id", "round": index, "position": output tokens before the round, "k",
-"proposed": [token ids], "accepted": count, "bonus": bool, "target": model, "draft": model}.
+"proposed": [token ids], "accepted": count, "bonus": bool, "target": model, "draft": model}, and with
+`include_probs` also "q": [the draft's probability of each proposed token] and "p": [the target's], rounded to 6
+significant digits. Both are taken under the request's processed distribution (temperature, top-k, top-p; q as the
+draft sampled it, its support cut included); greedy requests report the plain softmax (temperature 1); an n-gram
+draft's q is 1. Only sampled requests ask the workers for them (`start` says whether to).
 
-`specdec proposals stats FILE...` summarises acceptance by draft position and the mismatch rate over time.
+`specdec proposals stats FILE...` summarises acceptance by draft position and the mismatch rate over time, and,
+when records carry q and p, their means over accepted and rejected proposals.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from specdec_core.engine import RequestOutput
 
 class ProposalLog:
     def __init__(self, directory: str | Path, sample_rate: float, target: str, draft: str,
-                 max_bytes: int = 64 * 1024 * 1024, backup_count: int = 5) -> None:
+                 max_bytes: int = 64 * 1024 * 1024, backup_count: int = 5, include_probs: bool = False) -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         self.sample_rate = sample_rate
+        self.include_probs = include_probs
         self._models = {"target": target, "draft": draft}
         handler = logging.handlers.RotatingFileHandler(path / "proposals.jsonl", maxBytes=max_bytes,
                                                        backupCount=backup_count, encoding="utf-8")
@@ -43,9 +49,12 @@ class ProposalLog:
         self._logger.addHandler(logging.handlers.QueueHandler(self._queue))
         self._sampled: dict[str, tuple[str, int]] = {}  # session -> (request id, rounds logged)
 
-    def start(self, session_id: str, request_id: str) -> None:
-        if random.random() < self.sample_rate:
-            self._sampled[session_id] = (request_id, 0)
+    def start(self, session_id: str, request_id: str) -> bool:
+        """Sample a new request. True when its rounds must carry probabilities (sampled, and include_probs)."""
+        if random.random() >= self.sample_rate:
+            return False
+        self._sampled[session_id] = (request_id, 0)
+        return self.include_probs
 
     def observe(self, session_id: str, output: RequestOutput) -> None:
         """Called on the engine thread for each output: queue a record for a sampled request's round."""
@@ -65,6 +74,8 @@ class ProposalLog:
                 "accepted": info.num_accepted,
                 "bonus": info.bonus,
                 **self._models,
+                **_probs("q", info.draft_probs),
+                **_probs("p", info.target_probs),
             }
             self._logger.info(json.dumps(record, separators=(",", ":")))
             self._sampled[session_id] = (request_id, index + 1)
@@ -73,6 +84,10 @@ class ProposalLog:
 
     def close(self) -> None:
         self._listener.stop()  # writes what is queued
+
+
+def _probs(key: str, values: tuple[float, ...] | None) -> dict[str, list[float]]:
+    return {} if values is None else {key: [float(f"{v:.6g}") for v in values]}
 
 
 def read_records(paths: Iterable[str | Path]) -> Iterable[dict[str, Any]]:
@@ -85,9 +100,11 @@ def read_records(paths: Iterable[str | Path]) -> Iterable[dict[str, Any]]:
 
 def summarize(records: Iterable[dict[str, Any]], bucket_s: float = 60.0) -> dict[str, Any]:
     """Acceptance by draft position (the i-th proposed token is accepted iff accepted > i), overall, and the
-    mismatch rate (1 - acceptance) per time bucket."""
+    mismatch rate (1 - acceptance) per time bucket; with q and p in the records, `mean_probs`: their means over
+    accepted and rejected proposals."""
     by_position: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # position -> [accepted, proposed]
     by_time: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    probs: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # accepted|rejected -> [sum q, sum p, n]
     rounds = proposed = accepted = 0
     requests = set()
     for r in records:
@@ -96,6 +113,8 @@ def summarize(records: Iterable[dict[str, Any]], bucket_s: float = 60.0) -> dict
         proposed += n
         accepted += a
         requests.add(r["request_id"])
+        if "q" in r and "p" in r:
+            _add_probs(probs, r["q"], r["p"], a)
         for i in range(n):
             by_position[i][1] += 1
             by_position[i][0] += int(i < a)
@@ -112,7 +131,22 @@ def summarize(records: Iterable[dict[str, Any]], bucket_s: float = 60.0) -> dict
         "mismatch_rate_over_time": [
             {"start": b * bucket_s, "mismatch_rate": 1 - a / p, "proposed": p} for b, (a, p) in sorted(by_time.items()) if p
         ],
+        **({"mean_probs": _means(probs)} if probs else {}),
     }
+
+
+def _add_probs(sums: dict[str, list[float]], q: list[float], p: list[float], accepted: int) -> None:
+    """The first `accepted` proposals were accepted; the next one, if any, was rejected. Those after it were
+    never judged, so they count for neither."""
+    for i in range(min(accepted + 1, len(q), len(p))):
+        entry = sums["accepted" if i < accepted else "rejected"]
+        entry[0] += q[i]
+        entry[1] += p[i]
+        entry[2] += 1
+
+
+def _means(sums: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {kind: {"q": q / n, "p": p / n, "n": n} for kind, (q, p, n) in sorted(sums.items())}
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -125,4 +159,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         *(f"  {time.strftime('%Y-%m-%d %H:%M', time.gmtime(row['start']))}  {row['mismatch_rate']:.1%}  "
           f"({row['proposed']} proposed)" for row in summary["mismatch_rate_over_time"]),
     ]
+    if "mean_probs" in summary:
+        lines.append("mean draft q / target p of the proposals:")
+        lines += [f"  {kind:>8}: {m['q']:.3f} / {m['p']:.3f}  ({m['n']})" for kind, m in summary["mean_probs"].items()]
     return "\n".join(lines)

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import grpc
 
@@ -22,6 +22,9 @@ from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.target import PrefillItem, VerifyItem, VerifyOutcome
+
+if TYPE_CHECKING:
+    from deployments.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +199,11 @@ def _trace_metadata(tracer: RequestTracer | None, groups: dict[str, list[int]], 
 class RemoteTarget:
     """`Target` over the target workers."""
 
-    def __init__(self, pool: ReplicaPool, tracer: RequestTracer | None = None) -> None:
+    def __init__(self, pool: ReplicaPool, tracer: RequestTracer | None = None,
+                 metrics: ServingMetrics | None = None) -> None:
         self.pool = pool
         self.tracer = tracer
+        self.metrics = metrics
         info = pool.info
         self.vocab_size = info.vocab_size
         self.max_seq_len = info.max_seq_len
@@ -239,11 +244,14 @@ class RemoteTarget:
         }
         start = time.perf_counter()
         responses = self.pool.fan_out(requests, "Verify", _trace_metadata(self.tracer, groups, ids, rounds=True))
+        seconds = time.perf_counter() - start  # the round span's verify_ms and the verify latency histogram
         if self.tracer is not None:
-            self.tracer.add_call(ids, "verify", time.perf_counter() - start, _item_sizes(groups, requests, len(ids)))
+            self.tracer.add_call(ids, "verify", seconds, _item_sizes(groups, requests, len(ids)))
+        if self.metrics is not None:
+            self.metrics.verify_latency.observe(seconds)
         outcomes: list[VerifyOutcome | None] = [None] * len(items)
         for address, idx in groups.items():
-            for i, outcome in zip(idx, codec.decode_outcomes(responses[address])):
+            for i, outcome in zip(idx, codec.decode_outcomes(responses[address], [items[i].return_probs for i in idx])):
                 outcomes[i] = outcome
         return outcomes  # type: ignore[return-value]
 
@@ -257,9 +265,11 @@ class RemoteDrafter:
 
     name = "draft_model"
 
-    def __init__(self, pool: ReplicaPool, tracer: RequestTracer | None = None) -> None:
+    def __init__(self, pool: ReplicaPool, tracer: RequestTracer | None = None,
+                 metrics: ServingMetrics | None = None) -> None:
         self.pool = pool
         self.tracer = tracer
+        self.metrics = metrics
         self._sent: dict[str, int] = {}  # committed tokens the worker has been told about, per session
 
     def start(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
@@ -292,15 +302,18 @@ class RemoteDrafter:
             messages[address] = (self.pool.replica_of(requests[idx[0]].seq_id), message)
         start = time.perf_counter()
         responses = self.pool.fan_out(messages, "Propose", _trace_metadata(self.tracer, groups, ids, rounds=True))
+        seconds = time.perf_counter() - start  # the round span's draft_ms and the draft latency histogram
         if self.tracer is not None:
-            self.tracer.add_call(ids, "draft", time.perf_counter() - start, _item_sizes(groups, messages, len(ids)))
+            self.tracer.add_call(ids, "draft", seconds, _item_sizes(groups, messages, len(ids)))
+        if self.metrics is not None:
+            self.metrics.draft_latency.observe(seconds)
         for r in requests:
             self._sent[r.seq_id] = len(r.token_ids)
         proposals: list[Proposal | None] = [None] * len(requests)
         vocab = self.pool.info.vocab_size
         for address, idx in groups.items():
             for i, msg in zip(idx, responses[address].proposals):
-                proposals[i] = codec.decode_proposal(msg, vocab)
+                proposals[i] = codec.decode_proposal(msg, vocab, requests[i].return_probs)
         return proposals  # type: ignore[return-value]
 
     def release(self, seq_id: str) -> None:

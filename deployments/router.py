@@ -83,21 +83,21 @@ class Router:
         if cfg.draft.method == "draft_model":
             addresses = wait_for_workers(cfg.app_name, "draft", cfg.draft.num_replicas, cfg.router.worker_start_timeout_s)
             self.draft_pool = ReplicaPool("draft", addresses, wpb_grpc.DraftServiceStub, timeout)
-            drafter = RemoteDrafter(self.draft_pool, self.tracer)
+            drafter = RemoteDrafter(self.draft_pool, self.tracer, self.metrics)
         elif cfg.draft.method == "ngram":
             drafter = NgramDrafter(max_n=cfg.draft.ngram_max, min_n=cfg.draft.ngram_min)
         engine_config = EngineConfig(
             max_speculative_tokens=cfg.draft.max_speculative_tokens,
             num_speculative_tokens=cfg.draft.num_speculative_tokens,
         )
-        target = RemoteTarget(self.target_pool, self.tracer)
+        target = RemoteTarget(self.target_pool, self.tracer, self.metrics)
         self.max_seq_len = min(cfg.router.max_seq_len, target.max_seq_len)
         engine = SpecEngine(target, drafter, self.tokenizer.tokenizer, self.tokenizer.eos_token_ids, engine_config)
         self.proposals = None
         if cfg.proposal_log is not None:
             log_cfg = cfg.proposal_log
             self.proposals = ProposalLog(log_cfg.directory, log_cfg.sample_rate, cfg.target.model, draft_name or "none",
-                                         log_cfg.max_bytes, log_cfg.backup_count)
+                                         log_cfg.max_bytes, log_cfg.backup_count, log_cfg.include_probs)
         self.scheduler = Scheduler(engine)
         self._tag = uuid.uuid4().hex[:8]
         self._refresher = threading.Thread(target=self._follow_workers, name="follow-workers", daemon=True)
@@ -162,8 +162,8 @@ class Router:
         session_id = f"{self._tag}-{uuid.uuid4().hex[:16]}"  # unique across routers: workers key caches by it
         parent, _ = context_from_metadata(grpc_context.invocation_metadata() or ())  # a client's traceparent
         self.tracer.start_request(session_id, call.params, parent, request_id)
-        if self.proposals is not None:
-            self.proposals.start(session_id, request_id)
+        # Only requests whose records carry probabilities make the workers compute them.
+        return_probs = self.proposals is not None and self.proposals.start(session_id, request_id)
         speculating = self.config.draft.method != "none" and call.num_speculative_tokens != 0
         times = [time.monotonic(), None]  # start, first token
 
@@ -177,7 +177,7 @@ class Router:
                     self.proposals.observe(session_id, item)
             loop.call_soon_threadsafe(inbox.put_nowait, item)
 
-        self.scheduler.submit(session_id, prompt_ids, call.params, call.num_speculative_tokens, deliver)
+        self.scheduler.submit(session_id, prompt_ids, call.params, call.num_speculative_tokens, deliver, return_probs)
         finished = False
         try:
             while not finished:

@@ -29,6 +29,7 @@ class _Submit:
     params: SamplingParams
     num_speculative_tokens: int | str | None
     sink: Sink
+    return_probs: bool
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,10 @@ class Scheduler:
         params: SamplingParams,
         num_speculative_tokens: int | str | None,
         sink: Sink,
+        return_probs: bool = False,
     ) -> None:
-        self._inbox.put(_Submit(request_id, prompt_ids, params, num_speculative_tokens, sink))
+        """`return_probs`: the request's round outputs carry q and p of the proposals (`SpecEngine.add_request`)."""
+        self._inbox.put(_Submit(request_id, prompt_ids, params, num_speculative_tokens, sink, return_probs))
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(_Cancel(request_id))
@@ -92,7 +95,8 @@ class Scheduler:
             if isinstance(command, _Submit):
                 try:
                     self.engine.add_request(
-                        command.request_id, command.prompt_ids, command.params, command.num_speculative_tokens
+                        command.request_id, command.prompt_ids, command.params, command.num_speculative_tokens,
+                        command.return_probs,
                     )
                 except Exception as exc:  # refused before any work: the caller reports it
                     command.sink(exc)

@@ -19,14 +19,12 @@ from concurrent import futures
 from typing import Any, Callable, Iterable
 
 import grpc
-import torch
 from opentelemetry.trace import SpanKind
 
 from deployments import codec
 from deployments.telemetry import context_from_metadata, tracer
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
-from specdec_core.drafters.base import DraftRequest
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specdec_core.target import LocalTarget
@@ -244,11 +242,7 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
                     "num_committed", f"session {item.session_id!r} has {len(tokens)} tokens, router says {item.num_committed}"
                 )
             self.drafter.observe(item.session_id, len(tokens))
-            params = codec.decode_token_sampling(item.sampling)
-            if not params.greedy and len(item.uniform) != item.num_tokens:
-                raise InvalidArgument("uniform", f"{len(item.uniform)} uniforms for {item.num_tokens} sampled drafts")
-            uniform = None if params.greedy else torch.tensor(list(item.uniform), dtype=torch.float64)
-            requests.append(DraftRequest(item.session_id, tokens, item.num_tokens, params, uniform))
+            requests.append(codec.decode_propose_item(item, tokens))
         proposals = self.drafter.propose(requests)
         return wpb.ProposeResponse(proposals=[codec.encode_proposal(p) for p in proposals])
 

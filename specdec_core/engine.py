@@ -55,6 +55,9 @@ class RoundInfo:
     proposed_token_ids: tuple[int, ...]
     num_accepted: int
     bonus: bool  # all drafts accepted: the extra token came from p at the position after them
+    # For requests added with return_probs: q and p of each proposed token (see `sampling.token_probs`).
+    draft_probs: tuple[float, ...] | None = None
+    target_probs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class _Sequence:
     k_setting: int | str  # fixed k or "auto"
     generator: torch.Generator
     stopper: StopChecker
+    return_probs: bool = False  # report q and p of the proposals in each RoundInfo
     started: bool = False  # prefilled: the target and the drafter hold state for it
     stats: SpecStats = SpecStats()
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
@@ -124,8 +128,10 @@ class SpecEngine:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         num_speculative_tokens: int | str | None = None,
+        return_probs: bool = False,
     ) -> None:
-        """Validate and queue a request; it is prefilled at the next `step`. Raises before any work on bad input."""
+        """Validate and queue a request; it is prefilled at the next `step`. Raises before any work on bad input.
+        `return_probs`: each round's `RoundInfo` carries q and p of the proposed tokens (a softmax per row more)."""
         if request_id in self._running or any(s.request_id == request_id for s in self._waiting):
             raise InvalidArgument("request_id", f"request {request_id!r} is already running")
         prompt = self._check_prompt(prompt_ids, params)
@@ -144,7 +150,7 @@ class SpecEngine:
             num_prompt_tokens=len(prompt),
         )
         self._waiting.append(
-            _Sequence(request_id, list(prompt), len(prompt), params, k, generator, stopper)
+            _Sequence(request_id, list(prompt), len(prompt), params, k, generator, stopper, return_probs)
         )
 
     def _check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
@@ -243,7 +249,8 @@ class SpecEngine:
         outputs = []
         for seq, proposal, k, outcome in zip(seqs, proposals, ks, outcomes):
             draft, n = proposal.token_ids, outcome.num_accepted
-            info = RoundInfo(k=k, proposed_token_ids=tuple(draft), num_accepted=n, bonus=n == len(draft))
+            info = RoundInfo(k=k, proposed_token_ids=tuple(draft), num_accepted=n, bonus=n == len(draft),
+                             draft_probs=proposal.draft_probs, target_probs=outcome.target_probs)
             seq.estimate.update(len(draft), n)
             seq.stats = SpecStats(seq.stats.rounds + 1, seq.stats.proposed + len(draft), seq.stats.accepted + n)
             outputs.append(self._commit(seq, list(outcome.token_ids), info))
@@ -262,6 +269,7 @@ class SpecEngine:
             params=seq.params,
             uniform_accept=None if greedy else seq.uniform(n),
             uniform_sample=None if greedy else float(seq.uniform(1)),
+            return_probs=seq.return_probs,
         )
 
     def _choose_k(self, seq: _Sequence, batch_size: int) -> int:
@@ -274,7 +282,7 @@ class SpecEngine:
 
     def _propose(self, seqs: list[_Sequence], ks: list[int]) -> list[Proposal]:
         if self.drafter is None or not any(ks):
-            return [Proposal([], None) for _ in seqs]
+            return [Proposal([], None, () if seq.return_probs else None) for seq in seqs]
         requests = [
             DraftRequest(
                 seq_id=seq.request_id,
@@ -282,6 +290,7 @@ class SpecEngine:
                 num_tokens=k,
                 params=seq.params,
                 uniform=None if seq.params.greedy else seq.uniform(k),
+                return_probs=seq.return_probs,
             )
             for seq, k in zip(seqs, ks)
         ]

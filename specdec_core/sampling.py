@@ -7,7 +7,11 @@ draft's q is processed the same way; rejection sampling is exact for any q, this
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
+
+from specdec_core.config import SamplingParams
 
 
 def processed_probs(
@@ -34,6 +38,25 @@ def processed_probs(
         sorted_probs = sorted_probs.masked_fill(before >= top_p.unsqueeze(-1), 0.0)
         sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+
+
+def token_probs(
+    logits: torch.Tensor,  # [N, V]
+    params: Sequence[SamplingParams],  # [N]
+    token_ids: torch.Tensor,  # [N] long
+) -> torch.Tensor:  # [N]
+    """The probability of each row's token under the row's processed distribution, as the proposal log reports
+    it. A greedy row has no distribution to sample from: it reports the plain softmax (temperature 1)."""
+    shaping = [(1.0, 0, 1.0) if p.greedy else (p.temperature, p.top_k, p.top_p) for p in params]
+    temperature, top_k, top_p = zip(*shaping)
+    device = logits.device
+    probs = processed_probs(
+        logits.float(),
+        torch.tensor(temperature, device=device),
+        torch.tensor(top_k, device=device),
+        torch.tensor(top_p, device=device),
+    )  # [N, V]
+    return probs.gather(-1, token_ids.to(device).unsqueeze(-1)).squeeze(-1)  # [N]
 
 
 def sample_from(

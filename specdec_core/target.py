@@ -20,7 +20,7 @@ from specdec_core.config import SamplingParams
 from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.rejection import VerifyResult, greedy_accept, rejection_sample
 from specdec_core.runner import ModelRunner
-from specdec_core.sampling import processed_probs, sample_from
+from specdec_core.sampling import processed_probs, sample_from, token_probs
 
 PREFILL_BATCH = 16  # prompts of one length prefilled together
 
@@ -42,12 +42,15 @@ class VerifyItem:
     params: SamplingParams
     uniform_accept: torch.Tensor | None  # [len(draft_token_ids)] float64 in [0, 1); None when greedy
     uniform_sample: float | None  # draws the recovered or bonus token; None when greedy
+    return_probs: bool = False  # also report p of each draft token (`VerifyOutcome.target_probs`)
 
 
 @dataclass(frozen=True)
 class VerifyOutcome:
     token_ids: tuple[int, ...]  # accepted drafts, then the recovered or bonus token
     num_accepted: int
+    # p of each draft token when the item asked (see `sampling.token_probs`); None otherwise.
+    target_probs: tuple[float, ...] | None = None
 
 
 class Target(Protocol):
@@ -145,13 +148,14 @@ class LocalTarget:
         feeds = [[item.last_token_id, *item.draft_token_ids] for item in items]
         logits = self.runner.extend(slots, feeds, all_logits=True)  # [B, T, V]
         result = self._accept(items, logits)
+        probs = _draft_token_probs(items, logits)
         outcomes = []
         for b, (slot, start) in enumerate(zip(slots, starts)):
             n = int(result.num_accepted[b])
             # Keep the committed prefix: the last token read plus the accepted drafts. The new last token
             # (recovered or bonus) is read by the next round.
             self.runner.truncate(slot, start + 1 + n)
-            outcomes.append(VerifyOutcome(tuple(result.tokens(b)), n))
+            outcomes.append(VerifyOutcome(tuple(result.tokens(b)), n, probs[b]))
         return outcomes
 
     def _slot(self, seq_id: str) -> int:
@@ -210,6 +214,23 @@ class LocalTarget:
             uniform_accept.to(device, p.dtype),
             uniform_sample.to(device, p.dtype),
         )
+
+
+def _draft_token_probs(items: Sequence[VerifyItem], logits: torch.Tensor) -> list[tuple[float, ...] | None]:
+    """p of every draft token, for the items that asked (None for the others). Position j of a row predicts its
+    draft j, so a row's first len(drafts) logits are the ones read; rows that did not ask cost nothing."""
+    out: list[tuple[float, ...] | None] = [tuple() if item.return_probs else None for item in items]
+    asked = [b for b, item in enumerate(items) if item.return_probs and item.draft_token_ids]
+    if not asked:
+        return out
+    counts = [len(items[b].draft_token_ids) for b in asked]
+    rows = torch.cat([logits[b, :n] for b, n in zip(asked, counts)])  # [sum(counts), V]
+    params = [items[b].params for b, n in zip(asked, counts) for _ in range(n)]
+    drafts = torch.tensor([t for b in asked for t in items[b].draft_token_ids], dtype=torch.long)  # [sum(counts)]
+    values = iter(token_probs(rows, params, drafts).tolist())
+    for b, n in zip(asked, counts):
+        out[b] = tuple(next(values) for _ in range(n))
+    return out
 
 
 def _probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [N, V]

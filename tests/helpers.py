@@ -42,6 +42,24 @@ def make_engine(loaded, draft=None, *, num_slots: int = 8, max_seq_len: int = 25
     return SpecEngine(LocalTarget(target), drafter, loaded.tokenizer, loaded.eos_token_ids, EngineConfig(**config))
 
 
+def logits_after(model, tokens):  # [len(tokens), V]: one fresh forward, none of an engine's caches
+    from specdec_core.runner import ModelRunner, RunnerConfig
+
+    runner = ModelRunner(model, RunnerConfig(num_slots=1, max_seq_len=256))
+    return runner.extend([runner.allocate()], [tokens], all_logits=True)[0]
+
+
+def reference_prob(logits, token, params):  # logits [V]
+    """A token's probability as the proposal log defines it, written out here for greedy (plain softmax) and
+    temperature plus top-k (top_p must be off): the reference the engine's p and q are checked against."""
+    assert params.top_p == 1.0
+    if params.greedy:
+        return float(torch.softmax(logits, dim=-1)[token])
+    scaled = logits / params.temperature  # [V]
+    kept = scaled.topk(params.top_k).values  # [top_k]
+    return float(torch.exp(scaled[token] - kept.logsumexp(dim=-1))) if scaled[token] >= kept[-1] else 0.0
+
+
 def run_to_completion(engine, requests):
     """Add (request_id, prompt_ids, params, k) tuples, step until done; return {id: (tokens, text, last output)}."""
     for request_id, prompt, params, k in requests:

@@ -24,12 +24,16 @@ class DraftRequest:
     num_tokens: int  # k: propose at most this many
     params: SamplingParams  # the request's sampling settings; the draft samples from q processed alike
     uniform: torch.Tensor | None  # [k] in [0, 1): randomness for sampling drafts; None when greedy
+    return_probs: bool = False  # also report q of each proposed token (`Proposal.draft_probs`)
 
 
 @dataclass(frozen=True)
 class Proposal:
     token_ids: list[int]  # 0..k proposed tokens
     q: torch.Tensor | None  # [len(token_ids), V] draft probabilities; None: deterministic (point masses)
+    # q of each proposed token, when the request asked (`DraftRequest.return_probs`): under the distribution it
+    # was drawn from, or the plain softmax for greedy drafts; 1.0 for deterministic methods. None otherwise.
+    draft_probs: tuple[float, ...] | None = None
 
 
 class Drafter(Protocol):

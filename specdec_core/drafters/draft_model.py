@@ -8,7 +8,7 @@ import torch
 
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.runner import ModelRunner
-from specdec_core.sampling import processed_probs, sample_from
+from specdec_core.sampling import processed_probs, sample_from, token_probs
 
 
 # Sampled drafts come from the draft's processed distribution cut to its `Q_SUPPORT` most likely tokens. Any q
@@ -57,22 +57,28 @@ class DraftModelDrafter:
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         tokens: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
+        chosen: list[list[float]] = [[] for _ in requests]  # q of each picked token, for requests that asked
         rows = [i for i, r in enumerate(requests) if r.num_tokens > 0]
         feeds = [self._readable(r.token_ids[self.runner.length(self._slots[r.seq_id]) :]) for r in requests]
         step = 0
         while rows:
             slots = [self._slots[requests[i].seq_id] for i in rows]
             logits = self._align(self.runner.extend(slots, [feeds[i] for i in rows]))  # [len(rows), V]
-            picked, probs = self._pick(logits, [requests[i] for i in rows], step)
+            batch = [requests[i] for i in rows]
+            picked, probs = self._pick(logits, batch, step)
+            picked_probs = _picked_probs(logits, batch, picked, probs)
             for j, i in enumerate(rows):
                 tokens[i].append(picked[j])
                 if probs is not None and probs[j] is not None:
                     qs[i].append(probs[j])
+                if picked_probs[j] is not None:
+                    chosen[i].append(picked_probs[j])
                 feeds[i] = [picked[j]]
             step += 1
             rows = [i for i in rows if requests[i].num_tokens > step]
         return [
-            Proposal(token_ids=t, q=torch.stack(q) if q else None) for t, q in zip(tokens, qs)
+            Proposal(token_ids=t, q=torch.stack(q) if q else None, draft_probs=tuple(c) if r.return_probs else None)
+            for t, q, c, r in zip(tokens, qs, chosen, requests)
         ]
 
     def _readable(self, tokens: Sequence[int]) -> list[int]:
@@ -114,6 +120,31 @@ class DraftModelDrafter:
             picked[j] = token
             probs[j] = row
         return picked, probs
+
+
+def _picked_probs(
+    logits: torch.Tensor,  # [B, V]
+    requests: Sequence[DraftRequest],
+    picked: list[int],
+    q: list[torch.Tensor | None] | None,  # per row, the [V] distribution a sampled row drew from
+) -> list[float | None]:
+    """q of each row's picked token, for the rows that asked (None for the others): from the distribution a
+    sampled row drew from (its support cut included), else the plain softmax. No row asked: nothing computed."""
+    out: list[float | None] = [None] * len(requests)
+    greedy = []
+    for j, r in enumerate(requests):
+        if not r.return_probs:
+            continue
+        if q is not None and q[j] is not None:
+            out[j] = float(q[j][picked[j]])
+        else:
+            greedy.append(j)
+    if greedy:
+        chosen = torch.tensor([picked[j] for j in greedy])  # [G]
+        values = token_probs(logits[greedy], [requests[j].params for j in greedy], chosen)  # [G]
+        for j, value in zip(greedy, values.tolist()):
+            out[j] = value
+    return out
 
 
 def _truncate(q: torch.Tensor, support: int) -> torch.Tensor:  # [S, V] -> [S, V], `support` nonzeros per row

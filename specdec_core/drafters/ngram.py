@@ -42,7 +42,12 @@ class NgramDrafter:
         """Nothing to roll back: the index only ever holds committed tokens."""
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
-        return [Proposal(token_ids=self._lookup(r), q=None) for r in requests]
+        proposals = []
+        for r in requests:
+            tokens = self._lookup(r)
+            # q is a point mass on each proposed token.
+            proposals.append(Proposal(tokens, q=None, draft_probs=(1.0,) * len(tokens) if r.return_probs else None))
+        return proposals
 
     def _lookup(self, request: DraftRequest) -> list[int]:
         tokens, k = request.token_ids, request.num_tokens

@@ -192,13 +192,22 @@ def test_metrics_reach_the_prometheus_endpoint(stub, ray_cluster):
     port = next(n["MetricsExportPort"] for n in ray_cluster.nodes() if n["Alive"])
     wanted = ("ray_specdec_acceptance_rate_bucket", "ray_gen_ai_server_time_to_first_token_bucket",
               "ray_specdec_requests", "ray_specdec_accepted_tokens_per_round_bucket")
+    latencies = ("ray_specdec_draft_latency_seconds", "ray_specdec_verify_latency_seconds")
     deadline = time.monotonic() + 60
     text = ""
     while time.monotonic() < deadline:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        if all(name in text for name in wanted):
+        if all(name in text for name in wanted) and all(_count(text, name) > 0 for name in latencies):
             break
         time.sleep(2)
     missing = [name for name in wanted if name not in text]
     assert not missing, f"not exported: {missing}"
     assert 'finish_reason="length"' in text
+    counts = {name: _count(text, name) for name in latencies}
+    assert all(n > 0 for n in counts.values()), counts
+
+
+def _count(text, histogram):
+    """Observations of a histogram in a Prometheus exposition, summed over its series."""
+    lines = [line for line in text.splitlines() if line.startswith(histogram + "_count")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)

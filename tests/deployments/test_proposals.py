@@ -1,15 +1,20 @@
-"""The proposal log: records written off the round's path, read back by `specdec proposals stats`."""
+"""The proposal log: records written off the round's path, read back by `specdec proposals stats`; served with
+probabilities, checked against the models' own."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 
-from deployments.proposals import ProposalLog, read_records, summarize
+import grpc
+import pytest
+
+from deployments.proposals import ProposalLog, format_summary, read_records, summarize
 from specdec_core.config import SamplingParams
 from specdec_core.models.loader import load_model
-from tests.helpers import make_engine
+from tests.helpers import logits_after, make_engine, reference_prob
 
 
 def test_the_log_round_trips_through_proposals_stats(tmp_path, tiny_dir, near_draft_dir):
@@ -32,7 +37,9 @@ def test_the_log_round_trips_through_proposals_stats(tmp_path, tiny_dir, near_dr
     assert len(records) == drafted_rounds > 0
     assert {r["request_id"] for r in records} == {"req-0", "req-1", "req-2"}
     assert all(set(r) >= {"ts", "round", "position", "k", "proposed", "accepted", "bonus"} for r in records)
+    assert not any("p" in r or "q" in r for r in records)  # not asked for
     summary = summarize(records)
+    assert "mean_probs" not in summary
     assert summary["proposed"] == sum(f.stats.proposed for f in finals.values())
     assert summary["accepted"] == sum(f.stats.accepted for f in finals.values())
     first = summary["acceptance_by_position"][0]
@@ -50,3 +57,82 @@ def test_unsampled_requests_leave_no_records(tmp_path, tiny_dir):
     log.start("s", "r")
     log.close()
     assert list(read_records([tmp_path / "proposals.jsonl"])) == []
+
+
+APP = "specdec-log"
+
+
+@pytest.fixture(scope="module")
+def served_logging(served, tmp_path_factory):
+    """A second application on the session's Serve: the same pair, every request logged with probabilities."""
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.config import parse_config
+
+    address, base = served
+    directory = tmp_path_factory.mktemp("proposals")
+    config = parse_config({
+        **base.model_dump(mode="json"),
+        "app_name": APP,
+        "draft": {**base.draft.model_dump(mode="json"), "num_replicas": 1},
+        "proposal_log": {"directory": str(directory), "sample_rate": 1.0, "include_probs": True},
+    })
+    serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
+    yield address, directory
+    serve.delete(APP)
+
+
+def _generate(address, request_id, prompt, **sampling):
+    from specdec.v1 import generation_pb2 as pb
+    from specdec.v1 import generation_pb2_grpc as pb_grpc
+
+    request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=pb.SamplingParams(**sampling),
+                                 speculation=pb.SpeculationOptions(num_speculative_tokens=3))
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.GenerationServiceStub(channel).Generate(request, metadata=[("application", APP)], timeout=120)
+
+
+def _records_of(directory, request_id, response, timeout=30.0):
+    """The request's records, once the listener thread has written all of them (its proposals add up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        path = directory / "proposals.jsonl"
+        records = [r for r in read_records([path]) if r["request_id"] == request_id] if path.exists() else []
+        if sum(len(r["proposed"]) for r in records) == response.speculation.proposed or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def test_served_records_carry_the_models_probabilities(served_logging, tiny_dir, near_draft_dir):
+    address, directory = served_logging
+    target, draft = load_model(tiny_dir / "target", dtype="float32"), load_model(near_draft_dir, dtype="float32")
+    prompt = list(range(5, 30))
+    # top_k 50 < the drafter's q support (128): the q it draws from is exactly the processed distribution.
+    cases = {"greedy": dict(max_tokens=20, ignore_eos=True),
+             "sampled": dict(max_tokens=20, temperature=0.8, top_k=50, seed=3, ignore_eos=True)}
+    everything, accepted_with_probs = [], 0
+    for name, sampling in cases.items():
+        params = SamplingParams(**sampling)
+        response = _generate(address, f"log-{name}", prompt, **sampling)
+        records = _records_of(directory, f"log-{name}", response)
+        assert sum(len(r["proposed"]) for r in records) == response.speculation.proposed > 0
+        output = list(response.token_ids)
+        for r in records:
+            drafts = r["proposed"]
+            assert len(r["p"]) == len(r["q"]) == len(drafts) and all(0 <= v <= 1 for v in r["p"] + r["q"])
+            context = prompt + output[: r["position"]] + drafts
+            target_logits, draft_logits = logits_after(target.model, context), logits_after(draft.model, context)
+            for i, token in enumerate(drafts):
+                row = len(prompt) + r["position"] + i - 1  # the logits that predict draft i
+                assert abs(r["p"][i] - reference_prob(target_logits[row], token, params)) < 1e-4
+                assert abs(r["q"][i] - reference_prob(draft_logits[row], token, params)) < 1e-4
+                if params.greedy:  # a greedy draft is the draft's argmax; an accepted one is the target's too
+                    assert abs(r["q"][i] - float(draft_logits[row].softmax(-1).max())) < 1e-4
+                    if i < r["accepted"]:
+                        assert abs(r["p"][i] - float(target_logits[row].softmax(-1).max())) < 1e-4
+        everything += records
+        accepted_with_probs += sum(r["accepted"] for r in records)
+    summary = summarize(everything)
+    assert summary["mean_probs"]["accepted"]["n"] == accepted_with_probs > 0
+    assert "mean draft q / target p" in format_summary(summary)

@@ -7,7 +7,7 @@ import pytest
 from specdec_core.config import SamplingParams
 from specdec_core.errors import InvalidArgument
 from specdec_core.stopping import FinishReason
-from tests.helpers import contrarian, make_engine, perturbed, run_to_completion
+from tests.helpers import contrarian, logits_after, make_engine, perturbed, reference_prob, run_to_completion
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for index, value in enumerate(range(10)):\n    print("]
 
@@ -167,3 +167,38 @@ def test_bad_sampling_values_name_the_field(kwargs, field):
 
 def test_duplicate_stop_strings_are_merged():
     assert SamplingParams(stop=("a", "b", "a")).stop == ("a", "b")
+
+
+def test_return_probs_reports_the_models_probabilities_of_the_proposals(tiny_target):
+    """q and p of each proposed token, recomputed from each model's logits over the round's context (committed
+    tokens plus the drafts before it); None when the request did not ask."""
+    draft = perturbed(tiny_target.model, 0.2, seed=3)
+    ids = _ids(tiny_target, PROMPTS[0])
+    # top_k 50 < the drafter's q support (128): the q it draws from is exactly the processed distribution.
+    cases = {"greedy": SamplingParams(max_tokens=30, ignore_eos=True),
+             "sampled": SamplingParams(max_tokens=30, temperature=0.8, top_k=50, seed=4, ignore_eos=True)}
+    engine = make_engine(tiny_target, draft)
+    for name, params in cases.items():
+        engine.add_request(name, ids, params, 3, return_probs=True)
+    engine.add_request("off", ids, cases["sampled"], 3)
+    rounds, outputs = {name: [] for name in (*cases, "off")}, {name: [] for name in (*cases, "off")}
+    while engine.has_work:
+        for out in engine.step():
+            if out.round is not None:
+                rounds[out.request_id].append((len(outputs[out.request_id]), out.round))
+            outputs[out.request_id] += out.new_token_ids
+    assert outputs["off"] == outputs["sampled"]  # asking changes nothing that is drawn
+    assert all(info.draft_probs is None and info.target_probs is None for _, info in rounds["off"])
+    checked = {"accepted": 0, "rejected": 0}
+    for name, params in cases.items():
+        for position, info in rounds[name]:
+            drafts = list(info.proposed_token_ids)
+            assert len(info.draft_probs) == len(info.target_probs) == len(drafts)
+            context = ids + outputs[name][:position] + drafts
+            target_logits, draft_logits = logits_after(tiny_target.model, context), logits_after(draft, context)
+            for i, token in enumerate(drafts):
+                row = len(ids) + position + i - 1  # the logits that predict draft i
+                assert abs(info.target_probs[i] - reference_prob(target_logits[row], token, params)) < 1e-4
+                assert abs(info.draft_probs[i] - reference_prob(draft_logits[row], token, params)) < 1e-4
+                checked["accepted" if i < info.num_accepted else "rejected"] += 1
+    assert checked["accepted"] > 0 and checked["rejected"] > 0

@@ -44,31 +44,35 @@ class StartResponse(_message.Message):
 class ProposeRequest(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("session_id", "new_token_ids", "num_committed", "num_tokens", "sampling", "uniform")
+        __slots__ = ("session_id", "new_token_ids", "num_committed", "num_tokens", "sampling", "uniform", "return_probs")
         SESSION_ID_FIELD_NUMBER: _ClassVar[int]
         NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
         NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
         UNIFORM_FIELD_NUMBER: _ClassVar[int]
+        RETURN_PROBS_FIELD_NUMBER: _ClassVar[int]
         session_id: str
         new_token_ids: _containers.RepeatedScalarFieldContainer[int]
         num_committed: int
         num_tokens: int
         sampling: TokenSampling
         uniform: _containers.RepeatedScalarFieldContainer[float]
-        def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[_Iterable[float]] = ...) -> None: ...
+        return_probs: bool
+        def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[_Iterable[float]] = ..., return_probs: _Optional[bool] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ProposeRequest.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest.Item, _Mapping]]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("token_ids", "q")
+    __slots__ = ("token_ids", "q", "draft_probs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+    draft_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., draft_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("proposals",)
@@ -102,7 +106,7 @@ class PrefillResponse(_message.Message):
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("session_id", "last_token_id", "draft_token_ids", "q", "sampling", "uniform_accept", "uniform_sample")
+        __slots__ = ("session_id", "last_token_id", "draft_token_ids", "q", "sampling", "uniform_accept", "uniform_sample", "return_probs")
         SESSION_ID_FIELD_NUMBER: _ClassVar[int]
         LAST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
         DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +114,7 @@ class VerifyRequest(_message.Message):
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
         UNIFORM_ACCEPT_FIELD_NUMBER: _ClassVar[int]
         UNIFORM_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+        RETURN_PROBS_FIELD_NUMBER: _ClassVar[int]
         session_id: str
         last_token_id: int
         draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -117,18 +122,21 @@ class VerifyRequest(_message.Message):
         sampling: TokenSampling
         uniform_accept: _containers.RepeatedScalarFieldContainer[float]
         uniform_sample: float
-        def __init__(self, session_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform_accept: _Optional[_Iterable[float]] = ..., uniform_sample: _Optional[float] = ...) -> None: ...
+        return_probs: bool
+        def __init__(self, session_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform_accept: _Optional[_Iterable[float]] = ..., uniform_sample: _Optional[float] = ..., return_probs: _Optional[bool] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[VerifyRequest.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyRequest.Item, _Mapping]]] = ...) -> None: ...
 
 class VerifyOutcome(_message.Message):
-    __slots__ = ("token_ids", "num_accepted")
+    __slots__ = ("token_ids", "num_accepted", "target_probs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ...) -> None: ...
+    target_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., target_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("outcomes",)

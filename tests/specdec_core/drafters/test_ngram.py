@@ -48,3 +48,14 @@ def test_index_follows_committed_tokens():
     assert _propose(d, tokens, 2) == [12, 13]
     d.release("s")
     d.release("s")  # idempotent
+
+
+def test_probabilities_when_asked_are_point_masses():
+    d = NgramDrafter(max_n=2, min_n=1)
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]
+    d.start("s", tokens)
+    asked = DraftRequest("s", tokens, 3, SamplingParams(), None, return_probs=True)
+    not_asked = DraftRequest("s", tokens, 3, SamplingParams(), None)
+    (proposal,), (plain,) = d.propose([asked]), d.propose([not_asked])
+    assert proposal.token_ids == [3, 4, 5] and proposal.draft_probs == (1.0, 1.0, 1.0)
+    assert plain.draft_probs is None
