@@ -83,7 +83,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.specdec_attention_max_head_dim.restype = ctypes.c_int
     lib.specdec_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     lib.specdec_rope_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-    lib.specdec_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+    lib.specdec_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     if lib.specdec_k_multiple() != _K_MULTIPLE:
         raise RuntimeError("gemm.c and cpu.py disagree on the K multiple")
     for fn in ("specdec_rms_norm_bf16", "specdec_rope_bf16", "specdec_silu_mul_bf16"):
@@ -239,7 +239,7 @@ def use_cpu_kernels(model: nn.Module) -> int:
         and args.head_dim <= lib.specdec_attention_max_head_dim()
     ):
         model.attention = CPUAttention(lib, model.inv_freq)
-        _swap_norms_and_mlps(model, lib)
+        _swap_layer_parts(model, lib)
     return swapped
 
 
@@ -258,28 +258,72 @@ class FastRMSNorm(nn.Module):
         return y
 
 
+def _fuse(linears: list[nn.Module]) -> nn.Linear:
+    """One nn.Linear whose output is the outputs of `linears` side by side: one kernel call (and one pass of
+    dispatch) instead of several. Each output row is computed exactly as in its own layer."""
+    weight = torch.cat([m.weight.detach() for m in linears])  # [sum N, K]
+    biases = [m.bias for m in linears]
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=biases[0] is not None, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if biases[0] is not None:
+        fused.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
+    return fused
+
+
+class FusedAttention(nn.Module):
+    """`Attention` with q, k and v projected by one fused linear layer (same results, a third of the calls)."""
+
+    def __init__(self, attn: nn.Module, lib: ctypes.CDLL) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.qkv_proj = FastCPULinear(_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), lib)
+        self.o_proj = attn.o_proj
+        self._split = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
+
+    def forward(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self._split, dim=-1)  # [B, T, H*hd], [B, T, Hkv*hd] x 2
+        # Contiguous copies: the rotary kernel rotates q and k in place and assumes dense rows.
+        q = q.reshape(B, T, self.num_heads, self.head_dim).contiguous()
+        k = k.reshape(B, T, self.num_kv_heads, self.head_dim).contiguous()
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        out = ctx.attention(q, k, v, ctx, layer)  # [B, T, H, hd]
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+
 class FastMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with the activation fused into one C call."""
+    """down(silu(gate(x)) * up(x)) with gate and up in one fused linear and the activation in one C call."""
 
     def __init__(self, mlp: nn.Module, lib: ctypes.CDLL) -> None:
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj, self._lib = mlp.gate_proj, mlp.up_proj, mlp.down_proj, lib
+        self.gate_up_proj = FastCPULinear(_fuse([mlp.gate_proj, mlp.up_proj]), lib)
+        self.down_proj, self._lib = mlp.down_proj, lib
+        self.width = mlp.gate_proj.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x).contiguous(), self.up_proj(x).contiguous()
-        self._lib.specdec_silu_mul_bf16(gate.data_ptr(), up.data_ptr(), gate.data_ptr(), gate.numel())
-        return self.down_proj(gate)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
+        gate_up = self.gate_up_proj(x)  # [..., 2I]: each row's gate then its up
+        rows = gate_up.numel() // (2 * self.width)
+        y = torch.empty(*x.shape[:-1], self.width, dtype=gate_up.dtype)  # [..., I]
+        self._lib.specdec_silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), rows, self.width)
+        return self.down_proj(y)
 
 
-def _swap_norms_and_mlps(model: nn.Module, lib: ctypes.CDLL) -> None:
-    from specdec_core.models.transformer import MLP, RMSNorm
+def _swap_layer_parts(model: nn.Module, lib: ctypes.CDLL) -> None:
+    from specdec_core.models.transformer import MLP, Attention, RMSNorm
 
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is RMSNorm and child.weight.dtype == torch.bfloat16:
                 setattr(parent, name, FastRMSNorm(child, lib))
-            elif type(child) is MLP:
+            elif type(child) is MLP and _all_fast(child.gate_proj, child.up_proj):
                 setattr(parent, name, FastMLP(child, lib))
+            elif type(child) is Attention and _all_fast(child.q_proj, child.k_proj, child.v_proj):
+                setattr(parent, name, FusedAttention(child, lib))
+
+
+def _all_fast(*linears: nn.Module) -> bool:
+    """Fusable: every part already runs on the kernel (eligible bf16 weights)."""
+    return all(isinstance(m, FastCPULinear) for m in linears)
 
 
 def _swap_linears(model: nn.Module, lib: ctypes.CDLL) -> int:

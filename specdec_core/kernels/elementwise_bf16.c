@@ -51,10 +51,16 @@ void specdec_rope_bf16(uint16_t *x, const int64_t *positions, const float *inv_f
     }
 }
 
-/* y = silu(gate) * up, elementwise over n values. */
-void specdec_silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        float g = bf16_to_float(gate[i]);
-        y[i] = float_to_bf16(g / (1.0f + expf(-g)) * bf16_to_float(up[i]));
+/*
+ * y[r] = silu(gate[r]) * up[r] for rows of a fused gate/up projection: gu is [rows, 2 * width], each row its
+ * `width` gate values then its `width` up values; y is [rows, width].
+ */
+void specdec_silu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t rows, int64_t width) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gu + r * 2 * width, *up = gate + width;
+        for (int64_t i = 0; i < width; i++) {
+            float g = bf16_to_float(gate[i]);
+            y[r * width + i] = float_to_bf16(g / (1.0f + expf(-g)) * bf16_to_float(up[i]));
+        }
     }
 }

@@ -50,6 +50,18 @@ def test_linear_rows_do_not_depend_on_the_batch():
         assert torch.equal(layer(x[2:6]), batched[2:6])
 
 
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_fused_projection_equals_its_parts_bit_for_bit(rows):
+    """q/k/v (and gate/up) run as one linear layer: each part's outputs must be exactly what it gave alone."""
+    torch.manual_seed(rows)
+    lib = cpu.load_library()
+    parts = [torch.nn.Linear(64, n, bias=True).to(torch.bfloat16) for n in (64, 16, 16)]
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    fused = cpu.FastCPULinear(cpu._fuse(parts), lib)(x)  # [rows, 96]
+    alone = torch.cat([cpu.FastCPULinear(p, lib)(x) for p in parts], dim=-1)  # [rows, 96]
+    assert torch.equal(fused, alone)
+
+
 def test_linear_kernels_refuse_shapes_they_cannot_run():
     with pytest.raises(ValueError, match="in_features"):
         cpu.FastCPULinear(torch.nn.Linear(80, 40).to(torch.bfloat16), cpu.load_library())
@@ -76,6 +88,8 @@ def bf16_pair(tiny_dir):
 def test_kernels_are_in_place_and_agree_with_torch(bf16_pair):
     fast, plain = bf16_pair
     assert not isinstance(fast.model.attention, TorchAttention)
+    layer = fast.model.layers[0]
+    assert isinstance(layer.self_attn, cpu.FusedAttention) and isinstance(layer.mlp, cpu.FastMLP)
     assert isinstance(plain.model.attention, TorchAttention)
     tokens = [3, 77, 12, 5, 200, 41, 9, 150, 7]
     outs = []
