@@ -1,4 +1,4 @@
-"""`specdec bench serve CONFIG.yaml`: speculation on vs off through the whole stack, side by side.
+"""`specdec bench stack CONFIG.yaml`: speculation on vs off through the whole stack, side by side.
 
 Serves CONFIG (local Ray, or $RAY_ADDRESS), then streams each prompt over gRPC through Serve's proxy, the router
 and the workers, once with speculation off (k = 0) and once with the config's setting, alternating which goes
@@ -25,8 +25,9 @@ from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 
 
-def register(modes: Any) -> None:
-    parser = modes.add_parser("serve", help="speculation on vs off through the served stack (gRPC, Ray Serve)")
+def register_stack(modes: Any) -> None:
+    parser = modes.add_parser("stack", help="serve CONFIG itself and compare speculation on vs off through it, one "
+                                            "prompt at a time (gRPC, Ray Serve, worker counters)")
     parser.add_argument("config", type=Path, help="the serving config to deploy")
     parser.add_argument("--prompts", required=True, type=Path, help='JSONL, one {"prompt": "..."} per line')
     parser.add_argument("--max-new-tokens", required=True, type=int)

@@ -8,7 +8,7 @@ out=${1:-docs/bench}
 specdec=.venv/bin/specdec
 $specdec models pull qwen2.5-coder-1.5b-instruct >/dev/null
 $specdec models pull qwen2.5-coder-0.5b-instruct >/dev/null
-$specdec bench serve deployments/configs/demo_cpu.yaml --prompts benchmarks/prompts/code.jsonl \
+$specdec bench stack deployments/configs/demo_cpu.yaml --prompts benchmarks/prompts/code.jsonl \
   --max-new-tokens 96 --temperature 0 --compare-offline --json "$out/serve_greedy_int8_draft.json"
 # Tensor parallelism on this CPU: the 1.5B target unsplit vs over 2 ranks (gloo), one forward, and the all-reduce time.
 $specdec bench tp --model qwen2.5-coder-1.5b-instruct --tensor-parallel-size 2 --json "$out/tp2_cpu.json"

@@ -1,4 +1,5 @@
-"""`specdec bench offline` (and `specdec bench serve`, from deployments.bench, where it is installed)."""
+"""`specdec bench offline`, and where the serving stack is installed, `specdec bench stack`, `tp` and `tracing`
+(deployments.bench) and `specdec bench serve`, the load generator (deployments.loadgen)."""
 
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                          help="int8 weights and activations for the draft (CPU with AVX-512 VNNI): cheaper drafts, same output")
     offline.add_argument("--json", required=True, type=Path, help="where to write the report")
     offline.set_defaults(func=_offline)
-    try:  # `bench serve` needs the serving stack (ray, grpc); the engine does not
+    try:  # the other benchmarks need the serving stack (ray, grpc); the engine does not
         from deployments import bench as serve_bench
+        from deployments.loadgen import cli as loadgen
     except ImportError:
         return
-    serve_bench.register(modes)
+    loadgen.register(modes)
+    serve_bench.register_stack(modes)
     serve_bench.register_tp(modes)
     serve_bench.register_tracing(modes)
 
