@@ -1,0 +1,337 @@
+"""`specdec bench serve --address HOST:PORT --prompts FILE.jsonl ...`: load a running server's public gRPC API and
+report latency percentiles, throughput and goodput per load point, speculation on (and, with --compare-off, off).
+
+Each load point is a concurrency (that many streams kept in flight) or a request rate (open-loop arrivals). With
+--compare-off every point runs twice against the same server, the second time with num_speculative_tokens = 0 in
+each request; which mode goes first alternates from point to point, so that drift in the machine's speed falls on
+both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from tqdm import tqdm
+
+from deployments.loadgen.client import (LOADS, Concurrency, Load, Prompt, RequestRate, Sampling, Speculation,
+                                        build_request, stream_one)
+from deployments.loadgen.metrics import SLO_KEYS, RequestRecord, summarize
+from specdec_core.errors import InvalidArgument
+
+OFF = 0  # num_speculative_tokens of the speculation-off mode
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    address: str
+    prompts_path: Path
+    prompts: tuple[Prompt, ...]
+    max_new_tokens: int
+    loads: tuple[Load, ...]
+    sampling: Sampling
+    speculation: Speculation  # what speculative requests ask; None: the server's setting
+    compare_off: bool = False
+    burstiness: float = 1.0
+    warmup: int = 2
+    duration_s: float | None = None
+    num_requests: int | None = None
+    slos_ms: dict[str, float] = field(default_factory=dict)
+    timeout_s: float = 600.0
+    auth_token: str | None = None
+    progress: bool = True
+
+    def requests_per_point(self, load: Load) -> int | None:
+        """None: as many as fit in the duration."""
+        if self.duration_s is not None:
+            return None
+        if self.num_requests is not None:
+            return self.num_requests
+        return max(len(self.prompts), load.min_requests)
+
+    def modes(self) -> dict[str, Speculation]:
+        return {"speculative": self.speculation, "off": OFF} if self.compare_off else {"speculative": self.speculation}
+
+
+class Unreachable(Exception):
+    """The server did not answer GetModelInfo."""
+
+
+# -- flags ---------------------------------------------------------------------------------------------------------
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be positive integers separated by commas, got {text!r}")
+    return values
+
+
+def _positive_rates(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be positive numbers (or inf) separated by commas, got {text!r}")
+    return values
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0 or (kind is float and math.isinf(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive {'integer' if kind is int else 'number'}, got {text!r}")
+        return value
+    return parse
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
+    return value
+
+
+def _speculation(text: str) -> Speculation:
+    if text == "auto":
+        return "auto"
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or auto, got {text!r} (for speculation off, "
+                                          "use --compare-off)")
+    return int(text)
+
+
+def _slo(text: str) -> tuple[str, float]:
+    key, _, value = text.partition(":")
+    if key not in SLO_KEYS:
+        raise argparse.ArgumentTypeError(f"keys must be one of {', '.join(SLO_KEYS)} (as KEY:MS), got {text!r}")
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not ms > 0 or math.isinf(ms):
+        raise argparse.ArgumentTypeError(f"{key} needs a positive number of milliseconds (as {key}:MS), got {text!r}")
+    return key, ms
+
+
+def register(modes: Any) -> None:
+    parser = modes.add_parser(
+        "serve", help="load generator for a running server's gRPC API: latency percentiles, throughput, goodput",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--address", required=True, help="HOST:PORT of the server's gRPC endpoint")
+    parser.add_argument("--prompts", required=True, type=Path,
+                        help='JSONL, one {"prompt": "...", "max_tokens": N (optional)} per line, cycled as needed')
+    parser.add_argument("--max-new-tokens", required=True, type=_positive(int),
+                        help="output tokens per request, where a prompt line gives no max_tokens")
+    parser.add_argument("--concurrency", type=_positive_ints, default=[],
+                        help="load points: streams kept in flight, e.g. 1,4,8")
+    parser.add_argument("--request-rate", type=_positive_rates, default=[],
+                        help="load points: requests per second (open loop), e.g. 0.5,1,inf")
+    parser.add_argument("--burstiness", type=_positive(float), default=1.0,
+                        help="gamma shape of the inter-arrival times with --request-rate: 1 = Poisson, <1 burstier")
+    parser.add_argument("--compare-off", action="store_true",
+                        help="run every point again with speculation off (num_speculative_tokens 0 per request)")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--duration", type=_positive(float), help="seconds of sending per load point and mode")
+    length.add_argument("--num-requests", type=_positive(int),
+                        help="requests per load point and mode (default: the number of prompts, at least the concurrency)")
+    parser.add_argument("--warmup", type=_non_negative_int, default=2, help="warm-up requests per mode, not measured")
+    parser.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=_non_negative_int, default=0, help="request i is sampled with seed + i")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="generate exactly max_tokens per request, past the end-of-sequence token")
+    parser.add_argument("--num-speculative-tokens", type=_speculation, default=None,
+                        help="K or auto: what speculative requests ask (default: the server's setting)")
+    parser.add_argument("--goodput", nargs="+", type=_slo, default=[], metavar="KEY:MS",
+                        help="SLOs in milliseconds, keys ttft, tpot, e2el: goodput counts requests meeting all")
+    parser.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds per request")
+    parser.add_argument("--auth-token", default=None, help="sent as `authorization: Bearer TOKEN` metadata")
+    parser.add_argument("--json", required=True, type=Path, help="where to write the report")
+    parser.add_argument("--plot", type=Path, default=None, help="the PNG (default: the --json path with .png)")
+    parser.set_defaults(func=main)
+
+
+def read_prompts(path: Path, max_new_tokens: int) -> tuple[Prompt, ...]:
+    if not path.is_file():
+        raise InvalidArgument("--prompts", f"{str(path)!r} is not a file")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            item = None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
+            raise InvalidArgument("--prompts", f"{path}:{number}: expected a JSON object with a non-empty \"prompt\"")
+        max_tokens = item.get("max_tokens", max_new_tokens)
+        if type(max_tokens) is not int or max_tokens <= 0:
+            raise InvalidArgument("--prompts", f"{path}:{number}: \"max_tokens\" must be a positive integer")
+        prompts.append(Prompt(item["prompt"], max_tokens))
+    if not prompts:
+        raise InvalidArgument("--prompts", f"{path} holds no prompts")
+    return tuple(prompts)
+
+
+def config_from_args(args: argparse.Namespace) -> LoadConfig:
+    loads = [Concurrency(c) for c in args.concurrency] + \
+        [RequestRate(r, args.burstiness, args.seed) for r in args.request_rate]
+    if not loads:
+        raise InvalidArgument("--concurrency", "give --concurrency or --request-rate (or both)")
+    if args.duration is not None and any(math.isinf(r) for r in args.request_rate):
+        raise InvalidArgument("--request-rate", "inf sends every request at once: use --num-requests, not --duration")
+    return LoadConfig(
+        address=args.address, prompts_path=args.prompts, prompts=read_prompts(args.prompts, args.max_new_tokens),
+        max_new_tokens=args.max_new_tokens, loads=tuple(loads),
+        sampling=Sampling(args.temperature, args.seed, args.ignore_eos), speculation=args.num_speculative_tokens,
+        compare_off=args.compare_off, burstiness=args.burstiness, warmup=args.warmup, duration_s=args.duration,
+        num_requests=args.num_requests, slos_ms=dict(args.goodput), timeout_s=args.timeout,
+        auth_token=args.auth_token)
+
+
+def main(args: argparse.Namespace) -> int:
+    from deployments.loadgen.plot import plot_report
+    from specdec_core.bench.offline import write_report
+
+    config = config_from_args(args)
+    try:
+        report = asyncio.run(run(config))
+    except Unreachable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    write_report(report, args.json)
+    plot_path = args.plot or args.json.with_suffix(".png")
+    plot_report(report, plot_path)
+    print(format_summary(report))
+    print(f"report: {args.json}; plot: {plot_path}")
+    return 0
+
+
+# -- the run -------------------------------------------------------------------------------------------------------
+
+
+async def run(config: LoadConfig) -> dict[str, Any]:
+    """Every load point in each mode against the server at config.address; the report as a dict."""
+    from deployments.cli import GRPC_OPTIONS
+    from specdec.v1 import generation_pb2 as pb
+    from specdec.v1 import generation_pb2_grpc as pb_grpc
+
+    metadata = [("authorization", f"Bearer {config.auth_token}")] if config.auth_token else None
+    # One channel: every stream is multiplexed over one HTTP/2 connection, as a client library would do.
+    async with grpc.aio.insecure_channel(config.address, options=GRPC_OPTIONS) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        try:
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=min(config.timeout_s, 30.0),
+                                           metadata=metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise Unreachable(f"--address {config.address}: GetModelInfo failed ({exc.code().name}: "
+                              f"{exc.details()})") from None
+
+        def sender(speculation: Speculation) -> Any:
+            async def send(index: int) -> RequestRecord:
+                prompt = config.prompts[index % len(config.prompts)]
+                request = build_request(prompt, index, config.sampling, speculation)
+                return await stream_one(stub, request, config.timeout_s, metadata)
+            return send
+
+        senders = {mode: sender(k) for mode, k in config.modes().items()}
+        for send in senders.values():  # first-call costs stay out of the figures
+            for index in range(config.warmup):
+                await send(index)
+        points = [await run_load(config, load, senders, speculative_first=number % 2 == 0)
+                  for number, load in enumerate(config.loads)]
+    return {**report_header(config, info), "points": points}
+
+
+async def run_load(config: LoadConfig, load: Load, senders: dict[str, Any], speculative_first: bool) -> dict[str, Any]:
+    """One load point in every mode, in the order asked; with both modes, the speedup."""
+    point: dict[str, Any] = {load.key: load.report_value}
+    order = list(senders) if speculative_first else list(senders)[::-1]
+    figures = {mode: await run_point(config, load, senders[mode], f"{load.label}, {mode}") for mode in order}
+    point["speculative"] = figures["speculative"]
+    if "off" in figures:
+        point["off"] = figures["off"]
+        off = figures["off"]["output_tokens_per_s"]
+        point["speedup"] = figures["speculative"]["output_tokens_per_s"] / off if off else 0.0
+    return point
+
+
+def report_header(config: LoadConfig, info: Any) -> dict[str, Any]:
+    from google.protobuf import json_format
+
+    return {
+        "address": config.address,
+        "prompts": str(config.prompts_path),
+        "num_prompts": len(config.prompts),
+        "max_new_tokens": config.max_new_tokens,
+        "temperature": config.sampling.temperature,
+        "seed": config.sampling.seed,
+        "ignore_eos": config.sampling.ignore_eos,
+        "num_speculative_tokens": "server" if config.speculation is None else config.speculation,
+        "compare_off": config.compare_off,
+        "warmup": config.warmup,
+        "duration_per_point_s": config.duration_s,
+        "num_requests": config.num_requests,
+        "burstiness": config.burstiness,
+        "goodput_slos_ms": config.slos_ms,
+        "timeout_s": config.timeout_s,
+        "server": json_format.MessageToDict(info, preserving_proto_field_name=True),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+async def run_point(config: LoadConfig, load: Load, send: Any, label: str) -> dict[str, Any]:
+    """One mode of one load point: send its requests, then the figures."""
+    total = config.requests_per_point(load)
+    with tqdm(total=total, desc=label, unit="req", file=sys.stderr, disable=not config.progress) as bar:
+        start = time.perf_counter()
+        deadline = start + config.duration_s if config.duration_s is not None else None
+        records = await load.drive(send, total, deadline, lambda: bar.update(1))
+        duration = time.perf_counter() - start
+    return summarize(records, duration, config.slos_ms)
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    header = f"{'load':>18} {'mode':>11} {'done':>5} {'err':>4} {'out tok/s':>9} {'p50 ttft':>9} {'p50 tpot':>9} " \
+             f"{'p99 tpot':>9} {'p50 itl':>8} {'accept':>6} {'tok/rnd':>7}"
+    lines = [header]
+    for point in report["points"]:
+        key = next(kind.key for kind in LOADS if kind.key in point)
+        label = f"{key.replace('_', ' ')} {point[key]}"
+        for mode in ("speculative", "off"):
+            if mode not in point:
+                continue
+            m = point[mode]
+            lines.append(f"{label:>18} {mode:>11} {m['completed']:>5} {m['failed']:>4} "
+                         f"{m['output_tokens_per_s']:>9.2f} {m['median_ttft_ms']:>9.1f} {m['median_tpot_ms']:>9.1f} "
+                         f"{m['p99_tpot_ms']:>9.1f} {m['median_itl_ms']:>8.1f} {m['acceptance_rate']:>6.2f} "
+                         f"{m['mean_tokens_per_round']:>7.2f}")
+            if m["errors"]:
+                lines.append(f"{'':>18} {'errors':>11} {m['errors']}")
+        if "speedup" in point:
+            lines.append(f"{label:>18} {'speedup':>11} {point['speedup']:.2f}x")
+    return "\n".join(lines)
