@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import ray
@@ -16,6 +17,7 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 
 from deployments import registry
+from deployments.auth import ENV_TOKEN
 from deployments.config import Placement, ServeConfig, TargetConfig, parse_config
 from deployments.router import RouterDeployment
 from deployments.telemetry import otel_environment, setup_tracing
@@ -39,6 +41,7 @@ def _runner_config(config: ServeConfig, placement: Placement) -> RunnerConfig:
         num_slots=placement.max_sequences,
         max_seq_len=config.router.max_seq_len,
         max_extend=config.draft.max_speculative_tokens + 1,
+        max_cache_bytes=placement.kv_cache_max_bytes,
     )
 
 
@@ -55,7 +58,8 @@ class _Worker:
     def _serve(self, config: ServeConfig, servicer: Any) -> None:
         setup_tracing(f"{config.app_name}-{self.kind}")
         self.servicer = servicer
-        self.server, port = start_server(servicer, port=config.worker_grpc_port)
+        secret = ray.get(registry.registry().secret.remote(config.app_name))
+        self.server, port = start_server(servicer, port=config.worker_grpc_port, secret=secret)
         self.address = f"{ray.util.get_node_ip_address()}:{port}"
         self.app = config.app_name
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -130,12 +134,13 @@ def _target_vocab_size(target: Any) -> int:
     return int(target.hf_config.get("vocab_size") or len(target.tokenizer))
 
 
-def _actor_options(num_cpus: float, num_gpus: float = 0.0, resources: dict[str, float] | None = None) -> dict[str, Any]:
+def _actor_options(num_cpus: float, num_gpus: float = 0.0, resources: dict[str, float] | None = None,
+                   env: dict[str, str] | None = None) -> dict[str, Any]:
     """Resources, and this process's OTEL_* settings so that every deployment exports its spans alike."""
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
     if resources:
         options["resources"] = dict(resources)
-    env = otel_environment()
+    env = {**otel_environment(), **(env or {})}
     if env:
         options["runtime_env"] = {"env_vars": env}
     return options
@@ -167,11 +172,19 @@ def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
     if cfg.router.autoscaling is not None:
         scaling = {"autoscaling_config": cfg.router.autoscaling.model_dump()}
     router = RouterDeployment.options(
-        ray_actor_options=_actor_options(cfg.router.num_cpus),
+        ray_actor_options=_actor_options(cfg.router.num_cpus, env=_auth_environment()),
         max_ongoing_requests=cfg.router.max_ongoing_requests,
         **scaling,
     )
     return router.bind(args, *workers)
+
+
+def _auth_environment() -> dict[str, str]:
+    """SPECDEC_AUTH_TOKEN of the building process, for the router: it may run on a Ray cluster this process only
+    joined, whose workers never saw this environment. (A token file, `auth_token_file`, keeps the token out of
+    the runtime environment that Ray's dashboard shows: prefer it on shared clusters.)"""
+    token = os.environ.get(ENV_TOKEN)
+    return {ENV_TOKEN: token} if token else {}
 
 
 def _check_tensor_parallel(target: TargetConfig) -> None:

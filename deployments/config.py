@@ -28,6 +28,9 @@ class Placement(_Strict):
     num_cpus: float = Field(1.0, ge=0)  # also the worker's torch threads (at least 1)
     num_gpus: float = Field(0.0, ge=0)
     max_sequences: int = Field(8, ge=1)  # KV cache slots per replica: sessions it can hold at once
+    # The replica's KV cache budget in bytes (per rank with tensor parallelism): fewer slots than max_sequences
+    # when they would not fit. The cache is allocated whole at start; requests wait for a slot, never for memory.
+    kv_cache_max_bytes: int | None = Field(None, ge=1)
     # Custom Ray resources, e.g. {"target_gpu": 1} to land on a worker group started with that resource.
     resources: dict[str, float] = Field(default_factory=dict)
 
@@ -84,8 +87,25 @@ class RouterConfig(_Strict):
     max_seq_len: int = Field(2048, ge=16)  # prompt plus output tokens per request
     default_max_tokens: int = Field(256, ge=1)  # when a request does not say
     max_ongoing_requests: int = Field(256, ge=1)  # per router replica, waiting ones included
-    rpc_timeout_s: float = Field(120.0, gt=0)  # one call to a worker
+    # Admission: requests that find no free KV slot wait in a queue of at most this many, for at most
+    # queue_timeout_s; beyond either they get RESOURCE_EXHAUSTED.
+    max_queued_requests: int = Field(64, ge=0)
+    queue_timeout_s: float = Field(60.0, gt=0)
+    max_prompt_tokens: int | None = Field(None, ge=1)  # longer prompts are INVALID_ARGUMENT (None: the context)
+    max_output_tokens: int | None = Field(None, ge=1)  # a larger sampling.max_tokens is INVALID_ARGUMENT
+    request_timeout_s: float | None = Field(None, gt=0)  # a request running longer ends with DEADLINE_EXCEEDED
+    rpc_timeout_s: float = Field(120.0, gt=0)  # one call to a target worker
+    # One Propose to a draft worker: a draft that answers slower is treated as stalled, and its sessions go on
+    # target-only (exact, just slower) until a draft replica takes them again.
+    draft_timeout_s: float = Field(10.0, gt=0)
+    worker_refresh_s: float = Field(10.0, gt=0)  # how often the router re-reads the worker replicas
     worker_start_timeout_s: float = Field(900.0, gt=0)  # how long a router waits for workers to come up
+
+    @model_validator(mode="after")
+    def _limits(self) -> "RouterConfig":
+        if self.max_output_tokens is not None and self.default_max_tokens > self.max_output_tokens:
+            raise ValueError("default_max_tokens must be <= max_output_tokens")
+        return self
 
 
 class ProposalLogConfig(_Strict):
@@ -106,6 +126,9 @@ class ServeConfig(_Strict):
     http_port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy (health checks)
     worker_grpc_port: int = Field(0, ge=0, le=65535)  # workers' internal gRPC servers; 0: any free port
     session_idle_timeout_s: float = Field(300.0, gt=0)  # a worker frees a session unused this long
+    # Bearer-token auth on the public API: a file holding the token (SPECDEC_AUTH_TOKEN in the router's
+    # environment takes precedence). Neither set: no auth.
+    auth_token_file: str | None = None
     target: TargetConfig
     draft: DraftConfig = DraftConfig(method="none")
     router: RouterConfig = RouterConfig()

@@ -49,9 +49,10 @@ class ServingMetrics:
                        self.k, self.draft_latency, self.verify_latency, self.fallbacks, self.slots):
             metric.set_default_tags(self._tags)
 
-    def round(self, k: int, accepted: int, speculating: bool) -> None:
+    def round(self, k: int, proposed: int, accepted: int, speculating: bool) -> None:
+        """`k` chosen, `proposed` drafts made (0 where no draft replica held the session: a fallback)."""
         self.k.observe(k)
-        if k > 0:
+        if proposed > 0:
             self.accepted_per_round.observe(accepted)
         elif speculating:
             self.fallbacks.inc()

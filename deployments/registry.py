@@ -2,10 +2,12 @@
 
 Routers talk to workers over gRPC, not through Serve handles, so they need addresses. Each worker replica
 registers (app, kind, replica id) -> "ip:port" when it starts and unregisters when it stops; routers read the
-addresses and refresh them. Detached, so it outlives whichever replica created it; `shutdown` removes it.
+addresses and refresh them. It also hands out each application's internal secret (`deployments.auth`). Detached, so it outlives whichever replica created it; `shutdown` removes it.
 """
 
 from __future__ import annotations
+
+import secrets
 
 import ray
 
@@ -17,6 +19,7 @@ NAMESPACE = "specdec"
 class _Registry:
     def __init__(self) -> None:
         self._addresses: dict[tuple[str, str], dict[str, str]] = {}
+        self._secrets: dict[str, str] = {}
 
     def register(self, app: str, kind: str, replica_id: str, address: str) -> None:
         self._addresses.setdefault((app, kind), {})[replica_id] = address
@@ -26,6 +29,10 @@ class _Registry:
 
     def addresses(self, app: str, kind: str) -> list[str]:
         return sorted(self._addresses.get((app, kind), {}).values())
+
+    def secret(self, app: str) -> str:
+        """The application's internal secret (`deployments.auth`), made on first ask."""
+        return self._secrets.setdefault(app, secrets.token_urlsafe(32))
 
 
 def registry() -> "ray.actor.ActorHandle":

@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 import grpc
 
 from deployments import codec
+from deployments.auth import internal_channel
 from deployments.telemetry import RequestTracer, carrier_metadata
 from deployments.workers import GRPC_OPTIONS
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.errors import InvalidArgument, ResourceExhausted
-from specdec_core.target import PrefillItem, VerifyItem, VerifyOutcome
+from specdec_core.target import PartialVerifyFailure, PrefillItem, VerifyItem, VerifyOutcome
 
 if TYPE_CHECKING:
     from deployments.metrics import ServingMetrics
@@ -48,14 +49,22 @@ class Replica:
     stats: wpb.WorkerStats
     last_pinned: int = 0  # when it last got a session: ties go to the one that waited longest
     retired: bool = False  # no longer registered: takes no new sessions
+    failed: bool = False  # a call to it failed: takes no new sessions until a probe finds it answering again
+
+    @property
+    def usable(self) -> bool:
+        return not (self.retired or self.failed)
 
 
 class ReplicaPool:
     """The replicas of one worker deployment, the sessions pinned to each, and batched fan-out."""
 
-    def __init__(self, kind: str, addresses: Sequence[str], stub_type: type, timeout_s: float) -> None:
+    def __init__(self, kind: str, addresses: Sequence[str], stub_type: type, timeout_s: float,
+                 secret: str | None = None) -> None:
         self.kind = kind
         self.timeout_s = timeout_s
+        self.secret = secret
+        self.failure = threading.Event()  # set when a replica fails: the router re-reads the replicas at once
         self._stub_type = stub_type
         self._replicas: dict[str, Replica] = {}
         self._pinned: dict[str, Replica] = {}
@@ -67,28 +76,63 @@ class ReplicaPool:
 
     def update(self, addresses: Sequence[str]) -> None:
         """Follow the registered replicas: add those that appeared; a replica that is gone takes no new sessions
-        and is dropped once its sessions end (a dead one fails them on their next call)."""
+        and is dropped once its sessions end (a dead one fails them on their next call). A failed replica is
+        probed: it takes sessions again if it answers (a stall that ended), else it is dropped once idle (a
+        replica killed without unregistering stays in the registry, so a probe is the only word on it)."""
         with self._lock:
             for address in [a for a in self._replicas if a not in addresses]:
                 replica = self._replicas[address]
                 if not replica.sessions:
-                    replica.channel.close()
-                    del self._replicas[address]
+                    self._drop(address)
                 else:
                     replica.retired = True
+        for replica in [r for r in self.replicas if r.failed]:
+            if self._probe(replica.stub, replica.address) is not None:
+                replica.failed = False
+            elif not replica.sessions:
+                with self._lock:
+                    self._drop(replica.address)
         for address in addresses:
             if address in self._replicas:
                 continue
-            channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = internal_channel(grpc.insecure_channel(address, options=GRPC_OPTIONS), self.secret)
             stub = self._stub_type(channel)
-            try:
-                stats = stub.GetStats(wpb.GetStatsRequest(), timeout=min(self.timeout_s, 10.0))
-            except grpc.RpcError as exc:
-                log.warning("%s worker at %s is not reachable: %s", self.kind, address, exc.code())
+            stats = self._probe(stub, address)
+            if stats is None:
                 channel.close()
                 continue
             with self._lock:
                 self._replicas[address] = Replica(address, stub, channel, set(), stats)
+
+    def _probe(self, stub: object, address: str) -> wpb.WorkerStats | None:
+        try:
+            return stub.GetStats(wpb.GetStatsRequest(), timeout=min(self.timeout_s, 5.0))  # type: ignore[attr-defined]
+        except grpc.RpcError as exc:
+            log.warning("%s worker at %s is not reachable: %s", self.kind, address, exc.code())
+            return None
+
+    def _drop(self, address: str) -> None:
+        self._replicas.pop(address).channel.close()
+
+    def mark_failed(self, address: str) -> list[str]:
+        """A call to `address` failed: it takes no new sessions, and the sessions pinned to it are unpinned
+        (their state there is lost). Returns those sessions."""
+        with self._lock:
+            replica = self._replicas.get(address)
+            if replica is None:
+                return []
+            replica.failed = True
+            lost = sorted(replica.sessions)
+            for session_id in lost:
+                self._pinned.pop(session_id, None)
+            replica.sessions.clear()
+        self.failure.set()
+        log.warning("%s worker at %s failed; %d sessions lost there", self.kind, address, len(lost))
+        return lost
+
+    @property
+    def has_usable(self) -> bool:
+        return any(r.usable for r in self.replicas)
 
     @property
     def replicas(self) -> list[Replica]:
@@ -100,15 +144,15 @@ class ReplicaPool:
 
     @property
     def free_slots(self) -> int:
-        return sum(max(0, r.stats.num_slots - len(r.sessions)) for r in self.replicas if not r.retired)
+        return sum(max(0, r.stats.num_slots - len(r.sessions)) for r in self.replicas if r.usable)
 
     def pin(self, session_id: str) -> Replica:
         """The replica for a new session: the least loaded (fewest of our sessions for its slots)."""
         with self._lock:
             self._tick += 1
-            live = [r for r in self._replicas.values() if not r.retired]
+            live = [r for r in self._replicas.values() if r.usable]
             if not live:
-                raise WorkerUnavailable(f"no {self.kind} worker is registered")
+                raise WorkerUnavailable(f"no {self.kind} worker is available")
             replica = min(live, key=lambda r: (len(r.sessions) - r.stats.num_slots, r.last_pinned))
             replica.last_pinned = self._tick
             replica.sessions.add(session_id)
@@ -131,18 +175,33 @@ class ReplicaPool:
     def fan_out(self, groups: dict[str, tuple[Replica, object]], method: str,
                 metadata: dict[str, list[tuple[str, str]]] | None = None) -> dict[str, object]:
         """Send one request per replica, all at once; the responses by address. Raises on any failure."""
+        responses, failures = self.fan_out_settled(groups, method, metadata)
+        if failures:
+            raise next(iter(failures.values()))
+        return responses
+
+    def fan_out_settled(self, groups: dict[str, tuple[Replica, object]], method: str,
+                        metadata: dict[str, list[tuple[str, str]]] | None = None,
+                        timeout_s: float | None = None) -> tuple[dict[str, object], dict[str, Exception]]:
+        """Like `fan_out`, but every call runs to its end: (responses, errors) by address. A replica that could
+        not be reached or did not answer in time is marked failed (an error it reported, such as INTERNAL,
+        is not: it is alive and has released what the call touched)."""
         metadata = metadata or {}
+        timeout = timeout_s or self.timeout_s
         calls = {
-            address: getattr(replica.stub, method).future(request, timeout=self.timeout_s, metadata=metadata.get(address))
+            address: getattr(replica.stub, method).future(request, timeout=timeout, metadata=metadata.get(address))
             for address, (replica, request) in groups.items()
         }
-        responses = {}
+        responses: dict[str, object] = {}
+        failures: dict[str, Exception] = {}
         for address, call in calls.items():
             try:
                 responses[address] = call.result()
             except grpc.RpcError as exc:
-                raise _translate(exc, f"{self.kind} worker {address}: {method}") from None
-        return responses
+                error = failures[address] = _translate(exc, f"{self.kind} worker {address}: {method}")
+                if _lost(error):
+                    self.mark_failed(address)
+        return responses, failures
 
     def release(self, session_id: str) -> None:
         replica = self.unpin(session_id)
@@ -169,6 +228,11 @@ def _translate(exc: grpc.RpcError, what: str) -> Exception:
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return WorkerUnavailable(f"{what}: {code.name}: {details}")
     return WorkerUnavailable(f"{what}: {code.name}: {details}", code=grpc.StatusCode.INTERNAL)
+
+
+def _lost(error: Exception) -> bool:
+    """The replica could not be reached or did not answer: whatever it held for the call is gone or in doubt."""
+    return isinstance(error, WorkerUnavailable) and error.code == grpc.StatusCode.UNAVAILABLE
 
 
 def _group(pool: ReplicaPool, items: Sequence[T], session_of: Callable[[T], str]) -> dict[str, list[int]]:
@@ -213,25 +277,41 @@ class RemoteTarget:
         return self.pool.free_slots
 
     def prefill(self, items: Sequence[PrefillItem]) -> list[int]:
-        for item in items:
-            self.pool.pin(item.seq_id)
+        """Start sessions on the least-loaded replicas. Items whose replica turned out dead are tried once more on
+        another: they have produced nothing yet, so a retry is invisible to the client."""
         try:
-            groups = _group(self.pool, items, lambda item: item.seq_id)
-            requests = {
-                address: (self.pool.replica_of(items[idx[0]].seq_id), codec.encode_prefill([items[i] for i in idx]))
-                for address, idx in groups.items()
-            }
-            metadata = _trace_metadata(self.tracer, groups, [item.seq_id for item in items], rounds=False)
-            responses = self.pool.fan_out(requests, "Prefill", metadata)
+            first, failed = self._prefill_once(items)
+            if failed and self.pool.has_usable:
+                retried, still = self._prefill_once([items[i] for i in failed])
+                for i, token in zip(failed, retried):
+                    first[i] = token
+                failed = [failed[j] for j in still]
+            if failed:
+                raise WorkerUnavailable(f"no target worker could prefill {len(failed)} of {len(items)} requests")
         except Exception:
             for item in items:
                 self.pool.release(item.seq_id)
             raise
+        return first
+
+    def _prefill_once(self, items: Sequence[PrefillItem]) -> tuple[list[int], list[int]]:
+        """First tokens (0 where failed) and the indices of items whose replica could not be reached."""
+        for item in items:
+            self.pool.pin(item.seq_id)
+        groups = _group(self.pool, items, lambda item: item.seq_id)
+        requests = {
+            address: (self.pool.replica_of(items[idx[0]].seq_id), codec.encode_prefill([items[i] for i in idx]))
+            for address, idx in groups.items()
+        }
+        metadata = _trace_metadata(self.tracer, groups, [item.seq_id for item in items], rounds=False)
+        responses, failures = self.pool.fan_out_settled(requests, "Prefill", metadata)
+        if any(not _lost(error) for error in failures.values()):
+            raise next(error for error in failures.values() if not _lost(error))
         first = [0] * len(items)
         for address, idx in groups.items():
-            for i, token in zip(idx, responses[address].first_token_ids):
+            for i, token in zip(idx, getattr(responses.get(address), "first_token_ids", ())):
                 first[i] = token
-        return first
+        return first, sorted(i for address in failures for i in groups[address])
 
     def verify(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome]:
         ids = [item.seq_id for item in items]
@@ -243,16 +323,23 @@ class RemoteTarget:
             for address, idx in groups.items()
         }
         start = time.perf_counter()
-        responses = self.pool.fan_out(requests, "Verify", _trace_metadata(self.tracer, groups, ids, rounds=True))
+        responses, failures = self.pool.fan_out_settled(
+            requests, "Verify", _trace_metadata(self.tracer, groups, ids, rounds=True))
         seconds = time.perf_counter() - start  # the round span's verify_ms and the verify latency histogram
         if self.tracer is not None:
             self.tracer.add_call(ids, "verify", seconds, _item_sizes(groups, requests, len(ids)))
         if self.metrics is not None:
             self.metrics.verify_latency.observe(seconds)
         outcomes: list[VerifyOutcome | None] = [None] * len(items)
-        for address, idx in groups.items():
-            for i, outcome in zip(idx, codec.decode_outcomes(responses[address], [items[i].return_probs for i in idx])):
+        for address, response in responses.items():
+            idx = groups[address]
+            for i, outcome in zip(idx, codec.decode_outcomes(response, [items[i].return_probs for i in idx])):
                 outcomes[i] = outcome
+        if failures:
+            errors = {i: error for address, error in failures.items() for i in groups[address]}
+            if len(errors) == len(items):
+                raise next(iter(failures.values()))
+            raise PartialVerifyFailure(outcomes, errors)
         return outcomes  # type: ignore[return-value]
 
     def release(self, seq_id: str) -> None:
@@ -261,38 +348,61 @@ class RemoteTarget:
 
 class RemoteDrafter:
     """`Drafter` over the draft workers. A worker keeps each session's committed tokens; every Propose carries
-    only the tokens committed since the last one."""
+    only the tokens committed since the last one.
+
+    A draft replica that dies, stalls (no answer within `timeout_s`) or is full costs speculation, never the
+    request: its sessions get empty proposals, so their rounds are plain decoding (exact, only slower), and every
+    `retry_s` they are started again, with everything committed so far, on a replica that answers."""
 
     name = "draft_model"
 
     def __init__(self, pool: ReplicaPool, tracer: RequestTracer | None = None,
-                 metrics: ServingMetrics | None = None) -> None:
+                 metrics: ServingMetrics | None = None, timeout_s: float | None = None, retry_s: float = 1.0) -> None:
         self.pool = pool
         self.tracer = tracer
         self.metrics = metrics
-        self._sent: dict[str, int] = {}  # committed tokens the worker has been told about, per session
+        self.timeout_s = timeout_s or pool.timeout_s
+        self.retry_s = retry_s
+        self._sent: dict[str, int] = {}  # sessions held by a draft worker: committed tokens it has been told about
+        self._homeless: dict[str, float] = {}  # sessions no draft worker holds: when to try to place them again
 
     def start(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
-        replica = self.pool.pin(seq_id)
-        request = wpb.StartRequest(items=[wpb.StartRequest.Item(session_id=seq_id, prompt_token_ids=list(prompt_ids))])
+        if not self._place(seq_id, prompt_ids):
+            self._homeless[seq_id] = time.monotonic() + self.retry_s
+
+    def _place(self, seq_id: str, token_ids: Sequence[int]) -> bool:
+        """Start the session on the least-loaded usable replica; False if none took it."""
+        try:
+            replica = self.pool.pin(seq_id)
+        except WorkerUnavailable:
+            return False
+        request = wpb.StartRequest(items=[wpb.StartRequest.Item(session_id=seq_id, prompt_token_ids=list(token_ids))])
         metadata = {}
         if self.tracer is not None:
             metadata = {replica.address: carrier_metadata(self.tracer.spans([seq_id], rounds=False))}
-        try:
-            self.pool.fan_out({replica.address: (replica, request)}, "Start", metadata)
-        except Exception:
+        _, failures = self.pool.fan_out_settled({replica.address: (replica, request)}, "Start", metadata,
+                                                self.timeout_s)
+        if failures:
             self.pool.unpin(seq_id)
-            raise
-        self._sent[seq_id] = len(prompt_ids)
+            log.warning("draft session %s not started: %s", seq_id, failures[replica.address])
+            return False
+        self._sent[seq_id] = len(token_ids)
+        return True
 
     def observe(self, seq_id: str, num_committed: int) -> None:
         pass  # sent with the next Propose
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
-        ids = [r.seq_id for r in requests]
+        self._rehome(requests)
+        proposals = [Proposal([], None, () if r.return_probs else None) for r in requests]
+        live = [i for i, r in enumerate(requests) if r.seq_id in self._sent and r.num_tokens > 0]
+        if not live:
+            return proposals
+        ids = [requests[i].seq_id for i in live]
         if self.tracer is not None:
             self.tracer.begin_round(ids)
-        groups = _group(self.pool, requests, lambda r: r.seq_id)
+        groups = {address: [live[j] for j in idx]
+                  for address, idx in _group(self.pool, [requests[i] for i in live], lambda r: r.seq_id).items()}
         messages = {}
         for address, idx in groups.items():
             message = wpb.ProposeRequest()
@@ -300,26 +410,54 @@ class RemoteDrafter:
                 r = requests[i]
                 message.items.append(codec.encode_propose_item(r, r.token_ids[self._sent[r.seq_id] :]))
             messages[address] = (self.pool.replica_of(requests[idx[0]].seq_id), message)
+        all_ids = [r.seq_id for r in requests]
         start = time.perf_counter()
-        responses = self.pool.fan_out(messages, "Propose", _trace_metadata(self.tracer, groups, ids, rounds=True))
+        responses, failures = self.pool.fan_out_settled(
+            messages, "Propose", _trace_metadata(self.tracer, groups, all_ids, rounds=True), self.timeout_s)
         seconds = time.perf_counter() - start  # the round span's draft_ms and the draft latency histogram
         if self.tracer is not None:
-            self.tracer.add_call(ids, "draft", seconds, _item_sizes(groups, messages, len(ids)))
+            self.tracer.add_call(all_ids, "draft", seconds, _item_sizes(groups, messages, len(requests)))
         if self.metrics is not None:
             self.metrics.draft_latency.observe(seconds)
-        for r in requests:
-            self._sent[r.seq_id] = len(r.token_ids)
-        proposals: list[Proposal | None] = [None] * len(requests)
+        for address, error in failures.items():
+            log.warning("draft proposals lost for %d sessions: %s", len(groups[address]), error)
+            for i in groups[address]:
+                self._evict(requests[i].seq_id)
         vocab = self.pool.info.vocab_size
-        for address, idx in groups.items():
-            for i, msg in zip(idx, responses[address].proposals):
+        for address, response in responses.items():
+            for i, msg in zip(groups[address], response.proposals):
+                self._sent[requests[i].seq_id] = len(requests[i].token_ids)
                 proposals[i] = codec.decode_proposal(msg, vocab, requests[i].return_probs)
-        return proposals  # type: ignore[return-value]
+        return proposals
+
+    def _rehome(self, requests: Sequence[DraftRequest]) -> None:
+        """Start sessions that lost their draft replica again, where one is usable and their retry time came."""
+        now = time.monotonic()
+        for r in requests:
+            due = self._homeless.get(r.seq_id)
+            if due is None or now < due or not self.pool.has_usable:
+                continue
+            if self._place(r.seq_id, r.token_ids):
+                del self._homeless[r.seq_id]
+            else:
+                self._homeless[r.seq_id] = now + self.retry_s
+
+    def _evict(self, seq_id: str) -> None:
+        """The session's draft state is lost or in doubt: free it where possible, and place it again later."""
+        self._sent.pop(seq_id, None)
+        self.pool.release(seq_id)  # a no-op for a replica marked failed (its sessions are already unpinned)
+        self._homeless[seq_id] = time.monotonic() + self.retry_s
 
     def release(self, seq_id: str) -> None:
         self._sent.pop(seq_id, None)
+        self._homeless.pop(seq_id, None)
         self.pool.release(seq_id)
 
     @property
     def active_sequences(self) -> int:
         return len(self._sent)
+
+    @property
+    def homeless_sequences(self) -> int:
+        """Sessions running target-only because no draft replica holds them."""
+        return len(self._homeless)

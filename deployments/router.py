@@ -19,11 +19,12 @@ import ray
 from ray import serve
 
 from deployments import codec, registry
+from deployments.auth import BearerAuth, Unauthenticated, load_public_token
 from deployments.config import ServeConfig, parse_config
 from deployments.metrics import ServingMetrics
 from deployments.proposals import ProposalLog
 from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool, WorkerUnavailable
-from deployments.scheduler import Scheduler
+from deployments.scheduler import Admission, DeadlineExceeded, Scheduler
 from deployments.telemetry import RequestTracer, context_from_metadata, setup_tracing
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
@@ -43,6 +44,10 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
     if isinstance(error, WorkerUnavailable):
         return error.code, str(error)
+    if isinstance(error, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(error)
+    if isinstance(error, DeadlineExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
 
 
@@ -74,16 +79,18 @@ class Router:
         draft_name = cfg.draft.model if cfg.draft.method == "draft_model" else cfg.draft.method
         self.tracer = RequestTracer(cfg.target.model, draft_name or "none")
         self.metrics = ServingMetrics(cfg.target.model, draft_name or "none")
+        self.auth = BearerAuth(load_public_token(cfg.auth_token_file))
         self.tokenizer = load_tokenizer(cfg.target.model)
         timeout = cfg.router.rpc_timeout_s
+        secret = ray.get(registry.registry().secret.remote(cfg.app_name))  # the workers serve only its holders
         target_addresses = wait_for_workers(cfg.app_name, "target", cfg.target.num_replicas, cfg.router.worker_start_timeout_s)
-        self.target_pool = ReplicaPool("target", target_addresses, wpb_grpc.TargetServiceStub, timeout)
+        self.target_pool = ReplicaPool("target", target_addresses, wpb_grpc.TargetServiceStub, timeout, secret)
         drafter = None
         self.draft_pool = None
         if cfg.draft.method == "draft_model":
             addresses = wait_for_workers(cfg.app_name, "draft", cfg.draft.num_replicas, cfg.router.worker_start_timeout_s)
-            self.draft_pool = ReplicaPool("draft", addresses, wpb_grpc.DraftServiceStub, timeout)
-            drafter = RemoteDrafter(self.draft_pool, self.tracer, self.metrics)
+            self.draft_pool = ReplicaPool("draft", addresses, wpb_grpc.DraftServiceStub, timeout, secret)
+            drafter = RemoteDrafter(self.draft_pool, self.tracer, self.metrics, timeout_s=cfg.router.draft_timeout_s)
         elif cfg.draft.method == "ngram":
             drafter = NgramDrafter(max_n=cfg.draft.ngram_max, min_n=cfg.draft.ngram_min)
         engine_config = EngineConfig(
@@ -98,19 +105,35 @@ class Router:
             log_cfg = cfg.proposal_log
             self.proposals = ProposalLog(log_cfg.directory, log_cfg.sample_rate, cfg.target.model, draft_name or "none",
                                          log_cfg.max_bytes, log_cfg.backup_count, log_cfg.include_probs)
-        self.scheduler = Scheduler(engine)
+        admission = Admission(cfg.router.max_queued_requests, cfg.router.queue_timeout_s, cfg.router.request_timeout_s)
+        self.scheduler = Scheduler(engine, admission, self._why_waiting)
         self._tag = uuid.uuid4().hex[:8]
         self._refresher = threading.Thread(target=self._follow_workers, name="follow-workers", daemon=True)
         self._refresher.start()
         log.info("router %s ready: %d target, %d draft replicas", self._tag, len(target_addresses),
                  len(self.draft_pool.replicas) if self.draft_pool else 0)
 
-    def _follow_workers(self, period_s: float = 10.0) -> None:
-        """Replicas come and go (autoscaling, restarts): re-read the registry now and then."""
+    def _why_waiting(self) -> Exception:
+        """What a request that waited out the queue timeout is told."""
+        if not self.target_pool.has_usable:
+            return WorkerUnavailable("no target worker is available (a replacement may be starting); retry later")
+        return ResourceExhausted("kv_cache", "no KV cache slot came free within router.queue_timeout_s; retry later")
+
+    def _follow_workers(self) -> None:
+        """Replicas come and go (autoscaling, restarts): re-read the registry now and then, and soon after a
+        replica failed (its replacement registers under a new address)."""
         reg = registry.registry()
         app = self.config.app_name
+        pools = [p for p in (self.target_pool, self.draft_pool) if p is not None]
         while not self.scheduler.closed:
-            time.sleep(period_s)
+            deadline = time.monotonic() + self.config.router.worker_refresh_s
+            while time.monotonic() < deadline and not any(p.failure.is_set() for p in pools):
+                time.sleep(0.2)
+            failed = any(p.failure.is_set() for p in pools)
+            for pool in pools:
+                pool.failure.clear()
+            if failed:
+                time.sleep(1.0)  # let Serve notice the death and the replacement register
             try:
                 self.target_pool.update(ray.get(reg.addresses.remote(app, "target")))
                 if self.draft_pool is not None:
@@ -120,7 +143,9 @@ class Router:
 
     # -- GenerationService -------------------------------------------------------------------------------------
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.GetModelInfoResponse:
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context: Any = None) -> pb.GetModelInfoResponse:
+        if grpc_context is not None:
+            self._authenticate(grpc_context)
         cfg = self.config
         return pb.GetModelInfoResponse(
             target_model=cfg.target.model,
@@ -150,9 +175,12 @@ class Router:
     async def _run(self, request: pb.GenerateRequest, request_id: str, grpc_context: Any) -> AsyncIterator[RequestOutput]:
         """Submit a request to the engine and yield its outputs; on a refusal or failure set the gRPC status and
         raise. Cancelled (the client went away) -> the engine aborts it, which frees its caches."""
+        self._authenticate(grpc_context)
         try:
             call = codec.decode_generate(request, self.config.router.default_max_tokens)
-            prompt_ids = self._prompt_ids(call.prompt)
+            # Tokenizing megabytes takes a while: off the event loop, which serves every other request.
+            prompt_ids = await asyncio.to_thread(self._prompt_ids, call.prompt)
+            self._check_limits(prompt_ids, call.params.max_tokens)
         except InvalidArgument as exc:
             self._fail(grpc_context, exc)
         if self.scheduler.num_active >= self.config.router.max_ongoing_requests:
@@ -198,7 +226,8 @@ class Router:
         if times[1] is None and output.new_token_ids:
             times[1] = time.monotonic()
         if output.round is not None:
-            self.metrics.round(output.round.k, output.round.num_accepted, speculating)
+            info = output.round
+            self.metrics.round(info.k, len(info.proposed_token_ids), info.num_accepted, speculating)
         if output.finished:
             self.metrics.finished(output, times[0], times[1])
         self.metrics.slots_in_use("target", sum(len(r.sessions) for r in self.target_pool.replicas))
@@ -213,6 +242,21 @@ class Router:
                 raise InvalidArgument("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
             return list(prompt.token_ids)
         return encode_prompt(self.tokenizer.tokenizer, prompt.text, raw=prompt.raw)
+
+    def _check_limits(self, prompt_ids: list[int], max_tokens: int) -> None:
+        router = self.config.router
+        if router.max_prompt_tokens is not None and len(prompt_ids) > router.max_prompt_tokens:
+            raise InvalidArgument("prompt", f"{len(prompt_ids)} tokens; this server takes at most "
+                                            f"{router.max_prompt_tokens} (router.max_prompt_tokens)")
+        if router.max_output_tokens is not None and max_tokens > router.max_output_tokens:
+            raise InvalidArgument("sampling.max_tokens", f"{max_tokens}; this server generates at most "
+                                                         f"{router.max_output_tokens} (router.max_output_tokens)")
+
+    def _authenticate(self, grpc_context: Any) -> None:
+        try:
+            self.auth.check(grpc_context.invocation_metadata() or ())
+        except Unauthenticated as exc:
+            self._fail(grpc_context, exc)
 
     @staticmethod
     def _fail(grpc_context: Any, error: BaseException) -> None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
 from specdec_core.config import SamplingParams
 from specdec_core.engine import RequestOutput, SpecEngine
+from specdec_core.errors import ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ class _Submit:
     num_speculative_tokens: int | str | None
     sink: Sink
     return_probs: bool
+    deadline: float | None  # time.monotonic() by which it must finish
 
 
 @dataclass(frozen=True)
@@ -37,11 +40,36 @@ class _Cancel:
     request_id: str
 
 
+@dataclass(frozen=True)
+class Admission:
+    """How long and how many requests may wait for a KV slot, and how long one may run."""
+
+    max_queued: int = 64
+    queue_timeout_s: float = 60.0
+    request_timeout_s: float | None = None
+
+
+class DeadlineExceeded(Exception):
+    """A request ran past its deadline; reported as DEADLINE_EXCEEDED."""
+
+
+def _never_waiting() -> Exception:
+    return ResourceExhausted("kv_cache", "no KV cache slot came free within the queue timeout")
+
+
 class Scheduler:
-    def __init__(self, engine: SpecEngine) -> None:
+    """`admission` bounds the wait for a KV slot; `why_waiting` says what a request that waited too long is
+    told (RESOURCE_EXHAUSTED by default; the router says UNAVAILABLE when no target replica is up)."""
+
+    def __init__(self, engine: SpecEngine, admission: Admission = Admission(),
+                 why_waiting: Callable[[], Exception] = _never_waiting) -> None:
         self.engine = engine
+        self.admission = admission
+        self.why_waiting = why_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        self._queued_at: dict[str, float] = {}  # waiting requests: when they joined the queue
+        self._deadlines: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
         self._thread.start()
@@ -54,9 +82,13 @@ class Scheduler:
         num_speculative_tokens: int | str | None,
         sink: Sink,
         return_probs: bool = False,
+        timeout_s: float | None = None,
     ) -> None:
-        """`return_probs`: the request's round outputs carry q and p of the proposals (`SpecEngine.add_request`)."""
-        self._inbox.put(_Submit(request_id, prompt_ids, params, num_speculative_tokens, sink, return_probs))
+        """`return_probs`: the request's round outputs carry q and p of the proposals (`SpecEngine.add_request`).
+        `timeout_s`: the request ends with `DeadlineExceeded` after this long (the admission's limit applies too)."""
+        limits = [t for t in (timeout_s, self.admission.request_timeout_s) if t is not None]
+        deadline = time.monotonic() + min(limits) if limits else None
+        self._inbox.put(_Submit(request_id, prompt_ids, params, num_speculative_tokens, sink, return_probs, deadline))
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(_Cancel(request_id))
@@ -77,7 +109,11 @@ class Scheduler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._apply_commands(block=not self.engine.has_work)
+                # Idle: wait for a command. Only waiting requests (no free slot): poll, never spin.
+                idle = not self.engine.has_work
+                stalled = not idle and self.engine.num_running == 0
+                self._apply_commands(block=idle or stalled, timeout=1.0 if idle else 0.05)
+                self._expire()
                 if self.engine.has_work:
                     self._deliver(self.engine.step())
             except Exception:  # the engine turns model failures into outputs: this is a bug, keep serving
@@ -85,32 +121,66 @@ class Scheduler:
         for request_id in list(self._sinks):
             self._deliver([out] if (out := self.engine.abort(request_id)) else [])
 
-    def _apply_commands(self, block: bool) -> None:
+    def _apply_commands(self, block: bool, timeout: float = 1.0) -> None:
         while True:
             try:
-                command = self._inbox.get(block=block, timeout=1.0 if block else None)
+                command = self._inbox.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return
             block = False
             if isinstance(command, _Submit):
-                try:
-                    self.engine.add_request(
-                        command.request_id, command.prompt_ids, command.params, command.num_speculative_tokens,
-                        command.return_probs,
-                    )
-                except Exception as exc:  # refused before any work: the caller reports it
-                    command.sink(exc)
-                else:
-                    self._sinks[command.request_id] = command.sink
+                self._admit(command)
             elif isinstance(command, _Cancel):
                 output = self.engine.abort(command.request_id)
                 self._deliver([output] if output is not None else [])
+
+    def _admit(self, command: _Submit) -> None:
+        backlog = self.engine.num_waiting - self.engine.target.free_slots  # those that will not start next round
+        if backlog >= self.admission.max_queued:
+            command.sink(ResourceExhausted(
+                "queue", f"{self.engine.num_waiting} requests already wait for a KV cache slot; retry later"))
+            return
+        try:
+            self.engine.add_request(
+                command.request_id, command.prompt_ids, command.params, command.num_speculative_tokens,
+                command.return_probs,
+            )
+        except Exception as exc:  # refused before any work: the caller reports it
+            command.sink(exc)
+            return
+        self._sinks[command.request_id] = command.sink
+        self._queued_at[command.request_id] = time.monotonic()
+        if command.deadline is not None:
+            self._deadlines[command.request_id] = command.deadline
+
+    def _expire(self) -> None:
+        """End requests past their deadline, and waiting ones past the queue timeout, before the next round:
+        either stops within one round, and `abort` frees their caches."""
+        now = time.monotonic()
+        waiting = set(self.engine.waiting_request_ids)
+        for request_id in [r for r in self._queued_at if r not in waiting]:
+            del self._queued_at[request_id]  # admitted (or gone)
+        late = {r: self.why_waiting() for r, t in self._queued_at.items() if now - t >= self.admission.queue_timeout_s}
+        late.update((r, DeadlineExceeded("the request ran past its deadline")) for r, d in self._deadlines.items()
+                    if now >= d)
+        for request_id, error in late.items():
+            self._end(request_id, error)
+
+    def _end(self, request_id: str, error: Exception) -> None:
+        self.engine.abort(request_id)
+        self._queued_at.pop(request_id, None)
+        self._deadlines.pop(request_id, None)
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink(error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if output.finished:
                 self._sinks.pop(output.request_id, None)
+                self._queued_at.pop(output.request_id, None)
+                self._deadlines.pop(output.request_id, None)
             if sink is not None:
                 try:
                     sink(output)

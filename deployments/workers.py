@@ -22,6 +22,7 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from deployments import codec
+from deployments.auth import InternalAuthInterceptor
 from deployments.telemetry import context_from_metadata, tracer
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
@@ -196,7 +197,7 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
 
     def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
         runner = self.target.runner
-        return self._stats(self.target.free_slots, runner.config.num_slots, self.target.vocab_size, self.target.max_seq_len)
+        return self._stats(self.target.free_slots, runner.cache.num_slots, self.target.vocab_size, self.target.max_seq_len)
 
 
 class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
@@ -248,12 +249,16 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
 
     def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
         runner = self.drafter.runner
-        return self._stats(runner.cache.free_slots, runner.config.num_slots, self.drafter.target_vocab_size, runner.max_seq_len)
+        return self._stats(runner.cache.free_slots, runner.cache.num_slots, self.drafter.target_vocab_size, runner.max_seq_len)
 
 
-def start_server(servicer: Any, host: str = "0.0.0.0", port: int = 0, max_workers: int = 8) -> tuple[grpc.Server, int]:
-    """Serve `servicer` (either worker) on host:port (0: any free port); returns the server and its port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+def start_server(servicer: Any, host: str = "0.0.0.0", port: int = 0, max_workers: int = 8,
+                 secret: str | None = None) -> tuple[grpc.Server, int]:
+    """Serve `servicer` (either worker) on host:port (0: any free port); returns the server and its port.
+    With `secret`, only callers presenting it are served (`deployments.auth`)."""
+    interceptors = [InternalAuthInterceptor(secret)] if secret is not None else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
+                         interceptors=interceptors)
     if isinstance(servicer, TargetServicer):
         wpb_grpc.add_TargetServiceServicer_to_server(servicer, server)
     else:

@@ -24,7 +24,7 @@ from specdec_core.config import AUTO, SamplingParams, parse_num_speculative_toke
 from specdec_core.drafters.base import DraftRequest, Drafter, Proposal
 from specdec_core.errors import InvalidArgument
 from specdec_core.stopping import FinishReason, IncrementalDetokenizer, StopChecker
-from specdec_core.target import PrefillItem, Target, VerifyItem
+from specdec_core.target import PartialVerifyFailure, PrefillItem, Target, VerifyItem
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,11 @@ class SpecEngine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def waiting_request_ids(self) -> list[str]:
+        """Requests not yet admitted (waiting for a free slot), oldest first."""
+        return [seq.request_id for seq in self._waiting]
+
     # -- the loop ------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -239,15 +244,20 @@ class SpecEngine:
             proposals = self._propose(seqs, ks)
             items = [self._verify_item(seq, proposal) for seq, proposal in zip(seqs, proposals)]
             t0 = time.perf_counter()
-            outcomes = self.target.verify(items)
+            outcomes, failed = self._verify(items)
         except Exception as exc:
             log.warning("a round of %d sequences failed: %s", len(seqs), exc, exc_info=True)
             for seq in seqs:
                 self._free(seq)
             return [self._final(seq, FinishReason.ERROR, exc) for seq in seqs]
-        self.costs.observe_verify(len(seqs), 1 + max(len(p.token_ids) for p in proposals), time.perf_counter() - t0)
+        if not failed:
+            self.costs.observe_verify(len(seqs), 1 + max(len(p.token_ids) for p in proposals), time.perf_counter() - t0)
         outputs = []
-        for seq, proposal, k, outcome in zip(seqs, proposals, ks, outcomes):
+        for i, (seq, proposal, k, outcome) in enumerate(zip(seqs, proposals, ks, outcomes)):
+            if i in failed:  # its target replica is gone: this request ends, the others go on
+                self._free(seq)
+                outputs.append(self._final(seq, FinishReason.ERROR, failed[i]))
+                continue
             draft, n = proposal.token_ids, outcome.num_accepted
             info = RoundInfo(k=k, proposed_token_ids=tuple(draft), num_accepted=n, bonus=n == len(draft),
                              draft_probs=proposal.draft_probs, target_probs=outcome.target_probs)
@@ -255,6 +265,14 @@ class SpecEngine:
             seq.stats = SpecStats(seq.stats.rounds + 1, seq.stats.proposed + len(draft), seq.stats.accepted + n)
             outputs.append(self._commit(seq, list(outcome.token_ids), info))
         return outputs
+
+    def _verify(self, items: list[VerifyItem]) -> tuple[list, dict[int, Exception]]:
+        """Outcomes, and the rows that failed (when only some did)."""
+        try:
+            return self.target.verify(items), {}
+        except PartialVerifyFailure as exc:
+            log.warning("verify: %s", exc)
+            return exc.outcomes, exc.errors
 
     @staticmethod
     def _verify_item(seq: _Sequence, proposal: Proposal) -> VerifyItem:

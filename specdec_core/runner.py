@@ -26,6 +26,23 @@ class RunnerConfig:
     num_slots: int = 8  # concurrent sequences held in the cache
     max_seq_len: int = 2048  # tokens per sequence (prompt + output); capped by the model's positions
     max_extend: int = 16  # most tokens one forward may append to a row outside prefill (k + 1)
+    # A KV cache budget: fewer slots than num_slots when that many would not fit. The cache is allocated whole
+    # at start, so memory never grows with traffic: requests wait for a free slot instead.
+    max_cache_bytes: int | None = None
+
+
+def slots_within_budget(config: RunnerConfig, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+    """`config.num_slots`, or as many as `config.max_cache_bytes` holds; a budget too small for one is refused."""
+    if config.max_cache_bytes is None:
+        return config.num_slots
+    per_slot = 2 * num_layers * num_kv_heads * capacity * head_dim * dtype.itemsize  # keys and values
+    fits = config.max_cache_bytes // per_slot
+    if fits < 1:
+        raise ResourceExhausted(
+            "kv_cache_max_bytes", f"{config.max_cache_bytes} bytes hold no sequence: one slot of {capacity} positions "
+            f"needs {per_slot} bytes")
+    return min(config.num_slots, fits)
 
 
 class ModelRunner:
@@ -39,13 +56,15 @@ class ModelRunner:
         param = next(model.parameters())
         self.device = param.device
         attn = model.layers[0].self_attn
+        capacity = self.max_seq_len + config.max_extend
+        num_slots = slots_within_budget(config, args.num_layers, attn.num_kv_heads, capacity, args.head_dim, param.dtype)
         # Padded rows of a batch write a few positions past their own end: the slack keeps those writes
         # inside the slot. They are beyond the row's length, so never read.
         self.cache = KVCache(
             num_layers=args.num_layers,
-            num_slots=config.num_slots,
+            num_slots=num_slots,
             num_kv_heads=attn.num_kv_heads,
-            capacity=self.max_seq_len + config.max_extend,
+            capacity=capacity,
             head_dim=args.head_dim,
             dtype=param.dtype,
             device=self.device,

@@ -53,6 +53,16 @@ class VerifyOutcome:
     target_probs: tuple[float, ...] | None = None
 
 
+class PartialVerifyFailure(Exception):
+    """A verify whose rows did not all come back: a target split over replicas lost one of them. The rows in
+    `errors` (index -> why) have no outcome and no valid cache; every other row's outcome is in `outcomes`."""
+
+    def __init__(self, outcomes: list[VerifyOutcome | None], errors: dict[int, Exception]) -> None:
+        super().__init__(f"{len(errors)} of {len(outcomes)} rows failed: {next(iter(errors.values()), '')}")
+        self.outcomes = outcomes
+        self.errors = errors
+
+
 class Target(Protocol):
     """What the engine needs from the target model, wherever it runs."""
 
@@ -66,7 +76,8 @@ class Target(Protocol):
         """Start each sequence: read its prompt and return its first token."""
 
     def verify(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome]:
-        """One batched forward over every row's last token plus drafts; accept and roll back per row."""
+        """One batched forward over every row's last token plus drafts; accept and roll back per row. May raise
+        `PartialVerifyFailure` when only some rows failed."""
 
     def release(self, seq_id: str) -> None:
         """Free a sequence's cache (idempotent)."""

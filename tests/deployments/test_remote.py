@@ -1,0 +1,203 @@
+"""The router's clients of the workers when workers fail: real gRPC servers on loopback, no Ray.
+
+A draft replica that dies or stalls must cost speculation only (the output stays exactly the target's), a dead
+target replica must fail only its own requests, and a prefill that meets a dead replica goes to a live one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool
+from deployments.workers import DraftServicer, TargetServicer, start_server
+from specdec.v1 import worker_pb2_grpc as wpb_grpc
+from specdec_core.config import SamplingParams
+from specdec_core.drafters.draft_model import DraftModelDrafter
+from specdec_core.engine import SpecEngine
+from specdec_core.models.loader import load_model
+from specdec_core.runner import ModelRunner, RunnerConfig
+from specdec_core.stopping import FinishReason
+from specdec_core.target import LocalTarget
+from tests.helpers import make_engine, run_to_completion
+
+RUNNER = RunnerConfig(num_slots=4, max_seq_len=256)
+GREEDY = SamplingParams(max_tokens=60, ignore_eos=True)
+PROMPT = list(range(5, 25))
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir, near_draft_dir):
+    return load_model(tiny_dir / "target", dtype="float32"), load_model(near_draft_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(pair):
+    target, _ = pair
+    return run_to_completion(make_engine(target), [("r", PROMPT, GREEDY, 0)])["r"][0]
+
+
+class StallingDraft(DraftServicer):
+    """A draft worker whose Propose hangs while `stalled` is set: a replica stuck in a long GC or a bad device."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stalled = threading.Event()
+        self.released = threading.Event()
+
+    def Propose(self, request, context):
+        if self.stalled.is_set():
+            self.released.wait(30)
+        return super().Propose(request, context)
+
+
+def _serve(servicer):
+    server, port = start_server(servicer, "127.0.0.1")
+    return server, f"127.0.0.1:{port}"
+
+
+def _target(pair, name="target"):
+    return TargetServicer(LocalTarget(ModelRunner(pair[0].model, RUNNER)), name)
+
+
+def _draft(pair, cls=DraftServicer, name="draft"):
+    return cls(DraftModelDrafter(ModelRunner(pair[1].model, RUNNER), pair[0].model.vocab_size), name)
+
+
+def _engine(pair, target_addresses, draft_addresses, draft_timeout_s=30.0):
+    target, _ = pair
+    tpool = ReplicaPool("target", target_addresses, wpb_grpc.TargetServiceStub, timeout_s=30)
+    dpool = ReplicaPool("draft", draft_addresses, wpb_grpc.DraftServiceStub, timeout_s=30)
+    drafter = RemoteDrafter(dpool, timeout_s=draft_timeout_s, retry_s=0.0)
+    return SpecEngine(RemoteTarget(tpool), drafter, target.tokenizer, target.eos_token_ids), dpool
+
+
+def _run(engine, until=None):
+    """Step to the end; `until(outputs_so_far)` is called after each step. Returns (tokens, rounds, last)."""
+    tokens, rounds, last = [], [], None
+    while engine.has_work:
+        for out in engine.step():
+            tokens += out.new_token_ids
+            rounds.append(out.round)
+            last = out
+        if until is not None:
+            until(rounds)
+    return tokens, [r for r in rounds if r is not None], last
+
+
+def test_a_dead_draft_replica_costs_speculation_not_the_request(pair, plain_tokens):
+    tserver, taddr = _serve(_target(pair))
+    dserver, daddr = _serve(_draft(pair))
+    spare_server, spare_addr = _serve(_draft(pair, name="spare"))
+    try:
+        engine, dpool = _engine(pair, [taddr], [daddr])
+        engine.add_request("r", PROMPT, GREEDY, 3)
+        events = {"killed_at": None, "back_at": None}
+
+        def chaos(rounds):
+            if events["killed_at"] is None and len(rounds) == 3:
+                dserver.stop(0).wait()  # the draft replica dies mid-request
+                events["killed_at"] = len(rounds)
+            elif events["killed_at"] is not None and events["back_at"] is None and len(rounds) == events["killed_at"] + 3:
+                dpool.update([daddr, spare_addr])  # its replacement registers
+                events["back_at"] = len(rounds)
+
+        tokens, rounds, last = _run(engine, chaos)
+        assert last.finish_reason == FinishReason.LENGTH and last.error is None
+        assert tokens == plain_tokens  # exact: the rounds without drafts are plain decoding
+        killed, back = events["killed_at"], events["back_at"]
+        assert killed is not None and back is not None, "the request ended before the fault was injected"
+        assert any(not r.proposed_token_ids for r in rounds[killed - 1 : back])  # target-only while no draft
+        assert any(r.proposed_token_ids for r in rounds[back:])  # speculation resumed on the new replica
+    finally:
+        for server in (tserver, spare_server):
+            server.stop(0)
+
+
+def test_a_stalled_draft_replica_times_out_into_target_only_rounds(pair, plain_tokens):
+    stalling = _draft(pair, StallingDraft)
+    tserver, taddr = _serve(_target(pair))
+    dserver, daddr = _serve(stalling)
+    try:
+        engine, _ = _engine(pair, [taddr], [daddr], draft_timeout_s=0.5)
+        engine.add_request("r", PROMPT, GREEDY, 3)
+
+        def stall(rounds):
+            if len(rounds) == 2:
+                stalling.stalled.set()
+
+        tokens, rounds, last = _run(engine, stall)
+        assert tokens == plain_tokens and last.error is None
+        assert any(not r.proposed_token_ids for r in rounds[2:])
+    finally:
+        stalling.released.set()
+        tserver.stop(0)
+        dserver.stop(0)
+
+
+def test_a_dead_target_replica_fails_only_its_own_requests(pair):
+    first, second = _target(pair, "first"), _target(pair, "second")
+    (s1, a1), (s2, a2) = _serve(first), _serve(second)
+    try:
+        target, _ = pair
+        pool = ReplicaPool("target", [a1, a2], wpb_grpc.TargetServiceStub, timeout_s=30)
+        engine = SpecEngine(RemoteTarget(pool), None, target.tokenizer, target.eos_token_ids)
+        for i in range(4):
+            engine.add_request(f"r{i}", list(range(5 + i, 20 + i)), SamplingParams(max_tokens=30, ignore_eos=True), 0)
+        engine.step()
+        on_first = {sid for sid in (f"r{i}" for i in range(4)) if pool.replica_of(sid).address == a1}
+        assert 0 < len(on_first) < 4  # spread over both
+        s1.stop(0).wait()
+        finished = {}
+        while engine.has_work:
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert {r for r, o in finished.items() if o.finish_reason == FinishReason.ERROR} == on_first
+        assert all(o.finish_reason == FinishReason.LENGTH for r, o in finished.items() if r not in on_first)
+        assert second.active_sessions == 0  # the survivors released their caches at the end
+    finally:
+        s2.stop(0)
+
+
+def test_a_prefill_that_meets_a_dead_replica_is_retried_on_a_live_one(pair):
+    first, second = _target(pair, "first"), _target(pair, "second")
+    (s1, a1), (s2, a2) = _serve(first), _serve(second)
+    try:
+        target, _ = pair
+        pool = ReplicaPool("target", [a1, a2], wpb_grpc.TargetServiceStub, timeout_s=30)
+        engine = SpecEngine(RemoteTarget(pool), None, target.tokenizer, target.eos_token_ids)
+        s1.stop(0).wait()  # dead, but the router has not noticed yet
+        results = run_to_completion(engine, [(f"r{i}", list(range(5 + i, 20 + i)),
+                                              SamplingParams(max_tokens=5, ignore_eos=True), 0) for i in range(4)])
+        assert all(out.finish_reason == FinishReason.LENGTH for _, _, out in results.values())
+        assert second.sessions_started == 4
+        assert not pool.replicas[0].usable if pool.replicas[0].address == a1 else not pool.replicas[1].usable
+    finally:
+        s2.stop(0)
+
+
+def test_the_internal_services_refuse_callers_without_the_secret(pair):
+    servicer = _target(pair)
+    server, port = start_server(servicer, "127.0.0.1", secret="s3cret")
+    address = f"127.0.0.1:{port}"
+    try:
+        from specdec.v1 import worker_pb2 as wpb
+
+        stub = wpb_grpc.TargetServiceStub(grpc.insecure_channel(address))
+        item = wpb.PrefillRequest.Item(session_id="x", prompt_token_ids=[5, 6, 7])
+        for metadata in (None, [("specdec-internal-token", "wrong")]):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Prefill(wpb.PrefillRequest(items=[item]), timeout=10, metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert servicer.active_sessions == 0  # refused before any work
+        assert stub.GetStats(wpb.GetStatsRequest(), timeout=10).num_slots == RUNNER.num_slots  # stats stay open
+        pool = ReplicaPool("target", [address], wpb_grpc.TargetServiceStub, timeout_s=10, secret="s3cret")
+        target, _ = pair
+        engine = SpecEngine(RemoteTarget(pool), None, target.tokenizer, target.eos_token_ids)
+        out = run_to_completion(engine, [("r", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), 0)])["r"]
+        assert len(out[0]) == 4 and out[2].error is None
+    finally:
+        server.stop(0)
