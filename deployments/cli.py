@@ -42,6 +42,10 @@ def register(sub: Any) -> None:
     stats.add_argument("--json", action="store_true", help="print the summary as JSON")
     stats.set_defaults(func=proposals_stats_main)
 
+    from deployments import soak  # `specdec soak`: its own module (deployments/soak.py)
+
+    soak.register(sub)
+
 
 # -- serve -------------------------------------------------------------------------------------------------------
 

@@ -46,14 +46,9 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _tiny(args: argparse.Namespace) -> int:
-    from specdec_core.models.tiny import build_tiny_model, build_tiny_tokenizer
+    from specdec_core.models.tiny import build_tiny_pair
 
-    root = args.dir
-    build_tiny_tokenizer(root / "tokenizer")
-    build_tiny_model(root / "target", family="qwen2", seed=1, tokenizer_dir=root / "tokenizer", vocab_size=400)
-    build_tiny_model(root / "draft", family="qwen2", seed=2, tokenizer_dir=root / "tokenizer", hidden_size=32,
-                     num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=384)
-    print(root, flush=True)
+    print(build_tiny_pair(args.dir), flush=True)
     return 0
 
 

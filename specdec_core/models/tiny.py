@@ -154,6 +154,17 @@ def build_tiny_model(
     return path
 
 
+def build_tiny_pair(root: Path | str) -> Path:
+    """The tiny target/draft pair of `specdec models tiny DIR` (and `specdec soak`): `root`/tokenizer, /target
+    (qwen2, seed 1, embedding padded past the tokenizer as real models are) and /draft (smaller, seed 2)."""
+    root = Path(root)
+    build_tiny_tokenizer(root / "tokenizer")
+    build_tiny_model(root / "target", family="qwen2", seed=1, tokenizer_dir=root / "tokenizer", vocab_size=400)
+    build_tiny_model(root / "draft", family="qwen2", seed=2, tokenizer_dir=root / "tokenizer", hidden_size=32,
+                     num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=384)
+    return root
+
+
 def build_tiny_gguf(
     path: Path | str,
     *,
