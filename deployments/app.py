@@ -32,6 +32,16 @@ log = logging.getLogger(__name__)
 SERVICER_FUNCTIONS = ["specdec.v1.generation_pb2_grpc.add_GenerationServiceServicer_to_server"]
 
 
+PUBLIC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+def limit_public_messages() -> None:
+    """Keep gRPC's 4 MiB receive limit on the public API: Serve's proxy raises it to 2 GiB unless
+    RAY_SERVE_GRPC_MAX_MESSAGE_SIZE is set in the environment of the cluster's processes (so set it before Ray
+    starts; on Kubernetes the pods' environment sets it). A larger request is RESOURCE_EXHAUSTED at the proxy."""
+    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(PUBLIC_MAX_MESSAGE_BYTES))
+
+
 def grpc_options(config: ServeConfig) -> gRPCOptions:
     return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS)
 

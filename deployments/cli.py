@@ -32,6 +32,8 @@ def register(sub: Any) -> None:
     gen.add_argument("--num-speculative-tokens", default=None, help="N (0 = off) or auto; default: the server's")
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     gen.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+    gen.add_argument("--auth-token", default=os.environ.get("SPECDEC_AUTH_TOKEN"),
+                     help="sent as `authorization: Bearer TOKEN` (default: $SPECDEC_AUTH_TOKEN)")
     gen.set_defaults(func=generate_main)
 
     proposals = sub.add_parser("proposals", help="the proposal log (config: proposal_log)")
@@ -78,10 +80,11 @@ def serving(config: Any, quiet: bool = False) -> Iterator[None]:
     from ray import serve
 
     from deployments import registry
-    from deployments.app import build_app, grpc_options
+    from deployments.app import build_app, grpc_options, limit_public_messages
 
     address = os.environ.get("RAY_ADDRESS")
     started_ray = not address
+    limit_public_messages()
     if started_ray:
         # Draft and target take turns within a round, so on one machine they may share its cores: give the local
         # cluster enough logical CPUs for every deployment's request.
@@ -161,6 +164,7 @@ def generate_main(args: argparse.Namespace) -> int:
     from specdec.v1 import generation_pb2_grpc as pb_grpc
 
     request = build_request(args)
+    metadata = [("authorization", f"Bearer {args.auth_token}")] if args.auth_token else None
     start = time.perf_counter()
     with grpc.insecure_channel(args.address, options=GRPC_OPTIONS) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
@@ -168,7 +172,7 @@ def generate_main(args: argparse.Namespace) -> int:
             if args.stream:
                 last = None
                 tokens = 0
-                for chunk in stub.GenerateStream(request, timeout=args.timeout):
+                for chunk in stub.GenerateStream(request, timeout=args.timeout, metadata=metadata):
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
                     tokens += len(chunk.token_ids)
@@ -176,7 +180,7 @@ def generate_main(args: argparse.Namespace) -> int:
                 print()
                 final = last
             else:
-                final = stub.Generate(request, timeout=args.timeout)
+                final = stub.Generate(request, timeout=args.timeout, metadata=metadata)
                 print(final.text)
         except grpc.RpcError as exc:
             print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)

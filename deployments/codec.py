@@ -76,6 +76,16 @@ def _sampling(**values: Any) -> SamplingParams:
         raise InvalidArgument(f"sampling.{exc.field}", exc.message) from None
 
 
+# Errors the engine raises name its own fields; a client knows the request's, which nest some of them.
+_REQUEST_FIELDS = {"max_tokens": "sampling.max_tokens", "num_speculative_tokens": "speculation.num_speculative_tokens"}
+
+
+def in_request_terms(error: InvalidArgument) -> InvalidArgument:
+    """`error` naming the GenerateRequest field (e.g. max_tokens -> sampling.max_tokens)."""
+    field = _REQUEST_FIELDS.get(error.field)
+    return error if field is None else InvalidArgument(field, error.message)
+
+
 def decode_sampling(sampling: pb.SamplingParams, default_max_tokens: int) -> SamplingParams:
     return _sampling(
         temperature=float(sampling.temperature),

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a client sees for an error."""
     if isinstance(error, InvalidArgument):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+        return grpc.StatusCode.INVALID_ARGUMENT, str(codec.in_request_terms(error))
     if isinstance(error, ResourceExhausted):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
     if isinstance(error, WorkerUnavailable):

@@ -10,6 +10,11 @@ from specdec_core.errors import InvalidArgument
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_SEED = 2**63 - 1
+# Temperatures in (0, this) are refused: near 0, logits / temperature overflows float32 (at 1e-38 a logit of 3.4
+# already does), inf - inf is NaN and the sampled token is garbage. At 1e-3 any logit below 3.4e35 stays finite;
+# 0 asks for greedy decoding, the limit such temperatures approach. float32(1e-3) rounds up, so 0.001 sent as the
+# wire's float32 (client -> router -> workers) passes too; float32(1e-2) would round down and fail.
+MIN_TEMPERATURE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,8 @@ class SamplingParams:
         _check_finite("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidArgument("temperature", f"must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise InvalidArgument("temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}")
         _check_finite("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")

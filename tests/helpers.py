@@ -70,3 +70,34 @@ def run_to_completion(engine, requests):
             tokens, text, _ = results[out.request_id]
             results[out.request_id] = (tokens + list(out.new_token_ids), text + out.new_text, out)
     return results
+
+
+def worker_stats(served, kind):
+    """GetStats of every `kind` ("target" or "draft") worker replica of the `served` stack."""
+    import grpc
+    import ray
+
+    from deployments import registry
+    from specdec.v1 import worker_pb2 as wpb
+    from specdec.v1 import worker_pb2_grpc as wpb_grpc
+
+    _, config = served
+    addresses = ray.get(registry.registry().addresses.remote(config.app_name, kind))
+    stats = []
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            method = wpb_grpc.TargetServiceStub if kind == "target" else wpb_grpc.DraftServiceStub
+            stats.append(method(channel).GetStats(wpb.GetStatsRequest(), timeout=10))
+    return stats
+
+
+def wait_until_idle(served, timeout=30.0):
+    """True once no worker of the `served` stack holds a session (False at the timeout)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(s.active_sessions == 0 for kind in ("target", "draft") for s in worker_stats(served, kind)):
+            return True
+        time.sleep(0.2)
+    return False

@@ -36,6 +36,9 @@ def ray_cluster():
     """The one local Ray cluster of the test session."""
     ray = pytest.importorskip("ray")
     from deployments import registry
+    from deployments.app import limit_public_messages
+
+    limit_public_messages()  # as `specdec serve` does: the proxies started below inherit it
 
     ray.init(num_cpus=10, include_dashboard=False, log_to_driver=False)
     try:

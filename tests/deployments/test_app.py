@@ -8,16 +8,12 @@ import time
 
 import grpc
 import pytest
-import ray
 
-from deployments import registry
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc as pb_grpc
-from specdec.v1 import worker_pb2 as wpb
-from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.config import SamplingParams
 from specdec_core.models.loader import load_model
-from tests.helpers import make_engine, run_to_completion
+from tests.helpers import make_engine, run_to_completion, wait_until_idle, worker_stats
 
 
 @pytest.fixture(scope="module")
@@ -44,26 +40,6 @@ def request(prompt_ids, k=None, **sampling):
     if k is not None:
         message.speculation.num_speculative_tokens = k
     return message
-
-
-def worker_stats(served, kind):
-    _, config = served
-    addresses = ray.get(registry.registry().addresses.remote(config.app_name, kind))
-    stats = []
-    for address in addresses:
-        with grpc.insecure_channel(address) as channel:
-            method = wpb_grpc.TargetServiceStub if kind == "target" else wpb_grpc.DraftServiceStub
-            stats.append(method(channel).GetStats(wpb.GetStatsRequest(), timeout=10))
-    return stats
-
-
-def wait_until_idle(served, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(s.active_sessions == 0 for kind in ("target", "draft") for s in worker_stats(served, kind)):
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def test_generate_gives_the_in_process_engines_greedy_tokens(stub, local_pair):
@@ -146,8 +122,8 @@ def test_sessions_stick_to_one_draft_replica_and_spread_over_both(stub, served):
         (pb.GenerateRequest(prompt_token_ids=[1, 99999]), "prompt_token_ids"),
         (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=-0.5)), "sampling.temperature"),
         (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=0.0)), "sampling.top_p"),
-        (pb.GenerateRequest(prompt_token_ids=list(range(5, 205)), sampling=pb.SamplingParams(max_tokens=100)), "max_tokens"),
-        (pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(num_speculative_tokens=99)), "num_speculative_tokens"),
+        (pb.GenerateRequest(prompt_token_ids=list(range(5, 205)), sampling=pb.SamplingParams(max_tokens=100)), "sampling.max_tokens"),
+        (pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(num_speculative_tokens=99)), "speculation.num_speculative_tokens"),
     ],
 )
 def test_bad_input_is_invalid_argument_naming_the_field(stub, message, field):

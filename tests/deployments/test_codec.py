@@ -7,7 +7,7 @@ import torch
 
 from deployments import codec
 from specdec.v1 import generation_pb2 as pb
-from specdec_core.config import AUTO, SamplingParams
+from specdec_core.config import AUTO, MIN_TEMPERATURE, SamplingParams
 from specdec_core.errors import InvalidArgument
 from specdec_core.target import VerifyItem
 
@@ -31,6 +31,7 @@ def test_draft_distributions_cross_the_wire_exactly():
         ({}, "prompt"),
         ({"prompt": "hi", "prompt_token_ids": [1]}, "prompt"),
         ({"prompt": "hi", "sampling": pb.SamplingParams(temperature=-1)}, "sampling.temperature"),
+        ({"prompt": "hi", "sampling": pb.SamplingParams(temperature=1e-45)}, "sampling.temperature"),  # overflows
         ({"prompt": "hi", "sampling": pb.SamplingParams(top_p=1.5)}, "sampling.top_p"),
         ({"prompt": "hi", "sampling": pb.SamplingParams(max_tokens=0)}, "sampling.max_tokens"),
     ],
@@ -41,6 +42,14 @@ def test_bad_requests_name_the_field(request_kwargs, field):
     assert err.value.field == field
 
 
+def test_the_smallest_temperature_survives_both_float32_hops():
+    """Client -> router and router -> worker each carry temperature as a float32: MIN_TEMPERATURE passes both."""
+    message = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(temperature=MIN_TEMPERATURE))
+    call = codec.decode_generate(message, default_max_tokens=16)
+    worker = codec.decode_token_sampling(codec.encode_token_sampling(call.params))
+    assert worker.temperature == call.params.temperature >= MIN_TEMPERATURE
+
+
 def test_defaults_and_speculation_options():
     call = codec.decode_generate(pb.GenerateRequest(prompt="x"), default_max_tokens=33)
     assert call.params == SamplingParams(max_tokens=33) and call.num_speculative_tokens is None
@@ -48,3 +57,12 @@ def test_defaults_and_speculation_options():
     assert codec.decode_generate(off, 1).num_speculative_tokens == 0
     auto = pb.GenerateRequest(prompt="x", speculation=pb.SpeculationOptions(adaptive=True))
     assert codec.decode_generate(auto, 1).num_speculative_tokens == AUTO
+
+
+def test_engine_errors_are_named_as_request_fields():
+    from deployments.codec import in_request_terms
+
+    assert in_request_terms(InvalidArgument("max_tokens", "too many")).field == "sampling.max_tokens"
+    assert str(in_request_terms(InvalidArgument("num_speculative_tokens", "x"))).startswith("speculation.")
+    same = InvalidArgument("prompt", "empty")
+    assert in_request_terms(same) is same

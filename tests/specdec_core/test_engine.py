@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec_core.config import SamplingParams
+from specdec_core.config import MIN_TEMPERATURE, SamplingParams
 from specdec_core.errors import InvalidArgument
 from specdec_core.stopping import FinishReason
 from tests.helpers import contrarian, logits_after, make_engine, perturbed, reference_prob, run_to_completion
@@ -150,6 +150,8 @@ def test_bad_requests_fail_before_any_work(tiny_target, prompt, params, k, field
     [
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 1e-45}, "temperature"),  # logits / temperature would overflow to inf, then NaN
+        ({"temperature": 0.0009}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
@@ -163,6 +165,14 @@ def test_bad_sampling_values_name_the_field(kwargs, field):
     with pytest.raises(InvalidArgument) as err:
         SamplingParams(**kwargs)
     assert err.value.field == field
+
+
+def test_the_smallest_temperature_allowed_samples_valid_tokens(tiny_target):
+    """MIN_TEMPERATURE, drafts and all, is far enough from 0 that nothing overflows."""
+    params = SamplingParams(temperature=MIN_TEMPERATURE, seed=3, max_tokens=8, ignore_eos=True)
+    tokens, _, last = run_to_completion(make_engine(tiny_target, tiny_target.model), [("r", [5, 6, 7], params, 3)])["r"]
+    assert last.error is None and last.finish_reason == FinishReason.LENGTH
+    assert len(tokens) == 8 and all(0 <= t < tiny_target.model.vocab_size for t in tokens)
 
 
 def test_duplicate_stop_strings_are_merged():
