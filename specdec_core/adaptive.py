@@ -2,15 +2,19 @@
 
 Model (Leviathan et al. 2023, section 3): if each draft token is accepted independently with probability a, a
 round with k drafts emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the accepted run plus the
-recovered or bonus token). A round costs C(k) = k * c_draft(B) + c_verify(B, k+1), where B is the number of
+recovered or bonus token). A round costs C(k) = c_draft(B, k) + c_verify(B, k+1), where B is the number of
 sequences in the batch: batching makes each step dearer, and on a compute-bound device verification of k+1
-tokens per row stops being nearly free. The policy picks
+tokens per row stops being nearly free. c_draft(B, k) is measured per k, not as k times a step: the first draft
+step also reads the tokens committed last round (the accepted ones and the recovered or bonus token), which
+costs most at large B, so a draft call has a fixed part that a per-step price would charge to small k alone.
+The policy picks
 
     k* = argmax_{0 <= k <= k_max}  E(k) / C(k),      with E(0) = 1 and C(0) = c_verify(B, 1) (plain decoding),
 
 so speculation shrinks to 0 when it stops paying (low acceptance, or high load) and grows again when it pays.
 `a` is estimated per request from its own rounds (acceptances over acceptance trials, recent rounds weighted
-more); the costs are measured online per batch-size bucket. Verification cost is not smooth in k on every
+more), starting from the acceptance of recent requests (a new request has no rounds of its own, and a short one
+would spend much of its life at a fixed prior's k); the costs are measured online per batch-size bucket. Verification cost is not smooth in k on every
 device (on CPUs it jumps where the GEMM kernel's row blocking does), so each bucket first measures k = 1..
 `explore_up_to` a few times before trusting the model. While a request sits at k = 0 it learns nothing new about
 acceptance, so every `probe_every` such rounds it tries k = 1.
@@ -42,6 +46,11 @@ class AcceptanceEstimate:
     def alpha(self) -> float:
         return self.accepted / self.trials
 
+    @classmethod
+    def starting_at(cls, alpha: float, weight: float = 3.0) -> "AcceptanceEstimate":
+        """A new request's estimate: `alpha` (e.g. recent requests' acceptance) worth `weight` trials."""
+        return cls(accepted=alpha * weight, trials=weight)
+
     def update(self, num_draft: int, num_accepted: int) -> None:
         """A round proposed num_draft tokens and accepted the first num_accepted."""
         if num_draft == 0:
@@ -63,13 +72,13 @@ class CostModel:
     """Measured seconds of a draft step and of a verify forward, per batch-size bucket and tokens per row."""
 
     smoothing: float = 0.2
-    draft_step: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per draft forward
+    draft: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> {k: seconds of a k-draft call}
     verify: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> {tokens per row: seconds}
     verify_samples: dict[int, dict[int, int]] = field(default_factory=dict)  # bucket -> {tokens per row: count}
 
     def observe_draft(self, batch_size: int, steps: int, seconds: float) -> None:
         if steps > 0:
-            self._ewma(self.draft_step, _bucket(batch_size), seconds / steps)
+            self._ewma(self.draft.setdefault(_bucket(batch_size), {}), steps, seconds)
 
     def observe_verify(self, batch_size: int, tokens_per_row: int, seconds: float) -> None:
         bucket = _bucket(batch_size)
@@ -101,8 +110,19 @@ class CostModel:
         ts, cs = zip(*sorted(table.items()))
         return max(0.0, (cs[-1] - cs[0]) / (ts[-1] - ts[0]))
 
-    def draft_cost(self, batch_size: int) -> float | None:
-        return self.draft_step.get(_bucket(batch_size))
+    def draft_cost(self, batch_size: int, k: int) -> float | None:
+        """Seconds of a call drafting k tokens: measured, or extrapolated along the measured line (with one
+        measurement, proportional to k)."""
+        table = self.draft.get(_bucket(batch_size))
+        if not table:
+            return None
+        if k in table:
+            return table[k]
+        if len(table) == 1:
+            (k0, c0), = table.items()
+            return c0 * k / k0
+        nearest = min(table, key=lambda t: abs(t - k))
+        return max(table[nearest] + self._slope(table) * (k - nearest), 1e-6)
 
     def unmeasured_k(self, batch_size: int, up_to: int, samples: int = 1) -> int | None:
         """The smallest k in 1..up_to whose verify cost (k + 1 tokens per row) has fewer than `samples`
@@ -122,13 +142,13 @@ class AdaptivePolicy:
         explore = costs.unmeasured_k(batch_size, min(self.explore_up_to, self.max_k), self.explore_samples)
         if explore is not None:
             return explore
-        c_draft = costs.draft_cost(batch_size)
         c_plain = costs.verify_cost(batch_size, 1)
-        if c_draft is None or c_plain is None:
+        if costs.draft_cost(batch_size, 1) is None or c_plain is None:
             return min(self.explore_up_to, self.max_k)
         best_k, best_rate = 0, 1.0 / c_plain
         for k in range(1, self.max_k + 1):
-            rate = expected_tokens(estimate.alpha, k) / (k * c_draft + costs.verify_cost(batch_size, k + 1))
+            cost = costs.draft_cost(batch_size, k) + costs.verify_cost(batch_size, k + 1)
+            rate = expected_tokens(estimate.alpha, k) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0 and estimate.rounds_at_zero >= self.probe_every:

@@ -117,6 +117,8 @@ class SpecEngine:
         self.eos_token_ids = eos_token_ids
         self.config = config
         self.costs = CostModel()
+        # Acceptance over all recent rounds: where a new request's own estimate starts.
+        self.acceptance = AcceptanceEstimate(decay=0.99)
         self._waiting: list[_Sequence] = []
         self._running: dict[str, _Sequence] = {}
 
@@ -149,9 +151,9 @@ class SpecEngine:
             max_total_tokens=self.target.max_seq_len,
             num_prompt_tokens=len(prompt),
         )
-        self._waiting.append(
-            _Sequence(request_id, list(prompt), len(prompt), params, k, generator, stopper, return_probs)
-        )
+        seq = _Sequence(request_id, list(prompt), len(prompt), params, k, generator, stopper, return_probs)
+        seq.estimate = AcceptanceEstimate.starting_at(self.acceptance.alpha)
+        self._waiting.append(seq)
 
     def _check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         prompt = [int(t) for t in prompt_ids]
@@ -262,6 +264,7 @@ class SpecEngine:
             info = RoundInfo(k=k, proposed_token_ids=tuple(draft), num_accepted=n, bonus=n == len(draft),
                              draft_probs=proposal.draft_probs, target_probs=outcome.target_probs)
             seq.estimate.update(len(draft), n)
+            self.acceptance.update(len(draft), n)
             seq.stats = SpecStats(seq.stats.rounds + 1, seq.stats.proposed + len(draft), seq.stats.accepted + n)
             outputs.append(self._commit(seq, list(outcome.token_ids), info))
         return outputs

@@ -130,7 +130,7 @@ def bad_fields(msg: pb.GenerateRequest, server: Served) -> set[str]:
         bad.add("sampling.stop")
     which = msg.speculation.WhichOneof("length")
     if which == "num_speculative_tokens" and msg.speculation.num_speculative_tokens > info.max_speculative_tokens:
-        bad.add("num_speculative_tokens")
+        bad.add("speculation.num_speculative_tokens")
     if not bad & {"prompt", "prompt_token_ids"}:  # a well-formed prompt: does it fit the context?
         bad |= context_overflow(msg, server)
     return bad
@@ -144,7 +144,7 @@ def context_overflow(msg: pb.GenerateRequest, server: Served) -> set[str]:
     if n >= context or (router.max_prompt_tokens is not None and n > router.max_prompt_tokens):
         bad.add("prompt")
     elif n + max_tokens > context:
-        bad.add("max_tokens")
+        bad.add("sampling.max_tokens")
     if router.max_output_tokens is not None and max_tokens > router.max_output_tokens:
         bad.add("sampling.max_tokens")
     return bad

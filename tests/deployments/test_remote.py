@@ -137,46 +137,45 @@ def test_a_stalled_draft_replica_times_out_into_target_only_rounds(pair, plain_t
         dserver.stop(0)
 
 
-def test_a_dead_target_replica_fails_only_its_own_requests(pair):
-    first, second = _target(pair, "first"), _target(pair, "second")
-    (s1, a1), (s2, a2) = _serve(first), _serve(second)
-    try:
-        target, _ = pair
-        pool = ReplicaPool("target", [a1, a2], wpb_grpc.TargetServiceStub, timeout_s=30)
-        engine = SpecEngine(RemoteTarget(pool), None, target.tokenizer, target.eos_token_ids)
-        for i in range(4):
-            engine.add_request(f"r{i}", list(range(5 + i, 20 + i)), SamplingParams(max_tokens=30, ignore_eos=True), 0)
-        engine.step()
-        on_first = {sid for sid in (f"r{i}" for i in range(4)) if pool.replica_of(sid).address == a1}
-        assert 0 < len(on_first) < 4  # spread over both
-        s1.stop(0).wait()
-        finished = {}
-        while engine.has_work:
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-        assert {r for r, o in finished.items() if o.finish_reason == FinishReason.ERROR} == on_first
-        assert all(o.finish_reason == FinishReason.LENGTH for r, o in finished.items() if r not in on_first)
-        assert second.active_sessions == 0  # the survivors released their caches at the end
-    finally:
-        s2.stop(0)
+@pytest.fixture()
+def two_targets(pair):
+    """Two target replicas behind one pool, and a target-only engine over it: (engine, pool, servers, servicers)."""
+    servicers = (_target(pair, "first"), _target(pair, "second"))
+    (s1, a1), (s2, a2) = _serve(servicers[0]), _serve(servicers[1])
+    target, _ = pair
+    pool = ReplicaPool("target", [a1, a2], wpb_grpc.TargetServiceStub, timeout_s=30)
+    engine = SpecEngine(RemoteTarget(pool), None, target.tokenizer, target.eos_token_ids)
+    yield engine, pool, ((s1, a1), (s2, a2)), servicers
+    s1.stop(0)
+    s2.stop(0)
 
 
-def test_a_prefill_that_meets_a_dead_replica_is_retried_on_a_live_one(pair):
-    first, second = _target(pair, "first"), _target(pair, "second")
-    (s1, a1), (s2, a2) = _serve(first), _serve(second)
-    try:
-        target, _ = pair
-        pool = ReplicaPool("target", [a1, a2], wpb_grpc.TargetServiceStub, timeout_s=30)
-        engine = SpecEngine(RemoteTarget(pool), None, target.tokenizer, target.eos_token_ids)
-        s1.stop(0).wait()  # dead, but the router has not noticed yet
-        results = run_to_completion(engine, [(f"r{i}", list(range(5 + i, 20 + i)),
-                                              SamplingParams(max_tokens=5, ignore_eos=True), 0) for i in range(4)])
-        assert all(out.finish_reason == FinishReason.LENGTH for _, _, out in results.values())
-        assert second.sessions_started == 4
-        assert not pool.replicas[0].usable if pool.replicas[0].address == a1 else not pool.replicas[1].usable
-    finally:
-        s2.stop(0)
+def test_a_dead_target_replica_fails_only_its_own_requests(two_targets):
+    engine, pool, ((s1, a1), _), (_, second) = two_targets
+    for i in range(4):
+        engine.add_request(f"r{i}", list(range(5 + i, 20 + i)), SamplingParams(max_tokens=30, ignore_eos=True), 0)
+    engine.step()
+    on_first = {sid for sid in (f"r{i}" for i in range(4)) if pool.replica_of(sid).address == a1}
+    assert 0 < len(on_first) < 4  # spread over both
+    s1.stop(0).wait()
+    finished = {}
+    while engine.has_work:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert {r for r, o in finished.items() if o.finish_reason == FinishReason.ERROR} == on_first
+    assert all(o.finish_reason == FinishReason.LENGTH for r, o in finished.items() if r not in on_first)
+    assert second.active_sessions == 0  # the survivors released their caches at the end
+
+
+def test_a_prefill_that_meets_a_dead_replica_is_retried_on_a_live_one(two_targets):
+    engine, pool, ((s1, a1), _), (_, second) = two_targets
+    s1.stop(0).wait()  # dead, but the router has not noticed yet
+    results = run_to_completion(engine, [(f"r{i}", list(range(5 + i, 20 + i)),
+                                          SamplingParams(max_tokens=5, ignore_eos=True), 0) for i in range(4)])
+    assert all(out.finish_reason == FinishReason.LENGTH for _, _, out in results.values())
+    assert second.sessions_started == 4
+    assert [r.usable for r in pool.replicas if r.address == a1] == [False]
 
 
 def test_the_internal_services_refuse_callers_without_the_secret(pair):

@@ -94,3 +94,29 @@ def test_acceptance_estimate_follows_drift():
     for _ in range(100):
         est.update(4, 0)
     assert est.alpha < 0.1
+
+
+def test_a_fixed_draft_call_cost_is_not_charged_to_small_k_alone():
+    """A draft call costs a fixed part (reading last round's tokens) plus a step per draft. Priced per step from
+    k = 1 calls, k = 4 would look four times dearer than it is; measured per k, the larger k wins."""
+    costs = CostModel()
+    for k in (4, 3, 2, 1):  # k = 1 last: a per-step price would now be that of a k = 1 call
+        for _ in range(AdaptivePolicy().explore_samples):
+            costs.observe_draft(4, k, 0.2 + 0.02 * k)  # fixed 200 ms, 20 ms a step
+    for tokens, seconds in {1: 0.30, 2: 0.32, 3: 0.34, 4: 0.36, 5: 0.38}.items():
+        _observe(costs, 4, tokens, seconds)
+    assert costs.draft_cost(4, 6) == pytest.approx(0.2 + 0.02 * 6)  # extrapolated along the measured line
+    assert AdaptivePolicy(max_k=4).choose(_estimate(0.9), costs, 4) == 4
+
+
+def test_new_requests_start_from_recent_acceptance(tiny_target):
+    from specdec_core.config import SamplingParams
+    from tests.helpers import make_engine
+
+    engine = make_engine(tiny_target, tiny_target.model)  # a draft that is the target: every draft is accepted
+    engine.add_request("first", list(range(5, 15)), SamplingParams(max_tokens=40, ignore_eos=True), 4)
+    while engine.has_work:
+        engine.step()
+    assert engine.acceptance.alpha > 0.9
+    engine.add_request("next", list(range(20, 30)), SamplingParams(max_tokens=4, ignore_eos=True), "auto")
+    assert engine._waiting[0].estimate.alpha == pytest.approx(engine.acceptance.alpha)
