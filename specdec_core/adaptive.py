@@ -12,18 +12,23 @@ The policy picks
     k* = argmax_{0 <= k <= k_max}  E(k) / C(k),      with E(0) = 1 and C(0) = c_verify(B, 1) (plain decoding),
 
 so speculation shrinks to 0 when it stops paying (low acceptance, or high load) and grows again when it pays.
+One k serves the whole batch: every row pays for the longest row's draft steps and verify positions, so the
+policy maximises the batch's expected tokens per second, sum_i E_i(k) / C(k), and speculates only where that
+beats plain decoding by a margin (a few percent) that covers the error of measured costs.
 `a` is estimated per request from its own rounds (acceptances over acceptance trials, recent rounds weighted
 more), starting from the acceptance of recent requests (a new request has no rounds of its own, and a short one
 would spend much of its life at a fixed prior's k); the costs are measured online per batch-size bucket. Verification cost is not smooth in k on every
 device (on CPUs it jumps where the GEMM kernel's row blocking does), so each bucket first measures k = 1..
 `explore_up_to` a few times before trusting the model. While a request sits at k = 0 it learns nothing new about
-acceptance, so every `probe_every` such rounds it tries k = 1.
+acceptance, so after `probe_every` such rounds it tries k = 1; each probe that leads back to k = 0 doubles the wait
+(up to 16x), since under load every probe costs the whole batch a draft call and a wider verify.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -41,6 +46,8 @@ class AcceptanceEstimate:
     trials: float = 3.0
     decay: float = 0.95  # per round: recent rounds dominate, so drift is followed
     rounds_at_zero: int = 0
+    probes: int = 0  # probes from k = 0 since the request last speculated two rounds running
+    _drafted_last: bool = False
 
     @property
     def alpha(self) -> float:
@@ -55,8 +62,13 @@ class AcceptanceEstimate:
         """A round proposed num_draft tokens and accepted the first num_accepted."""
         if num_draft == 0:
             self.rounds_at_zero += 1
+            self._drafted_last = False
             return
-        self.rounds_at_zero = 0
+        if self.rounds_at_zero:
+            self.probes += 1  # a round with drafts after rounds without: a probe
+        elif self._drafted_last:
+            self.probes = 0  # speculating steadily again
+        self.rounds_at_zero, self._drafted_last = 0, True
         # Trials: every accepted draft, plus the one rejected (if any) that ended the run.
         trials = num_accepted + (1 if num_accepted < num_draft else 0)
         self.accepted = self.accepted * self.decay + num_accepted
@@ -138,19 +150,35 @@ class AdaptivePolicy:
     explore_samples: int = 3  # ... this many times each: one timing on a shared machine can mislead
     probe_every: int = 8
 
+    margin: float = 0.05  # speculate only where the model predicts at least this gain over plain decoding
+
     def choose(self, estimate: AcceptanceEstimate, costs: CostModel, batch_size: int) -> int:
+        """k for a request alone in its batch (`choose_batch` with one adaptive row)."""
+        return self.choose_batch([(estimate, None)], costs, batch_size)
+
+    def choose_batch(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel,
+                     batch_size: int) -> int:
+        """One k for the batch's adaptive rows. `rows`: each sequence's estimate and its fixed k (None: adaptive).
+        The batch pays for its longest row in every draft step and verify forward, so k is chosen for the batch
+        (its tokens per second in all), not per row: a row at k = 0 beside one at k = 6 pays for k = 6 and gains
+        nothing from it."""
         explore = costs.unmeasured_k(batch_size, min(self.explore_up_to, self.max_k), self.explore_samples)
         if explore is not None:
             return explore
-        c_plain = costs.verify_cost(batch_size, 1)
-        if costs.draft_cost(batch_size, 1) is None or c_plain is None:
+        if costs.draft_cost(batch_size, 1) is None or costs.verify_cost(batch_size, 1) is None:
             return min(self.explore_up_to, self.max_k)
-        best_k, best_rate = 0, 1.0 / c_plain
-        for k in range(1, self.max_k + 1):
-            cost = costs.draft_cost(batch_size, k) + costs.verify_cost(batch_size, k + 1)
-            rate = expected_tokens(estimate.alpha, k) / cost
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        if best_k == 0 and estimate.rounds_at_zero >= self.probe_every:
-            return 1
-        return best_k
+        floor = max((k for _, k in rows if k is not None), default=0)  # fixed rows set the batch's least k
+
+        def rate(k: int) -> float:
+            longest = max(k, floor)
+            cost = (costs.draft_cost(batch_size, longest) if longest else 0.0) + costs.verify_cost(batch_size, longest + 1)
+            return sum(expected_tokens(e.alpha, k if fixed is None else fixed) for e, fixed in rows) / cost
+
+        rates = [rate(k) for k in range(self.max_k + 1)]
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        if best > 0 and rates[best] < (1.0 + self.margin) * rates[0]:
+            best = 0  # a predicted gain within the cost model's error is not worth the risk of a loss
+        if best == 0 and any(e.rounds_at_zero >= self.probe_every << min(e.probes, 4) for e, fixed in rows
+                             if fixed is None):
+            return 1  # probes back off (8, 16, 32... rounds) while they keep finding k = 0 best
+        return best

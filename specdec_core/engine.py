@@ -242,7 +242,7 @@ class SpecEngine:
         """One round for `seqs`. Should the drafter or the target fail, every sequence of the round ends with
         an error and its state is released: a failed call leaves caches in no known state."""
         try:
-            ks = [self._choose_k(seq, len(seqs)) for seq in seqs]
+            ks = self._choose_ks(seqs)
             proposals = self._propose(seqs, ks)
             items = [self._verify_item(seq, proposal) for seq, proposal in zip(seqs, proposals)]
             t0 = time.perf_counter()
@@ -293,13 +293,15 @@ class SpecEngine:
             return_probs=seq.return_probs,
         )
 
-    def _choose_k(self, seq: _Sequence, batch_size: int) -> int:
-        if seq.k_setting == AUTO:
-            k = self.config.policy.choose(seq.estimate, self.costs, batch_size)
-        else:
-            k = int(seq.k_setting)
-        room = min(seq.params.max_tokens - seq.stopper.num_output, self.target.max_seq_len - len(seq.tokens))
-        return max(0, min(k, self.config.max_speculative_tokens, room - 1))
+    def _choose_ks(self, seqs: list[_Sequence]) -> list[int]:
+        """Each sequence's k this round: its fixed k, or the batch's adaptive k; capped by its room left."""
+        rows = [(seq.estimate, None if seq.k_setting == AUTO else int(seq.k_setting)) for seq in seqs]
+        k_auto = self.config.policy.choose_batch(rows, self.costs, len(seqs)) if any(k is None for _, k in rows) else 0
+        ks = []
+        for seq, (_, fixed) in zip(seqs, rows):
+            room = min(seq.params.max_tokens - seq.stopper.num_output, self.target.max_seq_len - len(seq.tokens))
+            ks.append(max(0, min(k_auto if fixed is None else fixed, self.config.max_speculative_tokens, room - 1)))
+        return ks
 
     def _propose(self, seqs: list[_Sequence], ks: list[int]) -> list[Proposal]:
         if self.drafter is None or not any(ks):

@@ -23,6 +23,7 @@ APP = "specdec-rel"
 TOKEN = "open-sesame-7f3a"
 AUTH = [("application", APP), ("authorization", f"Bearer {TOKEN}")]
 MAX_SPEC = 8
+IDLE_S = 3.0  # the workers free a session unused this long
 
 
 def _per_slot_bytes(tiny_dir) -> int:
@@ -45,6 +46,7 @@ def rel(served, tiny_dir, tmp_path_factory):
         **base.model_dump(mode="json"),
         "app_name": APP,
         "auth_token_file": str(token_file),
+        "session_idle_timeout_s": IDLE_S,
         "target": {**base.target.model_dump(mode="json"), "kv_cache_max_bytes": 2 * _per_slot_bytes(tiny_dir) + 100},
         "draft": {**base.draft.model_dump(mode="json"), "num_replicas": 1},
         "router": {**base.router.model_dump(mode="json"), "max_queued_requests": 1, "queue_timeout_s": 60,
@@ -155,6 +157,25 @@ def _until(check, timeout_s=180.0):
             return result
         time.sleep(0.5)
     raise AssertionError("not within the timeout")
+
+
+def test_the_sessions_of_a_killed_router_are_reclaimed_by_the_workers(rel):
+    stub, (_, config) = rel
+    streams = [stub.GenerateStream(request(list(range(5 + i, 25 + i)), k=0, max_tokens=220, ignore_eos=True),
+                                   metadata=AUTH, timeout=120) for i in range(2)]
+    next(streams[0])
+    _kill_replica("Router")
+    held = sum(s.active_sessions for kind in ("target", "draft") for s in worker_stats((None, config), kind))
+    assert held > 0  # the dead router's sessions, nobody left to release them
+    assert wait_until_idle((None, config), timeout=IDLE_S + 30), "the workers kept a dead router's sessions"
+    for stream in streams:
+        stream.cancel()
+
+    def serving():
+        small = request([5, 6, 7], max_tokens=4, ignore_eos=True)
+        return code_of(lambda: stub.Generate(small, metadata=AUTH, timeout=60))[0] == grpc.StatusCode.OK
+
+    _until(serving)  # Serve replaced the router
 
 
 def test_a_killed_draft_replica_costs_speculation_not_the_request(rel, tiny_dir):

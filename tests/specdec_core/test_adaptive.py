@@ -120,3 +120,46 @@ def test_new_requests_start_from_recent_acceptance(tiny_target):
     assert engine.acceptance.alpha > 0.9
     engine.add_request("next", list(range(20, 30)), SamplingParams(max_tokens=4, ignore_eos=True), "auto")
     assert engine._waiting[0].estimate.alpha == pytest.approx(engine.acceptance.alpha)
+
+
+def _measured_at_8() -> CostModel:
+    """Costs as measured for the 1.5B/0.5B pair on a 2-core CPU at 8 sequences (ms): a draft call of k tokens and a
+    verify of t tokens per row."""
+    costs = CostModel()
+    for _ in range(AdaptivePolicy().explore_samples):
+        for k, ms in {1: 47, 2: 91, 3: 120, 4: 136, 5: 178, 6: 174, 8: 224}.items():
+            costs.observe_draft(8, k, ms / 1000)
+        for t, ms in {1: 163, 2: 271, 3: 373, 4: 445, 5: 530, 6: 623, 7: 688, 9: 964}.items():
+            costs.observe_verify(8, t, ms / 1000)
+    return costs
+
+
+def test_one_k_for_the_batch_whose_rows_all_pay_for_the_longest():
+    """One request that agrees always beside seven that never do: alone it would speculate, but its k would make the
+    other seven pay for draft steps and verify positions that give them nothing."""
+    costs, policy = _measured_at_8(), AdaptivePolicy()
+    assert policy.choose(_estimate(1.0), costs, 8) > 0
+    rows = [(_estimate(1.0), None)] + [(_estimate(0.0), None)] * 7
+    assert policy.choose_batch(rows, costs, 8) == 0
+    assert policy.choose_batch([(_estimate(1.0), None)] * 8, costs, 8) > 0
+
+
+def test_a_gain_within_the_margin_is_not_taken():
+    costs = _measured_at_8()
+    rows = [(AcceptanceEstimate.starting_at(0.92, weight=1000), None)] * 8  # k = 6 about 4.5% better by the model
+    assert AdaptivePolicy(margin=0.0).choose_batch(rows, costs, 8) > 0
+    assert AdaptivePolicy(margin=0.05).choose_batch(rows, costs, 8) == 0
+
+
+def test_probes_back_off_while_they_keep_finding_zero():
+    costs = _costs(1, draft=0.04, verify={1: 0.1, 5: 0.12})
+    est, policy = _estimate(0.0), AdaptivePolicy(probe_every=2)
+    waits = []
+    for _ in range(3):
+        wait = 0
+        while policy.choose(est, costs, 1) == 0:
+            est.update(0, 0)
+            wait += 1
+        waits.append(wait)
+        est.update(1, 0)  # the probe: one draft, rejected
+    assert waits == [2, 4, 8]
