@@ -352,7 +352,8 @@ class RemoteDrafter:
 
     A draft replica that dies, stalls (no answer within `timeout_s`) or is full costs speculation, never the
     request: its sessions get empty proposals, so their rounds are plain decoding (exact, only slower), and every
-    `retry_s` they are started again, with everything committed so far, on a replica that answers."""
+    `retry_s` they are started again, with everything committed so far, on a replica that answers. New sessions
+    take the same path: placed the first time they speculate."""
 
     name = "draft_model"
 
@@ -367,8 +368,9 @@ class RemoteDrafter:
         self._homeless: dict[str, float] = {}  # sessions no draft worker holds: when to try to place them again
 
     def start(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
-        if not self._place(seq_id, prompt_ids):
-            self._homeless[seq_id] = time.monotonic() + self.retry_s
+        """Nothing yet: a session is placed on a draft replica (which prefills it) the first time it speculates.
+        Under load `auto` may keep k at 0 for a request's whole life, and then its draft prefill is saved."""
+        self._homeless[seq_id] = 0.0
 
     def _place(self, seq_id: str, token_ids: Sequence[int]) -> bool:
         """Start the session on the least-loaded usable replica; False if none took it."""
@@ -431,11 +433,12 @@ class RemoteDrafter:
         return proposals
 
     def _rehome(self, requests: Sequence[DraftRequest]) -> None:
-        """Start sessions that lost their draft replica again, where one is usable and their retry time came."""
+        """Place sessions that have no draft replica (new ones, or ones whose replica failed) where one is usable, if
+        they speculate this round and their retry time came."""
         now = time.monotonic()
         for r in requests:
             due = self._homeless.get(r.seq_id)
-            if due is None or now < due or not self.pool.has_usable:
+            if due is None or now < due or r.num_tokens == 0 or not self.pool.has_usable:
                 continue
             if self._place(r.seq_id, r.token_ids):
                 del self._homeless[r.seq_id]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The load sweep behind docs/benchmarks.md: the demo pair served from deployments/configs/demo_cpu.yaml, driven by
 # `specdec bench serve` at concurrency 1, 4 and 8, speculation on (per request: `auto`, then a fixed k) vs off.
-# Usage: scripts/bench_load.sh [OUT_DIR]   (about 30 minutes on a 2-core CPU)
+# Usage: scripts/bench_load.sh [OUT_DIR]   (about 45 minutes on a 2-core CPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/bench}
@@ -17,7 +17,7 @@ for _ in $(seq 600); do  # the server is up once GetModelInfo answers
   sleep 2
 done
 common=(--address 127.0.0.1:9000 --prompts benchmarks/prompts/code.jsonl --max-new-tokens 96 --concurrency 1,4,8
-        --compare-off --warmup 2)
+        --compare-off --warmup 2 --num-requests 16)
 # Adaptive speculation (`auto`, load-aware) vs off, every point in one run.
 $specdec bench serve "${common[@]}" --num-speculative-tokens auto --json "$out/load_auto.json"
 # The same with a fixed k = 3, to show what adapting to load is worth.
