@@ -173,19 +173,11 @@ class ReplicaPool:
             return replica
 
     def fan_out(self, groups: dict[str, tuple[Replica, object]], method: str,
-                metadata: dict[str, list[tuple[str, str]]] | None = None) -> dict[str, object]:
-        """Send one request per replica, all at once; the responses by address. Raises on any failure."""
-        responses, failures = self.fan_out_settled(groups, method, metadata)
-        if failures:
-            raise next(iter(failures.values()))
-        return responses
-
-    def fan_out_settled(self, groups: dict[str, tuple[Replica, object]], method: str,
-                        metadata: dict[str, list[tuple[str, str]]] | None = None,
-                        timeout_s: float | None = None) -> tuple[dict[str, object], dict[str, Exception]]:
-        """Like `fan_out`, but every call runs to its end: (responses, errors) by address. A replica that could
-        not be reached or did not answer in time is marked failed (an error it reported, such as INTERNAL,
-        is not: it is alive and has released what the call touched)."""
+                metadata: dict[str, list[tuple[str, str]]] | None = None,
+                timeout_s: float | None = None) -> tuple[dict[str, object], dict[str, Exception]]:
+        """Send one request per replica, all at once; every call runs to its end: (responses, errors) by address.
+        A replica that could not be reached or did not answer in time is marked failed (an error it reported,
+        such as INTERNAL, is not: it is alive and has released what the call touched)."""
         metadata = metadata or {}
         timeout = timeout_s or self.timeout_s
         calls = {
@@ -304,7 +296,7 @@ class RemoteTarget:
             for address, idx in groups.items()
         }
         metadata = _trace_metadata(self.tracer, groups, [item.seq_id for item in items], rounds=False)
-        responses, failures = self.pool.fan_out_settled(requests, "Prefill", metadata)
+        responses, failures = self.pool.fan_out(requests, "Prefill", metadata)
         if any(not _lost(error) for error in failures.values()):
             raise next(error for error in failures.values() if not _lost(error))
         first = [0] * len(items)
@@ -323,7 +315,7 @@ class RemoteTarget:
             for address, idx in groups.items()
         }
         start = time.perf_counter()
-        responses, failures = self.pool.fan_out_settled(
+        responses, failures = self.pool.fan_out(
             requests, "Verify", _trace_metadata(self.tracer, groups, ids, rounds=True))
         seconds = time.perf_counter() - start  # the round span's verify_ms and the verify latency histogram
         if self.tracer is not None:
@@ -382,7 +374,7 @@ class RemoteDrafter:
         metadata = {}
         if self.tracer is not None:
             metadata = {replica.address: carrier_metadata(self.tracer.spans([seq_id], rounds=False))}
-        _, failures = self.pool.fan_out_settled({replica.address: (replica, request)}, "Start", metadata,
+        _, failures = self.pool.fan_out({replica.address: (replica, request)}, "Start", metadata,
                                                 self.timeout_s)
         if failures:
             self.pool.unpin(seq_id)
@@ -414,7 +406,7 @@ class RemoteDrafter:
             messages[address] = (self.pool.replica_of(requests[idx[0]].seq_id), message)
         all_ids = [r.seq_id for r in requests]
         start = time.perf_counter()
-        responses, failures = self.pool.fan_out_settled(
+        responses, failures = self.pool.fan_out(
             messages, "Propose", _trace_metadata(self.tracer, groups, all_ids, rounds=True), self.timeout_s)
         seconds = time.perf_counter() - start  # the round span's draft_ms and the draft latency histogram
         if self.tracer is not None:
@@ -459,8 +451,3 @@ class RemoteDrafter:
     @property
     def active_sequences(self) -> int:
         return len(self._sent)
-
-    @property
-    def homeless_sequences(self) -> int:
-        """Sessions running target-only because no draft replica holds them."""
-        return len(self._homeless)

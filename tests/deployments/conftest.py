@@ -25,6 +25,14 @@ def near_draft_dir(tiny_dir) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def pair(tiny_dir, near_draft_dir):
+    """The tiny target and its near draft, loaded (float32)."""
+    from specdec_core.models.loader import load_model
+
+    return load_model(tiny_dir / "target", dtype="float32"), load_model(near_draft_dir, dtype="float32")
+
+
 def _free_port() -> int:
     from deployments.tensor_parallel import _free_port as free_port
 

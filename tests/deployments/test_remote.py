@@ -17,7 +17,6 @@ from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.config import SamplingParams
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.engine import SpecEngine
-from specdec_core.models.loader import load_model
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.stopping import FinishReason
 from specdec_core.target import LocalTarget
@@ -26,11 +25,6 @@ from tests.helpers import make_engine, run_to_completion
 RUNNER = RunnerConfig(num_slots=4, max_seq_len=256)
 GREEDY = SamplingParams(max_tokens=60, ignore_eos=True)
 PROMPT = list(range(5, 25))
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_dir, near_draft_dir):
-    return load_model(tiny_dir / "target", dtype="float32"), load_model(near_draft_dir, dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -15,18 +15,12 @@ from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.config import SamplingParams
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.engine import SpecEngine
-from specdec_core.models.loader import load_model
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.stopping import FinishReason
 from specdec_core.target import LocalTarget
 from tests.helpers import make_engine, run_to_completion
 
 RUNNER = RunnerConfig(num_slots=4, max_seq_len=256)
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_dir, near_draft_dir):
-    return load_model(tiny_dir / "target", dtype="float32"), load_model(near_draft_dir, dtype="float32")
 
 
 @pytest.fixture(scope="module")
