@@ -22,6 +22,7 @@ from specdec_core.build import DraftSpec, build_engine, load_pair
 from specdec_core.config import SamplingParams, parse_num_speculative_tokens
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
+from specdec_core.kernels.cpu import kernel_info
 from specdec_core.models.loader import LoadedModel, encode_prompt
 from specdec_core.runner import RunnerConfig
 
@@ -208,7 +209,11 @@ def _report(config: OfflineBenchConfig, target: LoadedModel, prompts: list[list[
         "max_new_tokens": config.max_new_tokens,
         "num_speculative_tokens": config.num_speculative_tokens,
         "num_prompts": len(prompts),
-        "machine": {"cpus": torch.get_num_threads(), "processor": platform.processor() or platform.machine()},
+        "machine": {
+            "cpus": torch.get_num_threads(),
+            "processor": platform.processor() or platform.machine(),
+            **kernel_info(),
+        },
         "target_only_tokens_per_s": plain.tokens_per_s(),
         "speculative_tokens_per_s": speculative.tokens_per_s(),
         "speedup": speculative.tokens_per_s() / plain.tokens_per_s(),

@@ -38,12 +38,17 @@ HEADER = Path(__file__).with_name("bf16.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 
-def _cpu_has_avx512() -> bool:
+def _cpu_flags() -> frozenset[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx512f" in flags and " avx512bw" in flags
+        return frozenset()
+    line = next((line for line in info.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def _cpu_has_avx512() -> bool:
+    return {"avx512f", "avx512bw"} <= _cpu_flags()
 
 
 def _cache_dir() -> Path:
@@ -62,7 +67,9 @@ def load_library() -> ctypes.CDLL | None:
         log.warning("no C compiler found: CPU bf16 kernels disabled (decoding works, slower)")
         return None
     source = b"".join(path.read_bytes() for path in [*SOURCES, HEADER])
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    # -march=native: a library built on one CPU may not run on another (a cache shared between machines).
+    build = " ".join([*FLAGS, *sorted(_cpu_flags())]).encode()
+    digest = hashlib.sha256(source + build).hexdigest()[:16]
     lib_path = _cache_dir() / digest / "libspecdec_gemm.so"
     try:
         if not lib_path.exists():
@@ -78,6 +85,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.specdec_gemm_w8a8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.specdec_gemm_w8a8.restype = None
     lib.specdec_has_vnni.restype = ctypes.c_int
+    lib.specdec_has_native_bf16.restype = ctypes.c_int
     lib.specdec_attention_bf16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.specdec_attention_bf16.restype = None
     lib.specdec_attention_max_head_dim.restype = ctypes.c_int
@@ -89,6 +97,16 @@ def load_library() -> ctypes.CDLL | None:
     for fn in ("specdec_rms_norm_bf16", "specdec_rope_bf16", "specdec_silu_mul_bf16"):
         getattr(lib, fn).restype = None
     return lib
+
+
+def kernel_info() -> dict[str, bool]:
+    """Which kernels this machine runs (for benchmark reports: the same code is faster with native bf16)."""
+    lib = load_library()
+    return {
+        "cpu_kernels": lib is not None,
+        "native_bf16": bool(lib is not None and lib.specdec_has_native_bf16()),
+        "vnni": bool(lib is not None and lib.specdec_has_vnni()),
+    }
 
 
 def _compile(compiler: str, lib_path: Path) -> None:
