@@ -267,7 +267,7 @@ def decode_propose_item(item: wpb.ProposeRequest.Item, token_ids: Sequence[int])
 
 
 def encode_proposal(proposal: Proposal) -> wpb.Proposal:
-    msg = wpb.Proposal(token_ids=proposal.token_ids, draft_probs=proposal.draft_probs or ())
+    msg = wpb.Proposal(token_ids=proposal.token_ids, draft_probs=proposal.draft_probs or (), label=proposal.label or "")
     if proposal.q is not None:
         msg.q.extend(encode_distribution(row) for row in proposal.q)
     return msg
@@ -276,4 +276,5 @@ def encode_proposal(proposal: Proposal) -> wpb.Proposal:
 def decode_proposal(msg: wpb.Proposal, vocab_size: int, return_probs: bool) -> Proposal:
     """`return_probs`: whether the item asked (an empty repeated field cannot say)."""
     draft_probs = tuple(msg.draft_probs) if return_probs else None
-    return Proposal(token_ids=list(msg.token_ids), q=decode_distributions(msg.q, vocab_size), draft_probs=draft_probs)
+    q = decode_distributions(msg.q, vocab_size)
+    return Proposal(token_ids=list(msg.token_ids), q=q, draft_probs=draft_probs, label=msg.label or None)

@@ -1,8 +1,12 @@
 """Choosing the speculation length k per request from its acceptance and the measured costs at the current load.
 
-Model (Leviathan et al. 2023, section 3): if each draft token is accepted independently with probability a, a
-round with k drafts emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the accepted run plus the
-recovered or bonus token). A round costs C(k) = c_draft(B, k) + c_verify(B, k+1), where B is the number of
+Model (Leviathan et al. 2023, section 3, refined per position): if the j-th draft token is accepted with
+probability a_j given that the drafts before it were, a round with k drafts emits on average
+E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens (the accepted run plus the recovered or bonus token); with
+one alpha for every position this is the paper's (1 - alpha^(k+1)) / (1 - alpha). Rates per position matter for
+copying drafters: an n-gram proposal whose first token is right is usually a copied span that is right to its
+end, so a single alpha, averaging first and later positions, undervalues long proposals. A round costs
+C(k) = c_draft(B, k) + c_verify(B, k+1), where B is the number of
 sequences in the batch: batching makes each step dearer, and on a compute-bound device verification of k+1
 tokens per row stops being nearly free. c_draft(B, k) is measured per k, not as k times a step: the first draft
 step also reads the tokens committed last round (the accepted ones and the recovered or bonus token), which
@@ -15,9 +19,10 @@ so speculation shrinks to 0 when it stops paying (low acceptance, or high load) 
 One k serves the whole batch: every row pays for the longest row's draft steps and verify positions, so the
 policy maximises the batch's expected tokens per second, sum_i E_i(k) / C(k), and speculates only where that
 beats plain decoding by a margin (a few percent) that covers the error of measured costs.
-`a` is estimated per request from its own rounds (acceptances over acceptance trials, recent rounds weighted
-more), starting from the acceptance of recent requests (a new request has no rounds of its own, and a short one
-would spend much of its life at a fixed prior's k); the costs are measured online per batch-size bucket. Verification cost is not smooth in k on every
+The rates a_j are estimated per request from its own rounds (acceptances over acceptance trials at each
+position, recent rounds weighted more), shrunk towards the rates of recent requests (a new request has no
+rounds of its own, and a short one would spend much of its life at a fixed prior's k); the costs are measured
+online per batch-size bucket. Verification cost is not smooth in k on every
 device (on CPUs it jumps where the GEMM kernel's row blocking does), so each bucket first measures k = 1..
 `explore_up_to` a few times before trusting the model. While a request sits at k = 0 it learns nothing new about
 acceptance, so after `probe_every` such rounds it tries k = 1; each probe that leads back to k = 0 doubles the wait
@@ -38,29 +43,70 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def expected_tokens_by_position(rates: Sequence[float], k: int) -> float:
+    """E(k) when the j-th draft is accepted with probability rates[j - 1] given that all before it were:
+    1 + a_1 + a_1 a_2 + ... + a_1 ... a_k. With every a_j = alpha this is `expected_tokens(alpha, k)`."""
+    total, run = 1.0, 1.0
+    for a in rates[:k]:
+        run *= a
+        total += run
+    return total
+
+
 @dataclass
 class AcceptanceEstimate:
-    """Per-request acceptance rate: a decayed count of acceptance trials, with a weak prior."""
+    """A request's acceptance, per draft position: decayed counts of acceptance trials, shrunk to a prior.
 
-    accepted: float = 2.0  # prior: as if 2 of 3 trials succeeded
-    trials: float = 3.0
-    decay: float = 0.95  # per round: recent rounds dominate, so drift is followed
-    rounds_at_zero: int = 0
+    Position j's rate is P(draft j accepted | drafts 1..j-1 accepted). A draft model's rates are roughly equal
+    (the classic single-alpha model), but copying is not: an n-gram proposal that survives its first token is
+    usually a copied span that survives whole, so its later positions are accepted far more often than its
+    first. A single alpha would average them and value long proposals far too little.
+    """
+
+    prior: tuple[float, ...] = (2.0 / 3.0,)  # per position; positions past its end follow the one before
+    weight: float = 3.0  # the prior counts as this many trials at each position
+    decay: float = 0.95  # per drafting round: recent rounds dominate, so drift is followed
+    accepted: list[float] = field(default_factory=list)  # per position: decayed count of acceptances
+    trials: list[float] = field(default_factory=list)  # per position: decayed count of trials
+    rounds_at_zero: int = 0  # rounds in a row run with k = 0
     probes: int = 0  # probes from k = 0 since the request last speculated two rounds running
     _drafted_last: bool = False
 
     @property
     def alpha(self) -> float:
-        return self.accepted / self.trials
+        """Acceptances over trials, all positions pooled (the usual acceptance rate)."""
+        return (sum(self.accepted) + self.weight * self.prior[0]) / (sum(self.trials) + self.weight)
 
     @classmethod
     def starting_at(cls, alpha: float, weight: float = 3.0) -> "AcceptanceEstimate":
-        """A new request's estimate: `alpha` (e.g. recent requests' acceptance) worth `weight` trials."""
-        return cls(accepted=alpha * weight, trials=weight)
+        """An estimate that starts from `alpha` at every position, worth `weight` trials each."""
+        return cls(prior=(alpha,), weight=weight)
 
-    def update(self, num_draft: int, num_accepted: int) -> None:
-        """A round proposed num_draft tokens and accepted the first num_accepted."""
-        if num_draft == 0:
+    @classmethod
+    def starting_from(cls, recent: "AcceptanceEstimate", positions: int, weight: float = 3.0) -> "AcceptanceEstimate":
+        """A new request's estimate: the per-position rates of `recent` (e.g. recent requests') as its prior."""
+        return cls(prior=tuple(recent.rates(max(1, positions))), weight=weight)
+
+    def rates(self, n: int) -> list[float]:
+        """Estimated acceptance rates of draft positions 1..n."""
+        out: list[float] = []
+        for j in range(n):
+            prior = self.prior[j] if j < len(self.prior) else out[-1]
+            accepted = self.accepted[j] if j < len(self.accepted) else 0.0
+            trials = self.trials[j] if j < len(self.trials) else 0.0
+            out.append((accepted + self.weight * prior) / (trials + self.weight))
+        return out
+
+    def expected_tokens(self, up_to: int) -> list[float]:
+        """E(k) for k = 0..up_to under the per-position rates."""
+        rates = self.rates(up_to)
+        return [expected_tokens_by_position(rates, k) for k in range(up_to + 1)]
+
+    def update(self, num_draft: int, num_accepted: int, k: int | None = None) -> None:
+        """A round with speculation length `k` (default: num_draft) proposed num_draft tokens (fewer than k when
+        the drafter had no more, e.g. an n-gram with a short match) and accepted the first num_accepted."""
+        k = num_draft if k is None else k
+        if k == 0:
             self.rounds_at_zero += 1
             self._drafted_last = False
             return
@@ -69,10 +115,17 @@ class AcceptanceEstimate:
         elif self._drafted_last:
             self.probes = 0  # speculating steadily again
         self.rounds_at_zero, self._drafted_last = 0, True
+        if num_draft == 0:
+            return  # nothing proposed: nothing learnt about acceptance
         # Trials: every accepted draft, plus the one rejected (if any) that ended the run.
-        trials = num_accepted + (1 if num_accepted < num_draft else 0)
-        self.accepted = self.accepted * self.decay + num_accepted
-        self.trials = self.trials * self.decay + trials
+        tried = num_accepted + (1 if num_accepted < num_draft else 0)
+        grow = tried - len(self.trials)
+        if grow > 0:
+            self.trials += [0.0] * grow
+            self.accepted += [0.0] * grow
+        for j in range(len(self.trials)):
+            self.trials[j] = self.trials[j] * self.decay + (1.0 if j < tried else 0.0)
+            self.accepted[j] = self.accepted[j] * self.decay + (1.0 if j < num_accepted else 0.0)
 
 
 def _bucket(batch_size: int) -> int:
@@ -172,8 +225,9 @@ class AdaptivePolicy:
         def rate(k: int) -> float:
             longest = max(k, floor)
             cost = (costs.draft_cost(batch_size, longest) if longest else 0.0) + costs.verify_cost(batch_size, longest + 1)
-            return sum(expected_tokens(e.alpha, k if fixed is None else fixed) for e, fixed in rows) / cost
+            return sum(e[k if fixed is None else min(fixed, len(e) - 1)] for e, fixed in gains) / cost
 
+        gains = [(e.expected_tokens(self.max_k), fixed) for e, fixed in rows]  # E(0..max_k) per row
         rates = [rate(k) for k in range(self.max_k + 1)]
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
         if best > 0 and rates[best] < (1.0 + self.margin) * rates[0]:

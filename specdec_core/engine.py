@@ -119,6 +119,8 @@ class SpecEngine:
         self.costs = CostModel()
         # Acceptance over all recent rounds: where a new request's own estimate starts.
         self.acceptance = AcceptanceEstimate(decay=0.99)
+        # Acceptance per proposal label (`Proposal.label`): how much of a labelled proposal is worth verifying.
+        self.acceptance_by_label: dict[str, AcceptanceEstimate] = {}
         self._waiting: list[_Sequence] = []
         self._running: dict[str, _Sequence] = {}
 
@@ -152,7 +154,7 @@ class SpecEngine:
             num_prompt_tokens=len(prompt),
         )
         seq = _Sequence(request_id, list(prompt), len(prompt), params, k, generator, stopper, return_probs)
-        seq.estimate = AcceptanceEstimate.starting_at(self.acceptance.alpha)
+        seq.estimate = AcceptanceEstimate.starting_from(self.acceptance, self.config.max_speculative_tokens)
         self._waiting.append(seq)
 
     def _check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
@@ -243,7 +245,7 @@ class SpecEngine:
         an error and its state is released: a failed call leaves caches in no known state."""
         try:
             ks = self._choose_ks(seqs)
-            proposals = self._propose(seqs, ks)
+            proposals = [self._trim(p, len(seqs)) for p in self._propose(seqs, ks)]
             items = [self._verify_item(seq, proposal) for seq, proposal in zip(seqs, proposals)]
             t0 = time.perf_counter()
             outcomes, failed = self._verify(items)
@@ -263,8 +265,10 @@ class SpecEngine:
             draft, n = proposal.token_ids, outcome.num_accepted
             info = RoundInfo(k=k, proposed_token_ids=tuple(draft), num_accepted=n, bonus=n == len(draft),
                              draft_probs=proposal.draft_probs, target_probs=outcome.target_probs)
-            seq.estimate.update(len(draft), n)
-            self.acceptance.update(len(draft), n)
+            seq.estimate.update(len(draft), n, k)
+            self.acceptance.update(len(draft), n, k)
+            if proposal.label is not None:
+                self._label_estimate(proposal.label).update(len(draft), n)
             seq.stats = SpecStats(seq.stats.rounds + 1, seq.stats.proposed + len(draft), seq.stats.accepted + n)
             outputs.append(self._commit(seq, list(outcome.token_ids), info))
         return outputs
@@ -321,6 +325,26 @@ class SpecEngine:
         proposals = self.drafter.propose(requests)
         self.costs.observe_draft(len(seqs), max(ks), time.perf_counter() - t0)
         return proposals
+
+    def _label_estimate(self, label: str) -> AcceptanceEstimate:
+        # A weak prior (one trial): a position is only tried again when the record says it may pay, so each
+        # trial there must count.
+        return self.acceptance_by_label.setdefault(label, AcceptanceEstimate(weight=1.0, decay=0.99))
+
+    def _trim(self, proposal: Proposal, batch_size: int) -> Proposal:
+        """A labelled proposal cut to the length t >= 1 that maximises E(t) / c_verify(B, t + 1) by its label's record
+        (its rates per position). The cut depends only on the context, never on the target's answer, so the output
+        distribution is unchanged. At least one token stays: a label that is never tried again is never learnt."""
+        est = self.acceptance_by_label.get(proposal.label) if proposal.label is not None else None
+        n = len(proposal.token_ids)
+        if est is None or n <= 1:
+            return proposal
+        costs = [self.costs.verify_cost(batch_size, t + 1) for t in range(n + 1)]
+        if costs[0] is None:
+            return proposal
+        gains = est.expected_tokens(n)
+        best = max(range(1, n + 1), key=lambda t: (gains[t] / costs[t], -t))
+        return proposal.prefix(best)
 
     def _commit(self, seq: _Sequence, tokens: list[int], info: RoundInfo | None) -> RequestOutput:
         committed = seq.stopper.commit(tokens)

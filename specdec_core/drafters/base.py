@@ -34,6 +34,21 @@ class Proposal:
     # q of each proposed token, when the request asked (`DraftRequest.return_probs`): under the distribution it
     # was drawn from, or the plain softmax for greedy drafts; 1.0 for deterministic methods. None otherwise.
     draft_probs: tuple[float, ...] | None = None
+    # The kind of guess this is, where the drafter knows that kinds differ in how often they are right (an n-gram
+    # proposal: the length of its match). The engine learns acceptance per label and verifies only as much of a
+    # proposal as its label's record makes worth the wider verify. None: no such knowledge.
+    label: str | None = None
+
+    def prefix(self, n: int) -> "Proposal":
+        """The first n proposed tokens (a proposal cut short is still a valid proposal)."""
+        if n >= len(self.token_ids):
+            return self
+        return Proposal(
+            self.token_ids[:n],
+            None if self.q is None else self.q[:n],
+            None if self.draft_probs is None else self.draft_probs[:n],
+            self.label,
+        )
 
 
 class Drafter(Protocol):

@@ -25,6 +25,14 @@ def test_draft_distributions_cross_the_wire_exactly():
     assert back.draft_token_ids == [1, 2, 3] and back.last_token_id == 4
 
 
+def test_proposal_labels_cross_the_wire():
+    from specdec_core.drafters.base import Proposal
+
+    for label in ("ngram-3", None):
+        back = codec.decode_proposal(codec.encode_proposal(Proposal([7, 8], None, label=label)), 50, False)
+        assert back.label == label and back.token_ids == [7, 8]
+
+
 @pytest.mark.parametrize(
     "request_kwargs, field",
     [

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from specdec_core.adaptive import AcceptanceEstimate, AdaptivePolicy, CostModel, expected_tokens
+from specdec_core.adaptive import (
+    AcceptanceEstimate,
+    AdaptivePolicy,
+    CostModel,
+    expected_tokens,
+    expected_tokens_by_position,
+)
 
 
 def test_expected_tokens_formula():
@@ -90,10 +96,57 @@ def test_picks_the_k_where_verification_cost_jumps():
 
 def test_acceptance_estimate_follows_drift():
     est = _estimate(1.0)
-    assert est.alpha > 0.95
+    assert est.alpha > 0.95 and min(est.rates(4)) > 0.95
     for _ in range(100):
         est.update(4, 0)
-    assert est.alpha < 0.1
+    assert est.rates(1)[0] < 0.1
+    assert est.expected_tokens(4)[4] < 1.15
+
+
+def test_expected_tokens_by_position():
+    assert expected_tokens_by_position([0.5] * 3, 3) == pytest.approx(expected_tokens(0.5, 3))
+    assert expected_tokens_by_position([0.5, 1.0, 0.5], 3) == pytest.approx(1 + 0.5 + 0.5 + 0.25)
+    assert expected_tokens_by_position([0.9, 0.9], 0) == 1.0
+
+
+def _copying(rounds: int = 200, k: int = 8) -> AcceptanceEstimate:
+    """Rounds as prompt lookup gives them: the first draft is wrong half the time; when it is right, the copied
+    span is right to its end."""
+    est = AcceptanceEstimate()
+    for i in range(rounds):
+        est.update(k, 0 if i % 2 else k)
+    return est
+
+
+def test_rates_are_estimated_per_position():
+    est = _copying()
+    first, *later = est.rates(8)
+    assert first == pytest.approx(0.5, abs=0.05)
+    assert min(later) > 0.85  # shrunk towards the position before, as few rounds reach them
+    assert est.alpha == pytest.approx(8 / 9, abs=0.02)  # pooled: what a single-alpha model would use
+
+
+def test_long_copied_spans_get_long_proposals():
+    """Drafting is free (n-gram) and verifying 9 tokens costs 1.3x one. Per position, k = 8 is worth about
+    1 + 0.5 * 8 = 5 tokens a round; one alpha of 0.5 (what the first positions show) would value it at 2 and stop
+    at 3 or 4."""
+    costs = CostModel()
+    for _ in range(AdaptivePolicy().explore_samples):
+        for k in range(1, 9):
+            costs.observe_draft(1, k, 1e-4)
+        for t in range(1, 10):
+            costs.observe_verify(1, t, 0.1 * (1 + 0.0375 * (t - 1)))
+    assert AdaptivePolicy(max_k=8).choose(_copying(), costs, 1) == 8
+    assert AdaptivePolicy(max_k=8).choose(AcceptanceEstimate.starting_at(0.5, weight=1e6), costs, 1) <= 4
+
+
+def test_a_round_without_proposals_is_not_a_round_at_zero():
+    """An n-gram drafter asked for k > 0 may find no match: the request did not choose k = 0, so no probe is due."""
+    est = AcceptanceEstimate()
+    est.update(0, 0, k=4)
+    assert est.rounds_at_zero == 0 and est.trials == []
+    est.update(0, 0, k=0)
+    assert est.rounds_at_zero == 1
 
 
 def test_a_fixed_draft_call_cost_is_not_charged_to_small_k_alone():
@@ -119,7 +172,7 @@ def test_new_requests_start_from_recent_acceptance(tiny_target):
         engine.step()
     assert engine.acceptance.alpha > 0.9
     engine.add_request("next", list(range(20, 30)), SamplingParams(max_tokens=4, ignore_eos=True), "auto")
-    assert engine._waiting[0].estimate.alpha == pytest.approx(engine.acceptance.alpha)
+    assert engine._waiting[0].estimate.rates(4) == pytest.approx(engine.acceptance.rates(4))
 
 
 def _measured_at_8() -> CostModel:

@@ -51,6 +51,58 @@ def test_ngram_drafting_is_exact_and_proposes(tiny_target):
     assert last.stats.proposed > 0
 
 
+class _LabelledOracle:
+    """Knows the target's greedy continuation. Rounds alternate between two labels: "span" proposals are right to
+    their end; "first" proposals are right in their first token only."""
+
+    name = "oracle"
+
+    def __init__(self, prompt: list[int], continuation: list[int], vocab: int) -> None:
+        self.prompt, self.continuation, self.vocab = prompt, continuation, vocab
+        self.round = 0
+
+    def start(self, seq_id, prompt_ids):
+        pass
+
+    def observe(self, seq_id, num_committed):
+        pass
+
+    def release(self, seq_id):
+        pass
+
+    def propose(self, requests):
+        from specdec_core.drafters.base import Proposal
+
+        (r,) = requests
+        done = len(r.token_ids) - len(self.prompt)
+        right = self.continuation[done : done + r.num_tokens]
+        self.round += 1
+        if self.round % 2:
+            return [Proposal(right, None, label="span")]
+        return [Proposal(right[:1] + [(t + 1) % self.vocab for t in right[1:]], None, label="first")]
+
+
+def test_labelled_proposals_are_cut_to_what_their_label_earns(tiny_target):
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    prompt = _ids(tiny_target, PROMPTS[0])
+    expected, _, _ = _plain(tiny_target, prompt, params)
+    engine = make_engine(tiny_target)
+    engine.drafter = _LabelledOracle(prompt, expected, engine.target.vocab_size)
+    engine.add_request("r", prompt, params, 6)
+    tokens, lengths = [], {"span": [], "first": []}
+    while engine.has_work:
+        for out in engine.step():
+            tokens += out.new_token_ids
+            if out.round is not None and out.round.proposed_token_ids:
+                label = "span" if engine.drafter.round % 2 else "first"
+                lengths[label].append(len(out.round.proposed_token_ids))
+    assert tokens == expected  # cutting a proposal never changes the output
+    # Once each label has a record, "span" proposals are kept whole and "first" ones cut short (towards their one
+    # good token; how far depends on the verify costs measured).
+    assert lengths["span"][-5:] == [6] * 5
+    assert max(lengths["first"][-5:]) < 6, lengths
+
+
 def test_concurrent_requests_do_not_disturb_each_other(tiny_target):
     """Different prompts, lengths, k and sampling settings in one batch give what each gives alone."""
     draft = perturbed(tiny_target.model, 0.3, seed=1)

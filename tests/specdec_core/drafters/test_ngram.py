@@ -59,3 +59,25 @@ def test_probabilities_when_asked_are_point_masses():
     (proposal,), (plain,) = d.propose([asked]), d.propose([not_asked])
     assert proposal.token_ids == [3, 4, 5] and proposal.draft_probs == (1.0, 1.0, 1.0)
     assert plain.draft_probs is None
+
+
+def test_proposals_are_labelled_by_match_length():
+    d = NgramDrafter(max_n=3, min_n=1)
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    d.start("s", tokens)
+    (long,) = d.propose([DraftRequest("s", tokens, 2, SamplingParams(), None)])
+    assert long.label == "ngram-3"
+    tokens = tokens + [6]
+    (short,) = d.propose([DraftRequest("s", tokens, 2, SamplingParams(), None)])
+    assert short.token_ids == [] and short.label is None  # 6 never occurred before
+
+
+def test_a_proposal_prefix_keeps_its_label_and_probabilities():
+    import torch
+
+    from specdec_core.drafters.base import Proposal
+
+    q = torch.eye(4)[[1, 2, 3]]  # [3, V]
+    cut = Proposal([1, 2, 3], q, (0.5, 0.25, 0.125), label="x").prefix(2)
+    assert cut.token_ids == [1, 2] and torch.equal(cut.q, q[:2])
+    assert cut.draft_probs == (0.5, 0.25) and cut.label == "x"
