@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The load sweep behind docs/benchmarks.md: the demo pair served from deployments/configs/demo_cpu.yaml, driven by
 # `specdec bench serve` at concurrency 1, 4 and 8, speculation on (per request: `auto`, then a fixed k) vs off.
-# Usage: scripts/bench_load.sh [OUT_DIR]   (about 45 minutes on a 2-core CPU)
+# Usage: scripts/bench_load.sh [OUT_DIR] [K ...]   (K: auto and/or fixed k values, default "auto 3"; about 22 minutes
+# per K on a 2-core CPU). Each K writes OUT_DIR/load_auto.json or OUT_DIR/load_k<K>.json and its plot.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/bench}
+shift $(( $# > 0 ? 1 : 0 ))
+ks=("$@")
+[ $# -eq 0 ] && ks=(auto 3)
 specdec=.venv/bin/specdec
 mkdir -p "$out"
 $specdec models pull qwen2.5-coder-1.5b-instruct >/dev/null
@@ -18,7 +22,8 @@ for _ in $(seq 600); do  # the server is up once GetModelInfo answers
 done
 common=(--address 127.0.0.1:9000 --prompts benchmarks/prompts/code.jsonl --max-new-tokens 96 --concurrency 1,4,8
         --compare-off --warmup 2 --num-requests 16)
-# Adaptive speculation (`auto`, load-aware) vs off, every point in one run.
-$specdec bench serve "${common[@]}" --num-speculative-tokens auto --json "$out/load_auto.json"
-# The same with a fixed k = 3, to show what adapting to load is worth.
-$specdec bench serve "${common[@]}" --num-speculative-tokens 3 --json "$out/load_k3.json"
+# Adaptive speculation (`auto`, load-aware) and fixed k, each against off, every point in one run.
+for k in "${ks[@]}"; do
+  name=$([ "$k" = auto ] && echo load_auto || echo "load_k$k")
+  $specdec bench serve "${common[@]}" --num-speculative-tokens "$k" --json "$out/$name.json"
+done

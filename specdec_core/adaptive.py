@@ -18,15 +18,19 @@ The policy picks
 so speculation shrinks to 0 when it stops paying (low acceptance, or high load) and grows again when it pays.
 One k serves the whole batch: every row pays for the longest row's draft steps and verify positions, so the
 policy maximises the batch's expected tokens per second, sum_i E_i(k) / C(k), and speculates only where that
-beats plain decoding by a margin (a few percent) that covers the error of measured costs.
+beats plain decoding by a margin that covers the error of measured costs and what the model leaves out: 5% for
+one sequence, 2% more per further sequence in the batch (19% at 8), at most 25%.
 The rates a_j are estimated per request from its own rounds (acceptances over acceptance trials at each
 position, recent rounds weighted more), shrunk towards the rates of recent requests (a new request has no
 rounds of its own, and a short one would spend much of its life at a fixed prior's k); the costs are measured
 online per batch-size bucket. Verification cost is not smooth in k on every
 device (on CPUs it jumps where the GEMM kernel's row blocking does), so each bucket first measures k = 1..
-`explore_up_to` a few times before trusting the model. While a request sits at k = 0 it learns nothing new about
-acceptance, so after `probe_every` such rounds it tries k = 1; each probe that leads back to k = 0 doubles the wait
-(up to 16x), since under load every probe costs the whole batch a draft call and a wider verify.
+`explore_up_to` a few times before trusting the model, unless costs carried over from an explored bucket (scaled by
+the ratio of plain decoding's cost, which plain rounds measure anyway) already say speculation cannot pay there:
+exploring costs every row of a large batch a draft prefill and wider verifies. While a request sits at k = 0 it
+learns nothing new about acceptance, so after `probe_every` such rounds it tries k = 1; since one k serves the
+batch, a probe waits until every adaptive row in it is due, and each probe that leads back to k = 0 doubles the
+wait (up to 16x), since under load every probe costs the whole batch a draft call and a wider verify.
 """
 
 from __future__ import annotations
@@ -189,6 +193,27 @@ class CostModel:
         nearest = min(table, key=lambda t: abs(t - k))
         return max(table[nearest] + self._slope(table) * (k - nearest), 1e-6)
 
+    def carried_to(self, batch_size: int, up_to: int, samples: int) -> "CostModel | None":
+        """Costs for an unexplored batch size, carried from the nearest explored one: its tables scaled by the ratio
+        of plain decoding's cost here to there (plain rounds measure c_verify(B, 1) at no extra cost). Verify cost
+        grows faster with tokens at larger batches (more rows per weight), so carrying from a smaller batch is
+        optimistic about speculation. None when this batch size has no plain-decoding measurement or no batch size
+        is explored."""
+        bucket = _bucket(batch_size)
+        here = self.verify.get(bucket, {}).get(1)
+        explored = [b for b in self.verify if b != bucket and b in self.draft
+                    and self.unmeasured_k(b, up_to, samples) is None and 1 in self.verify[b]]
+        if here is None or not explored:
+            return None
+        source = min(explored, key=lambda b: abs(math.log2(b / bucket)))
+        scale = here / self.verify[source][1]
+        carried = CostModel(smoothing=self.smoothing)
+        carried.draft[bucket] = {k: c * scale for k, c in self.draft[source].items()}
+        carried.verify[bucket] = {t: c * scale for t, c in self.verify[source].items()}
+        carried.draft[bucket].update(self.draft.get(bucket, {}))  # what was measured here stands
+        carried.verify[bucket].update(self.verify[bucket])
+        return carried
+
     def unmeasured_k(self, batch_size: int, up_to: int, samples: int = 1) -> int | None:
         """The smallest k in 1..up_to whose verify cost (k + 1 tokens per row) has fewer than `samples`
         measurements."""
@@ -203,7 +228,16 @@ class AdaptivePolicy:
     explore_samples: int = 3  # ... this many times each: one timing on a shared machine can mislead
     probe_every: int = 8
 
-    margin: float = 0.05  # speculate only where the model predicts at least this gain over plain decoding
+    margin: float = 0.05  # speculate only where the model predicts at least this gain over plain decoding...
+    # ... plus this much per sequence in the batch beyond the first (up to max_margin): what the model leaves out
+    # grows with the batch (new requests' draft prefill, prefills waiting behind a longer round). Measured through
+    # the served stack on two cores at 8 sequences, speculation that the model priced at 5-10% faster per round
+    # gave the same time per output token as plain decoding and a longer time to first token.
+    margin_per_sequence: float = 0.02
+    max_margin: float = 0.25
+
+    def required_gain(self, batch_size: int) -> float:
+        return min(self.max_margin, self.margin + self.margin_per_sequence * max(0, batch_size - 1))
 
     def choose(self, estimate: AcceptanceEstimate, costs: CostModel, batch_size: int) -> int:
         """k for a request alone in its batch (`choose_batch` with one adaptive row)."""
@@ -217,22 +251,34 @@ class AdaptivePolicy:
         nothing from it."""
         explore = costs.unmeasured_k(batch_size, min(self.explore_up_to, self.max_k), self.explore_samples)
         if explore is not None:
-            return explore
-        if costs.draft_cost(batch_size, 1) is None or costs.verify_cost(batch_size, 1) is None:
+            # Exploring a batch size costs every row a draft prefill and wider verifies. Where costs carried over
+            # from a measured batch size already say speculation cannot pay, skip it.
+            borrowed = costs.carried_to(batch_size, self.explore_up_to, self.explore_samples)
+            if borrowed is None or self._best(rows, borrowed, batch_size) > 0:
+                return explore
+            costs = borrowed
+        elif costs.draft_cost(batch_size, 1) is None or costs.verify_cost(batch_size, 1) is None:
             return min(self.explore_up_to, self.max_k)
+        best = self._best(rows, costs, batch_size)
+        adaptive = [e for e, fixed in rows if fixed is None]
+        if best == 0 and adaptive and all(e.rounds_at_zero >= self.probe_every << min(e.probes, 4) for e in adaptive):
+            # One k serves the batch, so one row's probe costs every row; probe when all are due. Probes back off
+            # (8, 16, 32... rounds) while they keep finding k = 0 best.
+            return 1
+        return best
+
+    def _best(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel, batch_size: int) -> int:
+        """argmax_k of the batch's expected tokens per second; 0 unless the best beats it by the required gain."""
         floor = max((k for _, k in rows if k is not None), default=0)  # fixed rows set the batch's least k
+        gains = [(e.expected_tokens(self.max_k), fixed) for e, fixed in rows]  # E(0..max_k) per row
 
         def rate(k: int) -> float:
             longest = max(k, floor)
             cost = (costs.draft_cost(batch_size, longest) if longest else 0.0) + costs.verify_cost(batch_size, longest + 1)
             return sum(e[k if fixed is None else min(fixed, len(e) - 1)] for e, fixed in gains) / cost
 
-        gains = [(e.expected_tokens(self.max_k), fixed) for e, fixed in rows]  # E(0..max_k) per row
         rates = [rate(k) for k in range(self.max_k + 1)]
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
-        if best > 0 and rates[best] < (1.0 + self.margin) * rates[0]:
+        if best > 0 and rates[best] < (1.0 + self.required_gain(batch_size)) * rates[0]:
             best = 0  # a predicted gain within the cost model's error is not worth the risk of a loss
-        if best == 0 and any(e.rounds_at_zero >= self.probe_every << min(e.probes, 4) for e, fixed in rows
-                             if fixed is None):
-            return 1  # probes back off (8, 16, 32... rounds) while they keep finding k = 0 best
         return best

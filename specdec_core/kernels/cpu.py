@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -36,6 +37,7 @@ SOURCES = [
 ]
 HEADER = Path(__file__).with_name("bf16.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+EXTRA_FLAGS_ENV = "SPECDEC_KERNEL_CFLAGS"  # appended to FLAGS, e.g. -mno-avx512bf16 to build the fp32 path
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -68,12 +70,13 @@ def load_library() -> ctypes.CDLL | None:
         return None
     source = b"".join(path.read_bytes() for path in [*SOURCES, HEADER])
     # -march=native: a library built on one CPU may not run on another (a cache shared between machines).
-    build = " ".join([*FLAGS, *sorted(_cpu_flags())]).encode()
+    flags = [*FLAGS, *shlex.split(os.environ.get(EXTRA_FLAGS_ENV, ""))]
+    build = " ".join([*flags, *sorted(_cpu_flags())]).encode()
     digest = hashlib.sha256(source + build).hexdigest()[:16]
     lib_path = _cache_dir() / digest / "libspecdec_gemm.so"
     try:
         if not lib_path.exists():
-            _compile(compiler, lib_path)
+            _compile(compiler, flags, lib_path)
         lib = ctypes.CDLL(str(lib_path))
     except (OSError, subprocess.CalledProcessError) as exc:
         log.warning("CPU bf16 kernels unavailable (%s): using torch's matmul", exc)
@@ -109,12 +112,12 @@ def kernel_info() -> dict[str, bool]:
     }
 
 
-def _compile(compiler: str, lib_path: Path) -> None:
+def _compile(compiler: str, flags: list[str], lib_path: Path) -> None:
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
         out = Path(tmp) / lib_path.name
         sources = [str(path) for path in SOURCES]
-        subprocess.run([compiler, *FLAGS, *sources, "-o", str(out), "-lm"], check=True, capture_output=True)
+        subprocess.run([compiler, *flags, *sources, "-o", str(out), "-lm"], check=True, capture_output=True)
         os.replace(out, lib_path)  # atomic: concurrent builders never see half a library
     log.info("compiled CPU bf16 kernels into %s", lib_path)
 

@@ -52,64 +52,59 @@ static void widen_inputs(const uint16_t *x, float *xf, int64_t rows, int64_t K) 
 
 #endif
 
+/* One k step of a block of NR weight rows x ROWS input rows: acc[j][i] += w[n0 + j, k:k+32] . x[i, k:k+32]. */
 #ifdef __AVX512BF16__
 /* Native bf16 (AVX512-BF16): one VDPBF16PS multiplies 32 bf16 pairs exactly and adds each adjacent pair of
  * products into an fp32 lane, twice the multiply-adds of an fp32 FMA and no widening. x stays bf16, so the
  * weight vector and the input vector line up element for element. Each input row is loaded once per k step and
  * used for all NR weight rows held in registers: a verify of several rows is bound by compute, and this halves
  * it. */
-#define DEFINE_BLOCK(NR, ROWS)                                                                          \
-    static void block_##NR##_##ROWS(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, \
-                                    int64_t N, int64_t K, int64_t n0) {                                 \
-        __m512 acc[NR][ROWS];                                                                           \
-        for (int j = 0; j < NR; j++)                                                                    \
-            for (int i = 0; i < ROWS; i++) acc[j][i] = _mm512_setzero_ps();                             \
-        for (int64_t k = 0; k < K; k += KV) {                                                           \
-            __m512bh wv[NR];                                                                            \
-            _Pragma("GCC unroll 8")                                                                     \
-            for (int j = 0; j < NR; j++) {                                                              \
-                const uint16_t *row = w + (n0 + j) * K + k;                                             \
-                _mm_prefetch((const char *)row + PREFETCH_BYTES, _MM_HINT_T0);                          \
-                wv[j] = (__m512bh)_mm512_loadu_si512((const void *)row);                                \
-            }                                                                                           \
-            _Pragma("GCC unroll 8")                                                                     \
-            for (int i = 0; i < ROWS; i++) {                                                            \
-                __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * K + k));              \
-                _Pragma("GCC unroll 8")                                                                 \
-                for (int j = 0; j < NR; j++) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], xv, wv[j]);        \
-            }                                                                                           \
+typedef uint16_t xrow_t;
+#define K_STEP(NR, ROWS)                                                                                \
+    {                                                                                                   \
+        __m512bh wv[NR];                                                                                \
+        _Pragma("GCC unroll 8")                                                                         \
+        for (int j = 0; j < NR; j++) {                                                                  \
+            const uint16_t *row = w + (n0 + j) * K + k;                                                 \
+            _mm_prefetch((const char *)row + PREFETCH_BYTES, _MM_HINT_T0);                              \
+            wv[j] = (__m512bh)_mm512_loadu_si512((const void *)row);                                    \
         }                                                                                               \
-        for (int i = 0; i < ROWS; i++)                                                                  \
-            for (int j = 0; j < NR; j++) {                                                              \
-                float sum = _mm512_reduce_add_ps(acc[j][i]);                                            \
-                if (b) sum += bf16_to_float(b[n0 + j]);                                                 \
-                y[i * N + n0 + j] = float_to_bf16(sum);                                                 \
-            }                                                                                           \
+        _Pragma("GCC unroll 8")                                                                         \
+        for (int i = 0; i < ROWS; i++) {                                                                \
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * K + k));                  \
+            _Pragma("GCC unroll 8")                                                                     \
+            for (int j = 0; j < NR; j++) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], xv, wv[j]);            \
+        }                                                                                               \
     }
-typedef uint16_t xrow_t; /* inputs stay bf16 */
 #else
-/* One block: NR weight rows x ROWS input rows, full K; inputs widened to fp32 beforehand. */
+/* Inputs widened to fp32 (and de-interleaved) once per call; each weight vector widened once per k step. */
+typedef float xrow_t;
+#define K_STEP(NR, ROWS)                                                                                \
+    {                                                                                               \
+        _Pragma("GCC unroll 8") /* fully: the accumulators must live in registers */                \
+        for (int j = 0; j < NR; j++) {                                                              \
+            const uint16_t *row = w + (n0 + j) * K + k;                                             \
+            _mm_prefetch((const char *)row + PREFETCH_BYTES, _MM_HINT_T0);                          \
+            __m512 we, wo;                                                                          \
+            widen_bf16(row, &we, &wo);                                                              \
+            _Pragma("GCC unroll 8")                                                                 \
+            for (int i = 0; i < ROWS; i++) {                                                        \
+                const float *xr = x + i * K + k;                                                    \
+                acc[j][i] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), we, acc[j][i]);                    \
+                acc[j][i] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), wo, acc[j][i]);               \
+            }                                                                                       \
+        }                                                                                           \
+    }
+#endif
+
+/* One block: NR weight rows x ROWS input rows, full K, all accumulators in registers. */
 #define DEFINE_BLOCK(NR, ROWS)                                                                          \
-    static void block_##NR##_##ROWS(const float *xf, const uint16_t *w, const uint16_t *b, uint16_t *y,  \
+    static void block_##NR##_##ROWS(const xrow_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y,  \
                                     int64_t N, int64_t K, int64_t n0) {                                 \
         __m512 acc[NR][ROWS];                                                                           \
         for (int j = 0; j < NR; j++)                                                                    \
             for (int i = 0; i < ROWS; i++) acc[j][i] = _mm512_setzero_ps();                             \
-        for (int64_t k = 0; k < K; k += KV) {                                                           \
-            _Pragma("GCC unroll 8") /* fully: the accumulators must live in registers */               \
-            for (int j = 0; j < NR; j++) {                                                              \
-                const uint16_t *row = w + (n0 + j) * K + k;                                             \
-                _mm_prefetch((const char *)row + PREFETCH_BYTES, _MM_HINT_T0);                          \
-                __m512 we, wo;                                                                          \
-                widen_bf16(row, &we, &wo);                                                              \
-                _Pragma("GCC unroll 8")                                                                 \
-                for (int i = 0; i < ROWS; i++) {                                                        \
-                    const float *xr = xf + i * K + k;                                                   \
-                    acc[j][i] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), we, acc[j][i]);                    \
-                    acc[j][i] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), wo, acc[j][i]);               \
-                }                                                                                       \
-            }                                                                                           \
-        }                                                                                               \
+        for (int64_t k = 0; k < K; k += KV) K_STEP(NR, ROWS)                                            \
         for (int i = 0; i < ROWS; i++)                                                                  \
             for (int j = 0; j < NR; j++) {                                                              \
                 float sum = _mm512_reduce_add_ps(acc[j][i]);                                            \
@@ -117,8 +112,6 @@ typedef uint16_t xrow_t; /* inputs stay bf16 */
                 y[i * N + n0 + j] = float_to_bf16(sum);                                                 \
             }                                                                                           \
     }
-typedef float xrow_t; /* inputs widened to fp32 once per call */
-#endif
 
 /* 8 weight rows per block up to 2 input rows (3 without native bf16), 4 beyond (run twice per block of NB):
  * the accumulators and, with native bf16, the weight vectors must fit in the 32 vector registers. */

@@ -200,8 +200,23 @@ def test_one_k_for_the_batch_whose_rows_all_pay_for_the_longest():
 def test_a_gain_within_the_margin_is_not_taken():
     costs = _measured_at_8()
     rows = [(AcceptanceEstimate.starting_at(0.92, weight=1000), None)] * 8  # k = 6 about 4.5% better by the model
-    assert AdaptivePolicy(margin=0.0).choose_batch(rows, costs, 8) > 0
-    assert AdaptivePolicy(margin=0.05).choose_batch(rows, costs, 8) == 0
+    assert AdaptivePolicy(margin=0.0, margin_per_sequence=0.0).choose_batch(rows, costs, 8) > 0
+    assert AdaptivePolicy(margin=0.05, margin_per_sequence=0.0).choose_batch(rows, costs, 8) == 0
+
+
+def test_the_gain_required_grows_with_the_batch():
+    """A predicted 12% gain (k = 1, free draft and verify, acceptance 0.12) is taken alone, not among 8."""
+    policy = AdaptivePolicy(max_k=1, explore_up_to=1)
+    assert policy.required_gain(1) == pytest.approx(0.05) and policy.required_gain(8) == pytest.approx(0.19)
+    assert policy.required_gain(64) == policy.max_margin
+    costs = CostModel()
+    for batch in (1, 8):
+        costs.observe_draft(batch, 1, 1e-9)
+        for tokens in (1, 2):
+            _observe(costs, batch, tokens, 0.1)
+    rows = [(AcceptanceEstimate.starting_at(0.12, weight=1e6), None)]
+    assert policy.choose_batch(rows, costs, 1) == 1
+    assert policy.choose_batch(rows * 8, costs, 8) == 0
 
 
 def test_probes_back_off_while_they_keep_finding_zero():
@@ -216,3 +231,40 @@ def test_probes_back_off_while_they_keep_finding_zero():
         waits.append(wait)
         est.update(1, 0)  # the probe: one draft, rejected
     assert waits == [2, 4, 8]
+
+
+def test_a_batch_size_is_not_explored_where_carried_costs_say_speculation_cannot_pay():
+    """Bucket 4 explored: verify grows steeply with tokens. At 8 only plain decoding was measured (twice as dear):
+    carried over, the costs say no, so k stays 0 instead of exploring (which would start a draft for every row)."""
+    policy = AdaptivePolicy()
+    costs = CostModel()
+    for _ in range(policy.explore_samples):
+        for k in range(1, 5):
+            costs.observe_draft(4, k, 0.05 * k)
+        for t in range(1, 6):
+            costs.observe_verify(4, t, 0.1 * t)
+    costs.observe_verify(8, 1, 0.2)
+    rows = [(_estimate(0.75), None)] * 8
+    assert costs.unmeasured_k(8, 4, 3) == 1  # unexplored
+    assert costs.carried_to(8, 4, 3).verify_cost(8, 3) == pytest.approx(0.6)
+    assert policy.choose_batch(rows, costs, 8) == 0
+
+
+def test_a_batch_size_is_explored_where_carried_costs_say_speculation_may_pay():
+    policy = AdaptivePolicy()
+    costs = _costs(4, draft=0.005, verify={1: 0.1, 5: 0.11})
+    costs.observe_verify(8, 1, 0.2)
+    assert policy.choose_batch([(_estimate(0.9), None)] * 8, costs, 8) == 1  # exploring k = 1 first
+
+
+def test_a_batch_probes_only_when_every_adaptive_row_is_due():
+    costs = _costs(1, draft=0.04, verify={1: 0.1, 5: 0.12})
+    policy = AdaptivePolicy(probe_every=3)
+    old, new = _estimate(0.0), _estimate(0.0)
+    for _ in range(3):
+        old.update(0, 0)
+    assert policy.choose_batch([(old, None)], costs, 1) == 1
+    assert policy.choose_batch([(old, None), (new, None)], costs, 1) == 0  # the new row is not due yet
+    for _ in range(3):
+        new.update(0, 0)
+    assert policy.choose_batch([(old, None), (new, None)], costs, 1) == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from specdec_core.adaptive import CostModel
 from specdec_core.config import MIN_TEMPERATURE, SamplingParams
 from specdec_core.errors import InvalidArgument
 from specdec_core.stopping import FinishReason
@@ -82,12 +83,22 @@ class _LabelledOracle:
         return [Proposal(right[:1] + [(t + 1) % self.vocab for t in right[1:]], None, label="first")]
 
 
+class _FixedCosts(CostModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.verify = {b: {t: 0.1 * (1 + 0.02 * (t - 1)) for t in range(1, 10)} for b in (1, 2)}
+
+    def observe_verify(self, batch_size, tokens_per_row, seconds):
+        pass
+
+
 def test_labelled_proposals_are_cut_to_what_their_label_earns(tiny_target):
     params = SamplingParams(max_tokens=80, ignore_eos=True)
     prompt = _ids(tiny_target, PROMPTS[0])
     expected, _, _ = _plain(tiny_target, prompt, params)
     engine = make_engine(tiny_target)
     engine.drafter = _LabelledOracle(prompt, expected, engine.target.vocab_size)
+    engine.costs = _FixedCosts()  # the tiny model's timings are noise: verify costs 2% more per token
     engine.add_request("r", prompt, params, 6)
     tokens, lengths = [], {"span": [], "first": []}
     while engine.has_work:
@@ -97,10 +108,10 @@ def test_labelled_proposals_are_cut_to_what_their_label_earns(tiny_target):
                 label = "span" if engine.drafter.round % 2 else "first"
                 lengths[label].append(len(out.round.proposed_token_ids))
     assert tokens == expected  # cutting a proposal never changes the output
-    # Once each label has a record, "span" proposals are kept whole and "first" ones cut short (towards their one
-    # good token; how far depends on the verify costs measured).
+    # Once each label has a record, "span" proposals are kept whole and "first" ones cut towards their one good
+    # token (the second stays while the record of that position, one trial at a time, still allows it to pay).
     assert lengths["span"][-5:] == [6] * 5
-    assert max(lengths["first"][-5:]) < 6, lengths
+    assert max(lengths["first"][-4:]) <= 2, lengths
 
 
 def test_concurrent_requests_do_not_disturb_each_other(tiny_target):

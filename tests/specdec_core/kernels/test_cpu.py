@@ -50,6 +50,35 @@ def test_linear_rows_do_not_depend_on_the_batch():
         assert torch.equal(layer(x[2:6]), batched[2:6])
 
 
+_FP32_PATH_CHECK = """
+import torch
+from specdec_core.kernels import cpu
+lib = cpu.load_library()
+assert lib is not None and not lib.specdec_has_native_bf16()
+torch.manual_seed(0)
+linear = torch.nn.Linear(128, 48, bias=True).to(torch.bfloat16)
+layer = cpu.FastCPULinear(linear, lib)
+x = torch.randn(13, 128).to(torch.bfloat16)
+batched = layer(x)
+assert all(torch.equal(layer(x[i : i + 1]), batched[i : i + 1]) for i in range(13))
+want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+assert (batched.float() - want).norm() / want.norm() < 5e-3
+"""
+
+
+@pytest.mark.skipif(not cpu.load_library() or not cpu.load_library().specdec_has_native_bf16(),
+                    reason="this CPU runs the fp32 path already")
+def test_the_path_for_cpus_without_native_bf16(tmp_path):
+    """The kernel built as for a CPU without AVX512-BF16 (the widening fp32 path) agrees with torch and computes
+    rows alike whatever the batch."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, cpu.EXTRA_FLAGS_ENV: "-mno-avx512bf16", "SPECDEC_HOME": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", _FP32_PATH_CHECK], env=env, check=True, timeout=300)
+
+
 @pytest.mark.parametrize("rows", [1, 4, 7])
 def test_fused_projection_equals_its_parts_bit_for_bit(rows):
     """q/k/v (and gate/up) run as one linear layer: each part's outputs must be exactly what it gave alone."""
