@@ -29,8 +29,9 @@ device (on CPUs it jumps where the GEMM kernel's row blocking does), so each buc
 the ratio of plain decoding's cost, which plain rounds measure anyway) already say speculation cannot pay there:
 exploring costs every row of a large batch a draft prefill and wider verifies. While a request sits at k = 0 it
 learns nothing new about acceptance, so after `probe_every` such rounds it tries k = 1; since one k serves the
-batch, a probe waits until every adaptive row in it is due, and each probe that leads back to k = 0 doubles the
-wait (up to 16x), since under load every probe costs the whole batch a draft call and a wider verify.
+batch, a probe waits until every adaptive row in it is due, and is skipped where even drafts that are always
+right would not pay (under load a probe costs every row a draft call, a draft prefill where it has no draft
+session yet, and a wider verify). Each probe that leads back to k = 0 doubles the wait (up to 16x).
 """
 
 from __future__ import annotations
@@ -194,23 +195,25 @@ class CostModel:
         return max(table[nearest] + self._slope(table) * (k - nearest), 1e-6)
 
     def carried_to(self, batch_size: int, up_to: int, samples: int) -> "CostModel | None":
-        """Costs for an unexplored batch size, carried from the nearest explored one: its tables scaled by the ratio
-        of plain decoding's cost here to there (plain rounds measure c_verify(B, 1) at no extra cost). Verify cost
-        grows faster with tokens at larger batches (more rows per weight), so carrying from a smaller batch is
-        optimistic about speculation. None when this batch size has no plain-decoding measurement or no batch size
-        is explored."""
+        """Costs for an unexplored batch size, carried from the nearest explored one and scaled to plain decoding's
+        cost here (plain rounds measure c_verify(B, 1) at no extra cost). A verify's cost follows the tokens it
+        processes in all, B * t (each weight is used once per token), so from a smaller batch b the cost of t
+        tokens a row here is read at B * t / b tokens a row there, and scaled by c_verify(B, 1) / c_verify(b, B / b):
+        the same token count on both sides. Draft costs are scaled by the ratio of plain decoding's costs. None
+        when this batch size has no plain-decoding measurement or no batch size is explored."""
         bucket = _bucket(batch_size)
         here = self.verify.get(bucket, {}).get(1)
         explored = [b for b in self.verify if b != bucket and b in self.draft
                     and self.unmeasured_k(b, up_to, samples) is None and 1 in self.verify[b]]
         if here is None or not explored:
             return None
-        source = min(explored, key=lambda b: abs(math.log2(b / bucket)))
-        scale = here / self.verify[source][1]
+        source = min(explored, key=lambda b: (abs(math.log2(b / bucket)), -b))
+        factor = bucket // source if source < bucket else 1  # tokens a row there per token a row here
+        scale = here / self.verify_cost(source, factor)
         carried = CostModel(smoothing=self.smoothing)
-        carried.draft[bucket] = {k: c * scale for k, c in self.draft[source].items()}
-        carried.verify[bucket] = {t: c * scale for t, c in self.verify[source].items()}
+        carried.draft[bucket] = {k: c * here / self.verify[source][1] for k, c in self.draft[source].items()}
         carried.draft[bucket].update(self.draft.get(bucket, {}))  # what was measured here stands
+        carried.verify[bucket] = {t: self.verify_cost(source, t * factor) * scale for t in range(1, up_to + 2)}
         carried.verify[bucket].update(self.verify[bucket])
         return carried
 
@@ -262,9 +265,11 @@ class AdaptivePolicy:
         best = self._best(rows, costs, batch_size)
         adaptive = [e for e, fixed in rows if fixed is None]
         if best == 0 and adaptive and all(e.rounds_at_zero >= self.probe_every << min(e.probes, 4) for e in adaptive):
-            # One k serves the batch, so one row's probe costs every row; probe when all are due. Probes back off
-            # (8, 16, 32... rounds) while they keep finding k = 0 best.
-            return 1
+            # One k serves the batch, so one row's probe costs every row; probe when all are due, and only where
+            # what a probe learns could matter: speculation must pay at least for drafts that are always right.
+            # Probes back off (8, 16, 32... rounds) while they keep finding k = 0 best.
+            perfect = [(AcceptanceEstimate.starting_at(1.0), fixed) for _, fixed in rows]
+            return 1 if self._best(perfect, costs, batch_size) > 0 else 0
         return best
 
     def _best(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel, batch_size: int) -> int:

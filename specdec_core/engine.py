@@ -333,8 +333,8 @@ class SpecEngine:
 
     def _trim(self, proposal: Proposal, batch_size: int) -> Proposal:
         """A labelled proposal cut to the length t >= 1 that maximises E(t) / c_verify(B, t + 1) by its label's record
-        (its rates per position). The cut depends only on the context, never on the target's answer, so the output
-        distribution is unchanged. At least one token stays: a label that is never tried again is never learnt."""
+        (its rates per position). The cut depends on the context and on past rounds, never on this round's
+        verification, so the output distribution is unchanged. At least one token stays: a label that is never tried again is never learnt."""
         est = self.acceptance_by_label.get(proposal.label) if proposal.label is not None else None
         n = len(proposal.token_ids)
         if est is None or n <= 1:

@@ -268,3 +268,29 @@ def test_a_batch_probes_only_when_every_adaptive_row_is_due():
     for _ in range(3):
         new.update(0, 0)
     assert policy.choose_batch([(old, None), (new, None)], costs, 1) == 1
+
+
+def test_costs_are_carried_by_the_tokens_a_verify_processes():
+    """At 1 sequence, verifying up to 4 tokens costs as much as 1 and 5 cost twice that (the kernel's row blocking).
+    At 4 sequences, 2 tokens a row are 8 tokens in all: past the step, not the flat part."""
+    policy = AdaptivePolicy()
+    costs = CostModel()
+    for _ in range(policy.explore_samples):
+        costs.observe_draft(1, 1, 0.01)
+        for t in range(1, 6):
+            costs.observe_verify(1, t, 0.1 if t <= 4 else 0.2)
+    costs.observe_verify(4, 1, 0.1)  # 4 tokens in all: on the flat part, as at 1 sequence
+    carried = costs.carried_to(4, policy.explore_up_to, policy.explore_samples)
+    assert carried.verify_cost(4, 1) == pytest.approx(0.1)
+    assert carried.verify_cost(4, 2) > 0.2  # 8 tokens in all, extrapolated past the step
+
+
+def test_no_probe_where_even_perfect_drafts_would_not_pay():
+    costs = _costs(8, draft=0.5, verify={1: 0.1, 5: 0.5})
+    policy = AdaptivePolicy(probe_every=2)
+    est = _estimate(0.0)
+    for _ in range(10):
+        est.update(0, 0)
+    assert policy.choose_batch([(est, None)] * 8, costs, 8) == 0
+    cheap = _costs(8, draft=0.001, verify={1: 0.1, 5: 0.11})
+    assert policy.choose_batch([(est, None)] * 8, cheap, 8) == 1  # here it could pay: probe
