@@ -255,7 +255,11 @@ class AdaptivePolicy:
         explore = costs.unmeasured_k(batch_size, min(self.explore_up_to, self.max_k), self.explore_samples)
         if explore is not None:
             # Exploring a batch size costs every row a draft prefill and wider verifies. Where costs carried over
-            # from a measured batch size already say speculation cannot pay, skip it.
+            # from a measured batch size already say speculation cannot pay, skip it. Carrying needs plain
+            # decoding's cost here: measure it first (one plain round) where another batch size is explored.
+            if 1 not in costs.verify.get(_bucket(batch_size), {}):
+                if any(costs.unmeasured_k(b, self.explore_up_to, self.explore_samples) is None for b in costs.verify):
+                    return 0
             borrowed = costs.carried_to(batch_size, self.explore_up_to, self.explore_samples)
             if borrowed is None or self._best(rows, borrowed, batch_size) > 0:
                 return explore

@@ -82,7 +82,11 @@ def test_explores_each_small_k_a_few_times_per_batch_size():
         costs.observe_draft(1, k, 0.01 * k)
         costs.observe_verify(1, k + 1, 0.1)
     assert chosen == [1, 1, 2, 2, 3, 3]
-    assert policy.choose(AcceptanceEstimate(), costs, 4) == 1  # a new load level is explored afresh
+    # A new load level: one plain round first (its cost is what carried costs are scaled by), then, as carried
+    # costs say speculation may pay here, it is explored afresh.
+    assert policy.choose(AcceptanceEstimate(), costs, 4) == 0
+    costs.observe_verify(4, 1, 0.15)
+    assert policy.choose(AcceptanceEstimate(), costs, 4) == 1
 
 
 def test_picks_the_k_where_verification_cost_jumps():
