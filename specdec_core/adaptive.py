@@ -41,16 +41,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """E(k): tokens a round emits when each draft is accepted with probability alpha."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
 def expected_tokens_by_position(rates: Sequence[float], k: int) -> float:
     """E(k) when the j-th draft is accepted with probability rates[j - 1] given that all before it were:
-    1 + a_1 + a_1 a_2 + ... + a_1 ... a_k. With every a_j = alpha this is `expected_tokens(alpha, k)`."""
+    1 + a_1 + a_1 a_2 + ... + a_1 ... a_k. With every a_j = alpha this is (1 - alpha^(k+1)) / (1 - alpha)."""
     total, run = 1.0, 1.0
     for a in rates[:k]:
         run *= a

@@ -8,15 +8,19 @@ from specdec_core.adaptive import (
     AcceptanceEstimate,
     AdaptivePolicy,
     CostModel,
-    expected_tokens,
     expected_tokens_by_position,
 )
 
 
+def _closed_form(alpha: float, k: int) -> float:
+    """Leviathan et al.'s E(k) when every draft is accepted with probability alpha."""
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
 def test_expected_tokens_formula():
-    assert expected_tokens(0.0, 5) == 1.0
-    assert expected_tokens(1.0, 3) == 4.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens_by_position([0.0] * 5, 5) == 1.0
+    assert expected_tokens_by_position([1.0] * 3, 3) == 4.0
+    assert expected_tokens_by_position([0.5] * 2, 2) == pytest.approx(1 + 0.5 + 0.25)
 
 
 def _observe(costs: CostModel, batch: int, tokens: int, seconds: float) -> None:
@@ -108,7 +112,7 @@ def test_acceptance_estimate_follows_drift():
 
 
 def test_expected_tokens_by_position():
-    assert expected_tokens_by_position([0.5] * 3, 3) == pytest.approx(expected_tokens(0.5, 3))
+    assert expected_tokens_by_position([0.5] * 3, 3) == pytest.approx(_closed_form(0.5, 3))
     assert expected_tokens_by_position([0.5, 1.0, 0.5], 3) == pytest.approx(1 + 0.5 + 0.5 + 0.25)
     assert expected_tokens_by_position([0.9, 0.9], 0) == 1.0
 
