@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The load sweep behind docs/benchmarks.md: the demo pair served from deployments/configs/demo_cpu.yaml, driven by
 # `specdec bench serve` at concurrency 1, 4 and 8, speculation on (per request: `auto`, then a fixed k) vs off.
-# Usage: scripts/bench_load.sh [OUT_DIR] [K ...]   (K: auto and/or fixed k values, default "auto 3"; about 22 minutes
+# Usage: scripts/bench_load.sh [OUT_DIR] [K ...]   (K: auto and/or fixed k values, default "auto 3"; about 11 minutes
 # per K on a 2-core CPU). Each K writes OUT_DIR/load_auto.json or OUT_DIR/load_k<K>.json and its plot.
 set -euo pipefail
 cd "$(dirname "$0")/.."

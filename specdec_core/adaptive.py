@@ -25,9 +25,10 @@ position, recent rounds weighted more), shrunk towards the rates of recent reque
 rounds of its own, and a short one would spend much of its life at a fixed prior's k); the costs are measured
 online per batch-size bucket. Verification cost is not smooth in k on every
 device (on CPUs it jumps where the GEMM kernel's row blocking does), so each bucket first measures k = 1..
-`explore_up_to` a few times before trusting the model, unless costs carried over from an explored bucket (scaled by
-the ratio of plain decoding's cost, which plain rounds measure anyway) already say speculation cannot pay there:
-exploring costs every row of a large batch a draft prefill and wider verifies. While a request sits at k = 0 it
+`explore_up_to` a few times before trusting the model, unless costs carried over from an explored bucket (read at the
+same tokens per verify in all, B * t, and scaled to plain decoding's cost here, which one plain round measures
+first) already say speculation cannot pay there: exploring costs every row of a large batch a draft prefill and
+wider verifies. While a request sits at k = 0 it
 learns nothing new about acceptance, so after `probe_every` such rounds it tries k = 1; since one k serves the
 batch, a probe waits until every adaptive row in it is due, and is skipped where even drafts that are always
 right would not pay (under load a probe costs every row a draft call, a draft prefill where it has no draft
@@ -250,9 +251,10 @@ class AdaptivePolicy:
             # Exploring a batch size costs every row a draft prefill and wider verifies. Where costs carried over
             # from a measured batch size already say speculation cannot pay, skip it. Carrying needs plain
             # decoding's cost here: measure it first (one plain round) where another batch size is explored.
-            if 1 not in costs.verify.get(_bucket(batch_size), {}):
-                if any(costs.unmeasured_k(b, self.explore_up_to, self.explore_samples) is None for b in costs.verify):
-                    return 0
+            explored_elsewhere = any(costs.unmeasured_k(b, self.explore_up_to, self.explore_samples) is None
+                                     for b in costs.verify)
+            if explored_elsewhere and 1 not in costs.verify.get(_bucket(batch_size), {}):
+                return 0
             borrowed = costs.carried_to(batch_size, self.explore_up_to, self.explore_samples)
             if borrowed is None or self._best(rows, borrowed, batch_size) > 0:
                 return explore
@@ -276,7 +278,8 @@ class AdaptivePolicy:
 
         def rate(k: int) -> float:
             longest = max(k, floor)
-            cost = (costs.draft_cost(batch_size, longest) if longest else 0.0) + costs.verify_cost(batch_size, longest + 1)
+            draft = costs.draft_cost(batch_size, longest) if longest else 0.0
+            cost = draft + costs.verify_cost(batch_size, longest + 1)
             return sum(e[k if fixed is None else min(fixed, len(e) - 1)] for e, fixed in gains) / cost
 
         rates = [rate(k) for k in range(self.max_k + 1)]

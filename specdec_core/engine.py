@@ -332,9 +332,10 @@ class SpecEngine:
         return self.acceptance_by_label.setdefault(label, AcceptanceEstimate(weight=1.0, decay=0.99))
 
     def _trim(self, proposal: Proposal, batch_size: int) -> Proposal:
-        """A labelled proposal cut to the length t >= 1 that maximises E(t) / c_verify(B, t + 1) by its label's record
-        (its rates per position). The cut depends on the context and on past rounds, never on this round's
-        verification, so the output distribution is unchanged. At least one token stays: a label that is never tried again is never learnt."""
+        """A labelled proposal cut to the length t >= 1 that maximises E(t) / c_verify(B, t + 1) by its label's
+        record (its rates per position). The cut depends on the context and on past rounds, never on this round's
+        verification, so the output distribution is unchanged. At least one token stays: a label that is never
+        tried again is never learnt."""
         est = self.acceptance_by_label.get(proposal.label) if proposal.label is not None else None
         n = len(proposal.token_ids)
         if est is None or n <= 1:
