@@ -344,8 +344,8 @@ class RemoteDrafter:
 
     A draft replica that dies, stalls (no answer within `timeout_s`) or is full costs speculation, never the
     request: its sessions get empty proposals, so their rounds are plain decoding (exact, only slower), and every
-    `retry_s` they are started again, with everything committed so far, on a replica that answers. New sessions
-    take the same path: placed the first time they speculate."""
+    `retry_s` they are started again, with everything committed so far, on a replica that answers. A session the
+    engine starts where no replica takes it takes the same path."""
 
     name = "draft_model"
 
@@ -360,9 +360,10 @@ class RemoteDrafter:
         self._homeless: dict[str, float] = {}  # sessions no draft worker holds: when to try to place them again
 
     def start(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
-        """Nothing yet: a session is placed on a draft replica (which prefills it) the first time it speculates.
-        Under load `auto` may keep k at 0 for a request's whole life, and then its draft prefill is saved."""
-        self._homeless[seq_id] = 0.0
+        """Place the session on a draft replica, which prefills it (the engine starts a session the first time it
+        drafts); where none takes it, it drafts nothing until a later placement succeeds."""
+        if not self.pool.has_usable or not self._place(seq_id, prompt_ids):
+            self._homeless[seq_id] = time.monotonic() + self.retry_s
 
     def _place(self, seq_id: str, token_ids: Sequence[int]) -> bool:
         """Start the session on the least-loaded usable replica; False if none took it."""

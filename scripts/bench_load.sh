@@ -20,8 +20,10 @@ for _ in $(seq 600); do  # the server is up once GetModelInfo answers
   $specdec generate --max-tokens 1 "hi" >/dev/null 2>&1 && break
   sleep 2
 done
+# Two blocks per mode, run A B B A: the machine's speed drifts by several percent over minutes (shared hosts), and the
+# interleaving keeps that drift out of the ratio.
 common=(--address 127.0.0.1:9000 --prompts benchmarks/prompts/code.jsonl --max-new-tokens 96 --concurrency 1,4,8
-        --compare-off --warmup 2 --num-requests 16)
+        --compare-off --warmup 2 --num-requests 16 --blocks 2)
 # Adaptive speculation (`auto`, load-aware) and fixed k, each against off, every point in one run.
 for k in "${ks[@]}"; do
   name=$([ "$k" = auto ] && echo load_auto || echo "load_k$k")

@@ -20,6 +20,11 @@ One k serves the whole batch: every row pays for the longest row's draft steps a
 policy maximises the batch's expected tokens per second, sum_i E_i(k) / C(k), and speculates only where that
 beats plain decoding by a margin that covers the error of measured costs and what the model leaves out: 5% for
 one sequence, 2% more per further sequence in the batch (19% at 8), at most 25%.
+Speculating has a one-time price too: before drafting for a sequence the drafter must read its context (a draft
+model prefills a sequence the first time it drafts, and catches up on the tokens committed while it sat at
+k = 0). With U the seconds of that read for the batch's adaptive rows (tokens unread times the measured seconds
+per token) and N the output tokens its rows have left, a k > 0 is valued at N / (N / rate(k) + U): a batch with
+few tokens left, or one that has not drafted for long, switches speculation on only for a larger gain.
 The rates a_j are estimated per request from its own rounds (acceptances over acceptance trials at each
 position, recent rounds weighted more), shrunk towards the rates of recent requests (a new request has no
 rounds of its own, and a short one would spend much of its life at a fixed prior's k); the costs are measured
@@ -127,6 +132,10 @@ class AcceptanceEstimate:
             self.accepted[j] = self.accepted[j] * self.decay + (1.0 if j < num_accepted else 0.0)
 
 
+# Context reads shorter than this are not timed: a fixed per-call cost would pass for a per-token one.
+CATCH_UP_TIMED_FROM = 16
+
+
 def _bucket(batch_size: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, batch_size))))
 
@@ -139,6 +148,19 @@ class CostModel:
     draft: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> {k: seconds of a k-draft call}
     verify: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> {tokens per row: seconds}
     verify_samples: dict[int, dict[int, int]] = field(default_factory=dict)  # bucket -> {tokens per row: count}
+    # Seconds per token for the drafter to read a context it has not seen (a draft model's prefill of a sequence
+    # that never drafted, or that sat at k = 0 for a while). None until measured.
+    catch_up: float | None = None
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A drafter read `tokens` tokens of context in `seconds` (only reads long enough to time are worth it)."""
+        if tokens >= CATCH_UP_TIMED_FROM:
+            value = seconds / tokens
+            self.catch_up = value if self.catch_up is None else self.catch_up + self.smoothing * (value - self.catch_up)
+
+    def catch_up_cost(self, tokens: int) -> float:
+        """Seconds to read `tokens` tokens of unseen context; 0 until a read was measured."""
+        return tokens * (self.catch_up or 0.0)
 
     def observe_draft(self, batch_size: int, steps: int, seconds: float) -> None:
         if steps > 0:
@@ -236,16 +258,20 @@ class AdaptivePolicy:
     def required_gain(self, batch_size: int) -> float:
         return min(self.max_margin, self.margin + self.margin_per_sequence * max(0, batch_size - 1))
 
-    def choose(self, estimate: AcceptanceEstimate, costs: CostModel, batch_size: int) -> int:
+    def choose(self, estimate: AcceptanceEstimate, costs: CostModel, batch_size: int,
+               catch_up_s: float = 0.0, horizon: float = math.inf) -> int:
         """k for a request alone in its batch (`choose_batch` with one adaptive row)."""
-        return self.choose_batch([(estimate, None)], costs, batch_size)
+        return self.choose_batch([(estimate, None)], costs, batch_size, catch_up_s, horizon)
 
     def choose_batch(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel,
-                     batch_size: int) -> int:
+                     batch_size: int, catch_up_s: float = 0.0, horizon: float = math.inf) -> int:
         """One k for the batch's adaptive rows. `rows`: each sequence's estimate and its fixed k (None: adaptive).
         The batch pays for its longest row in every draft step and verify forward, so k is chosen for the batch
         (its tokens per second in all), not per row: a row at k = 0 beside one at k = 6 pays for k = 6 and gains
-        nothing from it."""
+        nothing from it. `catch_up_s`: seconds the drafter needs, once, before the adaptive rows can draft (its
+        read of the context they have that it has not seen); `horizon`: output tokens the batch's rows have left,
+        over which that one-time cost is spread."""
+        catch_up = (catch_up_s, horizon)
         explore = costs.unmeasured_k(batch_size, min(self.explore_up_to, self.max_k), self.explore_samples)
         if explore is not None:
             # Exploring a batch size costs every row a draft prefill and wider verifies. Where costs carried over
@@ -256,31 +282,38 @@ class AdaptivePolicy:
             if explored_elsewhere and 1 not in costs.verify.get(_bucket(batch_size), {}):
                 return 0
             borrowed = costs.carried_to(batch_size, self.explore_up_to, self.explore_samples)
-            if borrowed is None or self._best(rows, borrowed, batch_size) > 0:
+            if borrowed is None or self._best(rows, borrowed, batch_size, catch_up) > 0:
                 return explore
             costs = borrowed
         elif costs.draft_cost(batch_size, 1) is None or costs.verify_cost(batch_size, 1) is None:
             return min(self.explore_up_to, self.max_k)
-        best = self._best(rows, costs, batch_size)
+        best = self._best(rows, costs, batch_size, catch_up)
         adaptive = [e for e, fixed in rows if fixed is None]
         if best == 0 and adaptive and all(e.rounds_at_zero >= self.probe_every << min(e.probes, 4) for e in adaptive):
             # One k serves the batch, so one row's probe costs every row; probe when all are due, and only where
             # what a probe learns could matter: speculation must pay at least for drafts that are always right.
             # Probes back off (8, 16, 32... rounds) while they keep finding k = 0 best.
             perfect = [(AcceptanceEstimate.starting_at(1.0), fixed) for _, fixed in rows]
-            return 1 if self._best(perfect, costs, batch_size) > 0 else 0
+            return 1 if self._best(perfect, costs, batch_size, catch_up) > 0 else 0
         return best
 
-    def _best(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel, batch_size: int) -> int:
-        """argmax_k of the batch's expected tokens per second; 0 unless the best beats it by the required gain."""
+    def _best(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel, batch_size: int,
+              catch_up: tuple[float, float] = (0.0, math.inf)) -> int:
+        """argmax_k of the batch's expected tokens per second; 0 unless the best beats it by the required gain.
+        For k > 0 the one-time `catch_up` (seconds, tokens left) is spread over the tokens left: the batch then
+        takes horizon / rate + seconds for its remaining tokens instead of horizon / rate."""
         floor = max((k for _, k in rows if k is not None), default=0)  # fixed rows set the batch's least k
         gains = [(e.expected_tokens(self.max_k), fixed) for e, fixed in rows]  # E(0..max_k) per row
+        seconds, horizon = catch_up
 
         def rate(k: int) -> float:
             longest = max(k, floor)
             draft = costs.draft_cost(batch_size, longest) if longest else 0.0
             cost = draft + costs.verify_cost(batch_size, longest + 1)
-            return sum(e[k if fixed is None else min(fixed, len(e) - 1)] for e, fixed in gains) / cost
+            per_second = sum(e[k if fixed is None else min(fixed, len(e) - 1)] for e, fixed in gains) / cost
+            if k == 0 or seconds <= 0.0:
+                return per_second
+            return 1.0 / (1.0 / per_second + seconds / max(horizon, 1.0))
 
         rates = [rate(k) for k in range(self.max_k + 1)]
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))

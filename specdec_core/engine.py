@@ -91,7 +91,10 @@ class _Sequence:
     generator: torch.Generator
     stopper: StopChecker
     return_probs: bool = False  # report q and p of the proposals in each RoundInfo
-    started: bool = False  # prefilled: the target and the drafter hold state for it
+    started: bool = False  # prefilled: the target holds state for it
+    drafting: bool = False  # the drafter holds state for it (started the first time the sequence drafts)
+    draft_failed: bool = False  # the drafter could not start it: it decodes plainly
+    drafted_upto: int = 0  # committed tokens after its last round with drafts: the drafter has read up to here
     stats: SpecStats = SpecStats()
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     emitted_text: int = 0
@@ -228,15 +231,10 @@ class SpecEngine:
             return [self._final(seq, FinishReason.ERROR, exc) for seq in admitted]
         outputs = []
         for seq, token in zip(admitted, first):
+            # The drafter starts the sequence the first time it drafts: under load `auto` may keep it at k = 0
+            # for its whole life, and then the drafter never reads its context.
             seq.started = True
             self._running[seq.request_id] = seq
-            try:
-                if self.drafter is not None:
-                    self.drafter.start(seq.request_id, seq.tokens)
-            except Exception as exc:
-                self._free(seq)
-                outputs.append(self._final(seq, FinishReason.ERROR, exc))
-                continue
             outputs.append(self._commit(seq, [token], None))
         return outputs
 
@@ -245,6 +243,8 @@ class SpecEngine:
         an error and its state is released: a failed call leaves caches in no known state."""
         try:
             ks = self._choose_ks(seqs)
+            if self.drafter is not None and any(ks):
+                ks = self._start_drafting(seqs, ks)
             proposals = [self._trim(p, len(seqs)) for p in self._propose(seqs, ks)]
             items = [self._verify_item(seq, proposal) for seq, proposal in zip(seqs, proposals)]
             t0 = time.perf_counter()
@@ -271,6 +271,8 @@ class SpecEngine:
                 self._label_estimate(proposal.label).update(len(draft), n)
             seq.stats = SpecStats(seq.stats.rounds + 1, seq.stats.proposed + len(draft), seq.stats.accepted + n)
             outputs.append(self._commit(seq, list(outcome.token_ids), info))
+            if k > 0 and seq.drafting:
+                seq.drafted_upto = len(seq.tokens)
         return outputs
 
     def _verify(self, items: list[VerifyItem]) -> tuple[list, dict[int, Exception]]:
@@ -300,30 +302,69 @@ class SpecEngine:
     def _choose_ks(self, seqs: list[_Sequence]) -> list[int]:
         """Each sequence's k this round: its fixed k, or the batch's adaptive k; capped by its room left."""
         rows = [(seq.estimate, None if seq.k_setting == AUTO else int(seq.k_setting)) for seq in seqs]
-        k_auto = self.config.policy.choose_batch(rows, self.costs, len(seqs)) if any(k is None for _, k in rows) else 0
+        rooms = [min(s.params.max_tokens - s.stopper.num_output, self.target.max_seq_len - len(s.tokens)) for s in seqs]
+        k_auto = 0
+        if any(k is None for _, k in rows):
+            unread = sum(self._unread(seq) for seq, (_, fixed) in zip(seqs, rows) if fixed is None)
+            k_auto = self.config.policy.choose_batch(rows, self.costs, len(seqs), self.costs.catch_up_cost(unread),
+                                                     sum(rooms))
         ks = []
-        for seq, (_, fixed) in zip(seqs, rows):
-            room = min(seq.params.max_tokens - seq.stopper.num_output, self.target.max_seq_len - len(seq.tokens))
-            ks.append(max(0, min(k_auto if fixed is None else fixed, self.config.max_speculative_tokens, room - 1)))
+        for seq, (_, fixed), room in zip(seqs, rows, rooms):
+            k = max(0, min(k_auto if fixed is None else fixed, self.config.max_speculative_tokens, room - 1))
+            ks.append(0 if seq.draft_failed else k)
         return ks
 
+    @staticmethod
+    def _unread(seq: _Sequence) -> int:
+        """Context the drafter would have to read before drafting for `seq`: all of it if it never drafted, the
+        tokens committed since its last round with drafts otherwise (none after a round with drafts)."""
+        return len(seq.tokens) - seq.drafted_upto if seq.drafting else len(seq.tokens)
+
+    def _start_drafting(self, seqs: list[_Sequence], ks: list[int]) -> list[int]:
+        """Start, on the drafter, the sequences that draft this round for the first time; the time per token of
+        context read teaches the cost model what starting (and catching up) costs. A sequence the drafter cannot
+        take decodes plainly from then on: a drafter's failure costs speculation, never the request."""
+        out = list(ks)
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            if k == 0 or seq.drafting:
+                continue
+            t0 = time.perf_counter()
+            try:
+                self.drafter.start(seq.request_id, seq.tokens)
+            except Exception as exc:
+                log.warning("drafter could not start %s, it decodes without drafts: %s", seq.request_id, exc)
+                seq.draft_failed = True
+                out[i] = 0
+                continue
+            self.costs.observe_catch_up(len(seq.tokens), time.perf_counter() - t0)
+            seq.drafting, seq.drafted_upto = True, len(seq.tokens)
+        return out
+
     def _propose(self, seqs: list[_Sequence], ks: list[int]) -> list[Proposal]:
-        if self.drafter is None or not any(ks):
-            return [Proposal([], None, () if seq.return_probs else None) for seq in seqs]
+        """Each row's proposal; rows at k = 0 get an empty one without troubling the drafter."""
+        proposals = [Proposal([], None, () if seq.return_probs else None) for seq in seqs]
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        if self.drafter is None or not rows:
+            return proposals
+        # A drafting row that sat at k = 0 has context to catch up on: that call's time is not a k-draft's.
+        stale = sum(self._unread(seqs[i]) for i in rows)
         requests = [
             DraftRequest(
-                seq_id=seq.request_id,
-                token_ids=seq.tokens,
-                num_tokens=k,
-                params=seq.params,
-                uniform=None if seq.params.greedy else seq.uniform(k),
-                return_probs=seq.return_probs,
+                seq_id=seqs[i].request_id,
+                token_ids=seqs[i].tokens,
+                num_tokens=ks[i],
+                params=seqs[i].params,
+                uniform=None if seqs[i].params.greedy else seqs[i].uniform(ks[i]),
+                return_probs=seqs[i].return_probs,
             )
-            for seq, k in zip(seqs, ks)
+            for i in rows
         ]
         t0 = time.perf_counter()
-        proposals = self.drafter.propose(requests)
-        self.costs.observe_draft(len(seqs), max(ks), time.perf_counter() - t0)
+        drafted = self.drafter.propose(requests)
+        if stale <= len(seqs):
+            self.costs.observe_draft(len(seqs), max(ks), time.perf_counter() - t0)
+        for i, proposal in zip(rows, drafted):
+            proposals[i] = proposal
         return proposals
 
     def _label_estimate(self, label: str) -> AcceptanceEstimate:
@@ -352,7 +393,7 @@ class SpecEngine:
         seq.tokens.extend(committed)
         reason = seq.stopper.finish_reason
         if reason is None:
-            if self.drafter is not None:
+            if seq.drafting:
                 self.drafter.observe(seq.request_id, len(seq.tokens))
         else:
             self._free(seq)
@@ -374,8 +415,9 @@ class SpecEngine:
         if seq.started:
             seq.started = False
             self.target.release(seq.request_id)
-            if self.drafter is not None:
-                self.drafter.release(seq.request_id)
+        if seq.drafting:
+            seq.drafting = False
+            self.drafter.release(seq.request_id)
 
     def _final(self, seq: _Sequence, reason: FinishReason, error: Exception | None = None) -> RequestOutput:
         return RequestOutput(

@@ -4,7 +4,8 @@ report latency percentiles, throughput and goodput per load point, speculation o
 Each load point is a concurrency (that many streams kept in flight) or a request rate (open-loop arrivals). With
 --compare-off every point runs twice against the same server, the second time with num_speculative_tokens = 0 in
 each request; which mode goes first alternates from point to point, so that drift in the machine's speed falls on
-both alike.
+both alike. With --blocks N each mode's requests (or duration) are split into N blocks run in the order A B B A
+A B ..., so that a machine whose speed drifts within a point (a shared host) still compares the modes fairly.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class LoadConfig:
     timeout_s: float = 600.0
     auth_token: str | None = None
     progress: bool = True
+    blocks: int = 1  # each point's share of every mode, split and interleaved (A B B A ...)
 
     def requests_per_point(self, load: Load) -> int | None:
         """None: as many as fit in the duration."""
@@ -159,6 +161,9 @@ def register(modes: Any) -> None:
     length.add_argument("--duration", type=_positive(float), help="seconds of sending per load point and mode")
     length.add_argument("--num-requests", type=_positive(int),
                         help="requests per load point and mode (default: the number of prompts, at least the concurrency)")
+    parser.add_argument("--blocks", type=_positive(int), default=1,
+                        help="split each point's requests (or duration) per mode into this many blocks, run "
+                             "interleaved A B B A ... so that drift in the machine's speed cancels in the ratio")
     parser.add_argument("--warmup", type=_non_negative_int, default=2, help="warm-up requests per mode, not measured")
     parser.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=_non_negative_int, default=0, help="request i is sampled with seed + i")
@@ -204,13 +209,16 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         raise InvalidArgument("--concurrency", "give --concurrency or --request-rate (or both)")
     if args.duration is not None and any(math.isinf(r) for r in args.request_rate):
         raise InvalidArgument("--request-rate", "inf sends every request at once: use --num-requests, not --duration")
+    if args.num_requests is not None and args.blocks > args.num_requests:
+        raise InvalidArgument("--blocks", f"{args.blocks} blocks of {args.num_requests} requests: at most one block "
+                                          "per request")
     return LoadConfig(
         address=args.address, prompts_path=args.prompts, prompts=read_prompts(args.prompts, args.max_new_tokens),
         max_new_tokens=args.max_new_tokens, loads=tuple(loads),
         sampling=Sampling(args.temperature, args.seed, args.ignore_eos), speculation=args.num_speculative_tokens,
         compare_off=args.compare_off, burstiness=args.burstiness, warmup=args.warmup, duration_s=args.duration,
         num_requests=args.num_requests, slos_ms=dict(args.goodput), timeout_s=args.timeout,
-        auth_token=args.auth_token)
+        auth_token=args.auth_token, blocks=args.blocks)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -268,10 +276,19 @@ async def run(config: LoadConfig) -> dict[str, Any]:
 
 
 async def run_load(config: LoadConfig, load: Load, senders: dict[str, Any], speculative_first: bool) -> dict[str, Any]:
-    """One load point in every mode, in the order asked; with both modes, the speedup."""
+    """One load point in every mode, block by block (each block in the order opposite to the last one's); with
+    both modes, the speedup. A mode's figures pool its blocks: their requests, and the sum of their durations."""
     point: dict[str, Any] = {load.key: load.report_value}
     order = list(senders) if speculative_first else list(senders)[::-1]
-    figures = {mode: await run_point(config, load, senders[mode], f"{load.label}, {mode}") for mode in order}
+    records: dict[str, list[RequestRecord]] = {mode: [] for mode in senders}
+    seconds = dict.fromkeys(senders, 0.0)
+    for block in range(config.blocks):
+        for mode in order if block % 2 == 0 else order[::-1]:
+            label = f"{load.label}, {mode}" + (f" ({block + 1}/{config.blocks})" if config.blocks > 1 else "")
+            got, took = await run_block(config, load, senders[mode], label, block)
+            records[mode] += got
+            seconds[mode] += took
+    figures = {mode: summarize(records[mode], seconds[mode], config.slos_ms) for mode in senders}
     point["speculative"] = figures["speculative"]
     if "off" in figures:
         point["off"] = figures["off"]
@@ -296,6 +313,7 @@ def report_header(config: LoadConfig, info: Any) -> dict[str, Any]:
         "warmup": config.warmup,
         "duration_per_point_s": config.duration_s,
         "num_requests": config.num_requests,
+        "blocks": config.blocks,
         "burstiness": config.burstiness,
         "goodput_slos_ms": config.slos_ms,
         "timeout_s": config.timeout_s,
@@ -304,15 +322,20 @@ def report_header(config: LoadConfig, info: Any) -> dict[str, Any]:
     }
 
 
-async def run_point(config: LoadConfig, load: Load, send: Any, label: str) -> dict[str, Any]:
-    """One mode of one load point: send its requests, then the figures."""
+async def run_block(config: LoadConfig, load: Load, send: Any, label: str, block: int) -> tuple[list[RequestRecord], float]:
+    """One block of one mode of one load point: its requests' records and its duration. Blocks take consecutive
+    request indices (prompts and seeds), so that every mode sees the same requests."""
     total = config.requests_per_point(load)
-    with tqdm(total=total, desc=label, unit="req", file=sys.stderr, disable=not config.progress) as bar:
+    first, count = 0, None
+    if total is not None:
+        sizes = [total // config.blocks + (1 if b < total % config.blocks else 0) for b in range(config.blocks)]
+        first, count = sum(sizes[:block]), sizes[block]
+    duration_s = config.duration_s / config.blocks if config.duration_s is not None else None
+    with tqdm(total=count, desc=label, unit="req", file=sys.stderr, disable=not config.progress) as bar:
         start = time.perf_counter()
-        deadline = start + config.duration_s if config.duration_s is not None else None
-        records = await load.drive(send, total, deadline, lambda: bar.update(1))
-        duration = time.perf_counter() - start
-    return summarize(records, duration, config.slos_ms)
+        deadline = start + duration_s if duration_s is not None else None
+        records = await load.drive(lambda index: send(first + index), count, deadline, lambda: bar.update(1))
+        return records, time.perf_counter() - start
 
 
 def format_summary(report: dict[str, Any]) -> str:

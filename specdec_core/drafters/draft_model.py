@@ -60,6 +60,8 @@ class DraftModelDrafter:
         chosen: list[list[float]] = [[] for _ in requests]  # q of each picked token, for requests that asked
         rows = [i for i, r in enumerate(requests) if r.num_tokens > 0]
         feeds = [self._readable(r.token_ids[self.runner.length(self._slots[r.seq_id]) :]) for r in requests]
+        for i in rows:
+            feeds[i] = self._catch_up(self._slots[requests[i].seq_id], feeds[i])
         step = 0
         while rows:
             slots = [self._slots[requests[i].seq_id] for i in rows]
@@ -80,6 +82,15 @@ class DraftModelDrafter:
             Proposal(token_ids=t, q=torch.stack(q) if q else None, draft_probs=tuple(c) if r.return_probs else None)
             for t, q, c, r in zip(tokens, qs, chosen, requests)
         ]
+
+    def _catch_up(self, slot: int, feed: list[int]) -> list[int]:
+        """Read all but the last token of a long feed (a sequence that sat at k = 0 for a while) in a forward of
+        its own; what is left is short. A batched step pads every row to its longest feed: one long row would
+        make every row pay for its length, and could push the padding past the other rows' cache slots."""
+        if len(feed) <= self.runner.config.max_extend:
+            return feed
+        self.runner.extend([slot], [feed[:-1]])
+        return feed[-1:]
 
     def _readable(self, tokens: Sequence[int]) -> list[int]:
         """Ids the draft can embed. The target's embedding may have rows the draft lacks (padding beyond the

@@ -302,3 +302,22 @@ def test_no_probe_where_even_perfect_drafts_would_not_pay():
     assert policy.choose_batch([(est, None)] * 8, costs, 8) == 0
     cheap = _costs(8, draft=0.001, verify={1: 0.1, 5: 0.11})
     assert policy.choose_batch([(est, None)] * 8, cheap, 8) == 1  # here it could pay: probe
+
+
+def test_catch_up_cost_is_learnt_per_token_from_reads_long_enough_to_time():
+    costs = CostModel()
+    assert costs.catch_up_cost(100) == 0.0  # unmeasured: starting costs nothing yet
+    costs.observe_catch_up(4, 1.0)  # too short to tell a per-token cost from a per-call one
+    assert costs.catch_up is None
+    costs.observe_catch_up(100, 0.5)
+    assert costs.catch_up_cost(40) == pytest.approx(0.2)
+
+
+def test_a_catch_up_pays_only_over_enough_remaining_tokens():
+    """Speculation that would emit ~2.7x the tokens per second is still not worth a draft prefill of 2 s with 20
+    tokens left (it would save ~1.3 s of 2 s), and is worth it with 500 tokens left."""
+    costs = _costs(1, draft=0.01, verify={1: 0.1, 5: 0.11})
+    policy, est = AdaptivePolicy(max_k=4), _estimate(0.9)
+    assert policy.choose(est, costs, 1) > 0
+    assert policy.choose(est, costs, 1, catch_up_s=2.0, horizon=20) == 0
+    assert policy.choose(est, costs, 1, catch_up_s=2.0, horizon=500) > 0

@@ -180,6 +180,74 @@ def test_cancel_frees_caches_in_target_and_draft(tiny_target):
     assert engine.target.runner.cache.slots_in_use == 0 and engine.drafter.active_sequences == 0
 
 
+class _Recording:
+    """A drafter wrapper that records which sequences were started, and can refuse to start them."""
+
+    def __init__(self, inner, refuse: bool = False) -> None:
+        self.inner, self.refuse, self.started = inner, refuse, []
+        self.name = inner.name
+
+    def start(self, seq_id, prompt_ids):
+        if self.refuse:
+            raise RuntimeError("no room for drafts")
+        self.started.append((seq_id, len(prompt_ids)))
+        self.inner.start(seq_id, prompt_ids)
+
+    def propose(self, requests):
+        assert all(r.num_tokens > 0 for r in requests)  # rows at k = 0 are not the drafter's business
+        return self.inner.propose(requests)
+
+    def observe(self, seq_id, num_committed):
+        self.inner.observe(seq_id, num_committed)
+
+    def release(self, seq_id):
+        self.inner.release(seq_id)
+
+
+def test_the_drafter_starts_a_sequence_only_when_it_first_drafts(tiny_target):
+    draft = perturbed(tiny_target.model, 0.2, seed=3)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine = make_engine(tiny_target, draft)
+    engine.drafter = recorder = _Recording(engine.drafter)
+    prompt = _ids(tiny_target, PROMPTS[2])
+    engine.add_request("plain", prompt, params, 0)
+    engine.add_request("spec", prompt, params, 3)
+    engine.step()  # admission: prefill only
+    assert recorder.started == []
+    engine.step()  # the first round: "spec" drafts, and is started with all it has (prompt and first token)
+    assert recorder.started == [("spec", len(prompt) + 1)]
+    while engine.has_work:
+        engine.step()
+    assert recorder.started == [("spec", len(prompt) + 1)] and recorder.inner.active_sequences == 0
+    assert engine.costs.catch_up is not None  # the start read long enough a context to be timed
+
+
+def test_a_drafter_that_cannot_start_a_sequence_costs_speculation_not_the_request(tiny_target):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompt = _ids(tiny_target, PROMPTS[0])
+    expected, _, _ = _plain(tiny_target, prompt, params)
+    engine = make_engine(tiny_target, tiny_target.model)
+    engine.drafter = _Recording(engine.drafter, refuse=True)
+    tokens, _, last = run_to_completion(engine, [("r", prompt, params, 3)])["r"]
+    assert tokens == expected and last.finish_reason == FinishReason.LENGTH
+    assert last.stats.proposed == 0
+
+
+def test_a_sequence_back_from_plain_rounds_catches_up_exactly(tiny_target):
+    """Rounds at k = 0 leave the draft behind; the next round with drafts reads what it missed (past the batch's
+    padding allowance, in a forward of its own). Output stays exact; with a draft that always agrees, every
+    draft after the catch-up is accepted, so the draft read the right context."""
+    engine = make_engine(tiny_target, tiny_target.model)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    prompt = _ids(tiny_target, PROMPTS[1])
+    expected, _, _ = _plain(tiny_target, prompt, params)
+    schedule = iter([2, 2] + [0] * 25 + [3] * 100)
+    engine._choose_ks = lambda seqs: [next(schedule)] * len(seqs)
+    tokens, _, last = run_to_completion(engine, [("r", prompt, params, "auto")])["r"]
+    assert tokens == expected
+    assert last.stats.proposed > 20 and last.stats.accepted == last.stats.proposed
+
+
 def test_waiting_requests_are_admitted_as_slots_free(tiny_target):
     engine = make_engine(tiny_target, tiny_target.model, num_slots=2)
     requests = [(f"r{i}", _ids(tiny_target, PROMPTS[i % 3]), SamplingParams(max_tokens=8, ignore_eos=True), 2)

@@ -3,6 +3,7 @@ the served stack of tiny models (real Ray Serve, real gRPC) gives the report's c
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -32,6 +33,7 @@ def bench_serve(address, prompts, out, *flags):
     (["--concurrency", "1", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
     (["--concurrency", "1", "--duration", "0"], "--duration"),
     (["--concurrency", "1", "--burstiness", "0"], "--burstiness"),
+    (["--concurrency", "1", "--blocks", "0"], "--blocks"),
 ])
 def test_a_bad_flag_value_fails_naming_the_flag(flags, named, prompts, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -45,6 +47,7 @@ def test_a_bad_flag_value_fails_naming_the_flag(flags, named, prompts, tmp_path,
     (["--concurrency", "1"], ['{"text": "no prompt key"}'], "--prompts"),
     (["--concurrency", "1"], ['{"prompt": "x", "max_tokens": 0}'], "--prompts"),
     (["--duration", "5", "--request-rate", "inf"], None, "--request-rate"),
+    (["--concurrency", "1", "--num-requests", "2", "--blocks", "3"], None, "--blocks"),
 ])
 def test_bad_input_is_an_error_naming_the_flag(flags, prompt_lines, named, prompts, tmp_path, capsys):
     if prompt_lines is not None:
@@ -61,6 +64,38 @@ def test_an_unreachable_address_is_an_error_and_exit_code_1(prompts, tmp_path, c
     err = capsys.readouterr().err
     assert f"--address {address}" in err and "UNAVAILABLE" in err and "Traceback" not in err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_blocks_interleave_the_modes_and_pool_their_figures(tmp_path):
+    """--blocks 3 with 7 requests a mode: blocks of 3, 2 and 2 requests, in the order A B, B A, A B; each mode sees
+    the same request indices, and its figures pool all its blocks."""
+    import asyncio
+
+    from deployments.loadgen.cli import LoadConfig, run_load
+    from deployments.loadgen.client import Concurrency, Prompt, Sampling
+    from deployments.loadgen.metrics import RequestRecord
+
+    sent = []
+
+    def sender(mode):
+        async def send(index):
+            sent.append((mode, index))
+            return RequestRecord(chunk_times=(0.001,), chunk_tokens=(5,), e2el=0.001)
+        return send
+
+    config = LoadConfig(address="unused", prompts_path=tmp_path, prompts=(Prompt("p", 5),), max_new_tokens=5,
+                        loads=(Concurrency(1),), sampling=Sampling(0.0, 0, False), speculation=None,
+                        compare_off=True, num_requests=7, progress=False, blocks=3)
+    senders = {"speculative": sender("speculative"), "off": sender("off")}
+    point = asyncio.run(run_load(config, Concurrency(1), senders, speculative_first=True))
+    runs = [(mode, [i for m, i in sent if m == mode]) for mode in ("speculative", "off")]
+    order = [mode for mode, _ in itertools.groupby(m for m, _ in sent)]
+    assert order == ["speculative", "off", "speculative", "off"]  # A | B B | A A | B: A B B A A B
+    assert [m for m, _ in sent][:3] == ["speculative"] * 3 and [m for m, _ in sent][3:8] == ["off"] * 5
+    for _, indices in runs:
+        assert indices == list(range(7))
+    for mode in ("speculative", "off"):
+        assert point[mode]["num_requests"] == 7 and point[mode]["total_output_tokens"] == 35
 
 
 LATENCY_KEYS = [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p90", "p99")]
