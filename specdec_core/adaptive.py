@@ -35,9 +35,10 @@ same tokens per verify in all, B * t, and scaled to plain decoding's cost here, 
 first) already say speculation cannot pay there: exploring costs every row of a large batch a draft prefill and
 wider verifies. While a request sits at k = 0 it
 learns nothing new about acceptance, so after `probe_every` such rounds it tries k = 1; since one k serves the
-batch, a probe waits until every adaptive row in it is due, and is skipped where even drafts that are always
-right would not pay (under load a probe costs every row a draft call, a draft prefill where it has no draft
-session yet, and a wider verify). Each probe that leads back to k = 0 doubles the wait (up to 16x).
+batch, a probe waits until every adaptive row in it is due, and is skipped where speculation would not pay even
+with each row's acceptance halfway from its estimate to 1 (under load a probe costs every row a draft call, the
+drafter's catch-up, and a wider verify, to learn what cannot change the answer). Each probe that leads back to
+k = 0 doubles the wait (up to 16x).
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ class AcceptanceEstimate:
     def starting_from(cls, recent: "AcceptanceEstimate", positions: int, weight: float = 3.0) -> "AcceptanceEstimate":
         """A new request's estimate: the per-position rates of `recent` (e.g. recent requests') as its prior."""
         return cls(prior=tuple(recent.rates(max(1, positions))), weight=weight)
+
+    def optimistic(self, positions: int) -> "AcceptanceEstimate":
+        """Rates halfway from this estimate's to 1 at each position: an acceptance a probe could plausibly find.
+        (Drafts that are always right would justify a probe wherever speculation can pay at all.)"""
+        return AcceptanceEstimate(prior=tuple((1.0 + r) / 2.0 for r in self.rates(max(1, positions))))
 
     def rates(self, n: int) -> list[float]:
         """Estimated acceptance rates of draft positions 1..n."""
@@ -290,11 +296,12 @@ class AdaptivePolicy:
         best = self._best(rows, costs, batch_size, catch_up)
         adaptive = [e for e, fixed in rows if fixed is None]
         if best == 0 and adaptive and all(e.rounds_at_zero >= self.probe_every << min(e.probes, 4) for e in adaptive):
-            # One k serves the batch, so one row's probe costs every row; probe when all are due, and only where
-            # what a probe learns could matter: speculation must pay at least for drafts that are always right.
+            # One k serves the batch, so one row's probe costs every row (a draft call, a wider verify, and the
+            # drafter's catch-up); probe when all are due, and only where what a probe could plausibly find would
+            # change the answer: speculation must pay with each row's acceptance halfway from its estimate to 1.
             # Probes back off (8, 16, 32... rounds) while they keep finding k = 0 best.
-            perfect = [(AcceptanceEstimate.starting_at(1.0), fixed) for _, fixed in rows]
-            return 1 if self._best(perfect, costs, batch_size, catch_up) > 0 else 0
+            hopeful = [(e.optimistic(self.max_k), fixed) for e, fixed in rows]
+            return 1 if self._best(hopeful, costs, batch_size, catch_up) > 0 else 0
         return best
 
     def _best(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel, batch_size: int,

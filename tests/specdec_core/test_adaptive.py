@@ -304,6 +304,19 @@ def test_no_probe_where_even_perfect_drafts_would_not_pay():
     assert policy.choose_batch([(est, None)] * 8, cheap, 8) == 1  # here it could pay: probe
 
 
+def test_no_probe_where_only_a_much_better_acceptance_than_the_rows_have_would_pay():
+    """Rows at acceptance 0.8 where speculation pays only near 1.0 (at 0.9, halfway to 1, it does not): probing
+    would buy every row a catch-up and a wider verify to learn nothing that could change k."""
+    policy = AdaptivePolicy(max_k=4, probe_every=2, margin=0.0, margin_per_sequence=0.0)
+    costs = _costs(8, draft=0.045, verify={1: 0.1, 5: 0.3})
+    assert policy.choose_batch([(AcceptanceEstimate.starting_at(1.0, weight=1e6), None)] * 8, costs, 8) > 0
+    assert policy.choose_batch([(AcceptanceEstimate.starting_at(0.9, weight=1e6), None)] * 8, costs, 8) == 0
+    est = AcceptanceEstimate.starting_at(0.8, weight=1e6)
+    for _ in range(10):
+        est.update(0, 0, 0)
+    assert policy.choose_batch([(est, None)] * 8, costs, 8) == 0
+
+
 def test_catch_up_cost_is_learnt_per_token_from_reads_long_enough_to_time():
     costs = CostModel()
     assert costs.catch_up_cost(100) == 0.0  # unmeasured: starting costs nothing yet
