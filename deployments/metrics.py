@@ -41,7 +41,8 @@ class ServingMetrics:
                                        boundaries=_CALL_S, tag_keys=_PAIR)
         self.verify_latency = Histogram("specdec_verify_latency_seconds", "Seconds per batched verify call of a round.",
                                         boundaries=_CALL_S, tag_keys=_PAIR)
-        self.fallbacks = Counter("specdec_target_only_rounds", "Rounds run without drafts while speculation is on.",
+        self.fallbacks = Counter("specdec_target_only_rounds",
+                                 "Rounds that asked for drafts (k > 0) and got none (no draft replica held the session).",
                                  tag_keys=_PAIR)
         self.slots = Gauge("specdec_kv_slots_in_use", "Sessions this router holds in the workers' KV caches.",
                            tag_keys=(*_PAIR, "worker"))
@@ -49,12 +50,13 @@ class ServingMetrics:
                        self.k, self.draft_latency, self.verify_latency, self.fallbacks, self.slots):
             metric.set_default_tags(self._tags)
 
-    def round(self, k: int, proposed: int, accepted: int, speculating: bool) -> None:
-        """`k` chosen, `proposed` drafts made (0 where no draft replica held the session: a fallback)."""
+    def round(self, k: int, proposed: int, accepted: int) -> None:
+        """`k` chosen, `proposed` drafts made (none for k > 0: a fallback, where no draft replica held the session;
+        k = 0 is plain decoding, chosen by the request or by `auto`, not a fallback)."""
         self.k.observe(k)
         if proposed > 0:
             self.accepted_per_round.observe(accepted)
-        elif speculating:
+        elif k > 0:
             self.fallbacks.inc()
 
     def finished(self, output: Any, start: float, first_token: float | None) -> None:

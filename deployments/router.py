@@ -192,7 +192,6 @@ class Router:
         self.tracer.start_request(session_id, call.params, parent, request_id)
         # Only requests whose records carry probabilities make the workers compute them.
         return_probs = self.proposals is not None and self.proposals.start(session_id, request_id)
-        speculating = self.config.draft.method != "none" and call.num_speculative_tokens != 0
         times = [time.monotonic(), None]  # start, first token
 
         def deliver(item: Any) -> None:  # on the engine thread
@@ -200,7 +199,7 @@ class Router:
                 self.tracer.abandon(session_id, item)
             else:
                 self.tracer.observe(session_id, item)
-                self._measure(item, speculating, times)
+                self._measure(item, times)
                 if self.proposals is not None:
                     self.proposals.observe(session_id, item)
             loop.call_soon_threadsafe(inbox.put_nowait, item)
@@ -222,12 +221,12 @@ class Router:
             if not finished:
                 self.scheduler.cancel(session_id)
 
-    def _measure(self, output: RequestOutput, speculating: bool, times: list) -> None:
+    def _measure(self, output: RequestOutput, times: list) -> None:
         if times[1] is None and output.new_token_ids:
             times[1] = time.monotonic()
         if output.round is not None:
             info = output.round
-            self.metrics.round(info.k, len(info.proposed_token_ids), info.num_accepted, speculating)
+            self.metrics.round(info.k, len(info.proposed_token_ids), info.num_accepted)
         if output.finished:
             self.metrics.finished(output, times[0], times[1])
         self.metrics.slots_in_use("target", sum(len(r.sessions) for r in self.target_pool.replicas))
