@@ -304,6 +304,18 @@ class AdaptivePolicy:
             return 1 if self._best(hopeful, costs, batch_size, catch_up) > 0 else 0
         return best
 
+    def pays(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel, batch_size: int,
+             catch_up_s: float = 0.0, horizon: float = math.inf) -> bool:
+        """Whether the model expects speculation to pay for `rows` at `batch_size` (by costs carried over where that
+        batch size is unexplored); True where too little is measured to say."""
+        if costs.unmeasured_k(batch_size, min(self.explore_up_to, self.max_k), self.explore_samples) is not None:
+            costs = costs.carried_to(batch_size, self.explore_up_to, self.explore_samples)
+            if costs is None:
+                return True
+        elif costs.draft_cost(batch_size, 1) is None:
+            return True
+        return self._best(rows, costs, batch_size, (catch_up_s, horizon)) > 0
+
     def _best(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel, batch_size: int,
               catch_up: tuple[float, float] = (0.0, math.inf)) -> int:
         """argmax_k of the batch's expected tokens per second; 0 unless the best beats it by the required gain.

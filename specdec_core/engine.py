@@ -308,11 +308,25 @@ class SpecEngine:
             unread = sum(self._unread(seq) for seq, (_, fixed) in zip(seqs, rows) if fixed is None)
             k_auto = self.config.policy.choose_batch(rows, self.costs, len(seqs), self.costs.catch_up_cost(unread),
                                                      sum(rooms))
+            if k_auto > 0 and unread > 0 and not self._start_pays_after_admission(rows, unread, sum(rooms)):
+                k_auto = 0
         ks = []
         for seq, (_, fixed), room in zip(seqs, rows, rooms):
             k = max(0, min(k_auto if fixed is None else fixed, self.config.max_speculative_tokens, room - 1))
             ks.append(0 if seq.draft_failed else k)
         return ks
+
+    def _start_pays_after_admission(self, rows: list, unread: int, horizon: int) -> bool:
+        """Starting drafts is an investment that pays off over the rows' later rounds. Requests admitted right after
+        this round will share those rounds (a burst of arrivals fills the batch one prefill at a time): judge the
+        investment at the batch size they make, with their own reads and tokens counted."""
+        joining = self._waiting[: self.target.free_slots]
+        if not joining:
+            return True
+        rows = rows + [(seq.estimate, None if seq.k_setting == AUTO else int(seq.k_setting)) for seq in joining]
+        unread += sum(len(seq.tokens) for seq in joining if seq.k_setting == AUTO)
+        horizon += sum(seq.params.max_tokens for seq in joining)
+        return self.config.policy.pays(rows, self.costs, len(rows), self.costs.catch_up_cost(unread), horizon)
 
     @staticmethod
     def _unread(seq: _Sequence) -> int:

@@ -222,6 +222,43 @@ def test_the_drafter_starts_a_sequence_only_when_it_first_drafts(tiny_target):
     assert engine.costs.catch_up is not None  # the start read long enough a context to be timed
 
 
+class _PaysAloneOnly(CostModel):
+    """Measured costs under which speculation pays for one sequence (verify is flat in k) and never for four
+    (verify grows with every token), with a price on starting drafts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.verify = {1: {t: 0.1 for t in range(1, 10)}, 4: {t: 0.1 * t for t in range(1, 10)}}
+        self.verify_samples = {b: dict.fromkeys(range(1, 10), 99) for b in (1, 4)}
+        self.draft = {b: {k: 0.001 * k for k in range(1, 9)} for b in (1, 4)}
+        self.catch_up = 1e-4
+
+    def observe_verify(self, batch_size, tokens_per_row, seconds):
+        pass
+
+    def observe_draft(self, batch_size, steps, seconds):
+        pass
+
+    def observe_catch_up(self, tokens, seconds):
+        pass
+
+
+@pytest.mark.parametrize("joining", [0, 3])
+def test_drafts_are_not_started_for_a_batch_about_to_grow_past_where_they_pay(tiny_target, joining):
+    """One sequence runs; `joining` more wait to be admitted right after this round. Alone, starting its drafts
+    pays; in the batch of four that the round is about to become, it never would."""
+    engine = make_engine(tiny_target, tiny_target.model, num_slots=4)
+    engine.drafter = recorder = _Recording(engine.drafter)
+    engine.costs = _PaysAloneOnly()
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine.add_request("first", _ids(tiny_target, PROMPTS[0]), params, "auto")
+    engine.step()
+    for name in ["a", "b", "c"][:joining]:
+        engine.add_request(name, _ids(tiny_target, PROMPTS[1]), params, "auto")
+    engine.step(), engine.step()
+    assert [seq_id for seq_id, _ in recorder.started] == ([] if joining else ["first"])
+
+
 def test_a_drafter_that_cannot_start_a_sequence_costs_speculation_not_the_request(tiny_target):
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     prompt = _ids(tiny_target, PROMPTS[0])
