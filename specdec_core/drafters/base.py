@@ -57,7 +57,8 @@ class Drafter(Protocol):
     name: str
 
     def start(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
-        """Begin a sequence (a draft model prefills here)."""
+        """Begin a sequence (a draft model prefills here). The engine calls it the first time the sequence drafts,
+        with every token committed so far (the prompt, and the output of its rounds without drafts)."""
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         """Up to `num_tokens` tokens per request, in one batched pass where the method allows."""
