@@ -316,7 +316,8 @@ class SpecEngine:
             ks.append(0 if seq.draft_failed else k)
         return ks
 
-    def _start_pays_after_admission(self, rows: list, unread: int, horizon: int) -> bool:
+    def _start_pays_after_admission(self, rows: list[tuple[AcceptanceEstimate, int | None]], unread: int,
+                                    horizon: int) -> bool:
         """Starting drafts is an investment that pays off over the rows' later rounds. Requests admitted right after
         this round will share those rounds (a burst of arrivals fills the batch one prefill at a time): judge the
         investment at the batch size they make, with their own reads and tokens counted."""
