@@ -287,12 +287,12 @@ class AdaptivePolicy:
                                      for b in costs.verify)
             if explored_elsewhere and 1 not in costs.verify.get(_bucket(batch_size), {}):
                 return 0
-            borrowed = costs.carried_to(batch_size, self.explore_up_to, self.explore_samples)
-            if borrowed is None or self._best(rows, borrowed, batch_size, catch_up) > 0:
-                return explore
-            costs = borrowed
-        elif costs.draft_cost(batch_size, 1) is None or costs.verify_cost(batch_size, 1) is None:
-            return min(self.explore_up_to, self.max_k)
+        judged = self._judging_costs(costs, batch_size)
+        if judged is None:
+            return explore if explore is not None else min(self.explore_up_to, self.max_k)
+        if explore is not None and self._best(rows, judged, batch_size, catch_up) > 0:
+            return explore
+        costs = judged
         best = self._best(rows, costs, batch_size, catch_up)
         adaptive = [e for e, fixed in rows if fixed is None]
         if best == 0 and adaptive and all(e.rounds_at_zero >= self.probe_every << min(e.probes, 4) for e in adaptive):
@@ -308,13 +308,17 @@ class AdaptivePolicy:
              catch_up_s: float = 0.0, horizon: float = math.inf) -> bool:
         """Whether the model expects speculation to pay for `rows` at `batch_size` (by costs carried over where that
         batch size is unexplored); True where too little is measured to say."""
+        judged = self._judging_costs(costs, batch_size)
+        return judged is None or self._best(rows, judged, batch_size, (catch_up_s, horizon)) > 0
+
+    def _judging_costs(self, costs: CostModel, batch_size: int) -> CostModel | None:
+        """The costs to judge `batch_size` by: those measured there once it is explored, else those carried from
+        an explored batch size; None where neither is known yet."""
         if costs.unmeasured_k(batch_size, min(self.explore_up_to, self.max_k), self.explore_samples) is not None:
-            costs = costs.carried_to(batch_size, self.explore_up_to, self.explore_samples)
-            if costs is None:
-                return True
-        elif costs.draft_cost(batch_size, 1) is None:
-            return True
-        return self._best(rows, costs, batch_size, (catch_up_s, horizon)) > 0
+            return costs.carried_to(batch_size, self.explore_up_to, self.explore_samples)
+        if costs.draft_cost(batch_size, 1) is None or costs.verify_cost(batch_size, 1) is None:
+            return None
+        return costs
 
     def _best(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel, batch_size: int,
               catch_up: tuple[float, float] = (0.0, math.inf)) -> int:

@@ -59,9 +59,10 @@ class DraftModelDrafter:
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
         chosen: list[list[float]] = [[] for _ in requests]  # q of each picked token, for requests that asked
         rows = [i for i, r in enumerate(requests) if r.num_tokens > 0]
-        feeds = [self._readable(r.token_ids[self.runner.length(self._slots[r.seq_id]) :]) for r in requests]
+        feeds = {}  # row -> the committed tokens its slot has not read (a long backlog read first, alone)
         for i in rows:
-            feeds[i] = self._catch_up(self._slots[requests[i].seq_id], feeds[i])
+            slot = self._slots[requests[i].seq_id]
+            feeds[i] = self._catch_up(slot, self._readable(requests[i].token_ids[self.runner.length(slot) :]))
         step = 0
         while rows:
             slots = [self._slots[requests[i].seq_id] for i in rows]
