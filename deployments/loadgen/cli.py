@@ -52,12 +52,13 @@ class LoadConfig:
     blocks: int = 1  # each point's share of every mode, split and interleaved (A B B A ...)
 
     def requests_per_point(self, load: Load) -> int | None:
-        """None: as many as fit in the duration."""
+        """None: as many as fit in the duration. By default every prompt once, and enough for each block to hold
+        the load point's concurrency."""
         if self.duration_s is not None:
             return None
         if self.num_requests is not None:
             return self.num_requests
-        return max(len(self.prompts), load.min_requests)
+        return max(len(self.prompts), load.min_requests * self.blocks)
 
     def modes(self) -> dict[str, Speculation]:
         return {"speculative": self.speculation, "off": OFF} if self.compare_off else {"speculative": self.speculation}
@@ -212,6 +213,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
     if args.num_requests is not None and args.blocks > args.num_requests:
         raise InvalidArgument("--blocks", f"{args.blocks} blocks of {args.num_requests} requests: at most one block "
                                           "per request")
+    _check_blocks_hold_concurrency(args.num_requests, args.blocks, args.concurrency)
     return LoadConfig(
         address=args.address, prompts_path=args.prompts, prompts=read_prompts(args.prompts, args.max_new_tokens),
         max_new_tokens=args.max_new_tokens, loads=tuple(loads),
@@ -219,6 +221,18 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         compare_off=args.compare_off, burstiness=args.burstiness, warmup=args.warmup, duration_s=args.duration,
         num_requests=args.num_requests, slos_ms=dict(args.goodput), timeout_s=args.timeout,
         auth_token=args.auth_token, blocks=args.blocks)
+
+
+def _check_blocks_hold_concurrency(num_requests: int | None, blocks: int, concurrency: list[int]) -> None:
+    """A block smaller than a concurrency point never has that many streams in flight: the point would report a
+    lighter load than it names."""
+    if num_requests is None or not concurrency:
+        return
+    smallest = num_requests // blocks
+    if smallest < max(concurrency):
+        raise InvalidArgument("--num-requests", f"{num_requests} requests in {blocks} block(s) leave {smallest} a "
+                                                f"block, fewer than --concurrency {max(concurrency)}: give at least "
+                                                f"{max(concurrency) * blocks} requests, or fewer blocks")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -277,24 +291,33 @@ async def run(config: LoadConfig) -> dict[str, Any]:
 
 async def run_load(config: LoadConfig, load: Load, senders: dict[str, Any], speculative_first: bool) -> dict[str, Any]:
     """One load point in every mode, block by block (each block in the order opposite to the last one's); with
-    both modes, the speedup. A mode's figures pool its blocks: their requests, and the sum of their durations."""
+    both modes, the speedup. A mode's figures pool its blocks: their requests, and the sum of their durations.
+    With several blocks, `speedup_by_block` holds each block's own ratio (block i of one mode ran next to block i of
+    the other): their spread shows how far the machine's drift moves a ratio."""
     point: dict[str, Any] = {load.key: load.report_value}
     order = list(senders) if speculative_first else list(senders)[::-1]
     records: dict[str, list[RequestRecord]] = {mode: [] for mode in senders}
     seconds = dict.fromkeys(senders, 0.0)
+    per_block: dict[str, list[float]] = {mode: [] for mode in senders}  # output tokens/s of each block
     for block in range(config.blocks):
         for mode in order if block % 2 == 0 else order[::-1]:
             label = f"{load.label}, {mode}" + (f" ({block + 1}/{config.blocks})" if config.blocks > 1 else "")
             got, took = await run_block(config, load, senders[mode], label, block)
             records[mode] += got
             seconds[mode] += took
+            per_block[mode].append(summarize(got, took, config.slos_ms)["output_tokens_per_s"])
     figures = {mode: summarize(records[mode], seconds[mode], config.slos_ms) for mode in senders}
     point["speculative"] = figures["speculative"]
     if "off" in figures:
         point["off"] = figures["off"]
-        off = figures["off"]["output_tokens_per_s"]
-        point["speedup"] = figures["speculative"]["output_tokens_per_s"] / off if off else 0.0
+        point["speedup"] = _ratio(figures["speculative"]["output_tokens_per_s"], figures["off"]["output_tokens_per_s"])
+        if config.blocks > 1:
+            point["speedup_by_block"] = [_ratio(s, o) for s, o in zip(per_block["speculative"], per_block["off"])]
     return point
+
+
+def _ratio(speculative: float, off: float) -> float:
+    return speculative / off if off else 0.0
 
 
 def report_header(config: LoadConfig, info: Any) -> dict[str, Any]:
@@ -356,5 +379,7 @@ def format_summary(report: dict[str, Any]) -> str:
             if m["errors"]:
                 lines.append(f"{'':>18} {'errors':>11} {m['errors']}")
         if "speedup" in point:
-            lines.append(f"{label:>18} {'speedup':>11} {point['speedup']:.2f}x")
+            spread = point.get("speedup_by_block")
+            blocks = f" (blocks {min(spread):.2f}-{max(spread):.2f}x)" if spread else ""
+            lines.append(f"{label:>18} {'speedup':>11} {point['speedup']:.2f}x{blocks}")
     return "\n".join(lines)

@@ -48,6 +48,7 @@ def test_a_bad_flag_value_fails_naming_the_flag(flags, named, prompts, tmp_path,
     (["--concurrency", "1"], ['{"prompt": "x", "max_tokens": 0}'], "--prompts"),
     (["--duration", "5", "--request-rate", "inf"], None, "--request-rate"),
     (["--concurrency", "1", "--num-requests", "2", "--blocks", "3"], None, "--blocks"),
+    (["--concurrency", "1,8", "--num-requests", "12", "--blocks", "2"], None, "--num-requests"),  # 6 < 8 a block
 ])
 def test_bad_input_is_an_error_naming_the_flag(flags, prompt_lines, named, prompts, tmp_path, capsys):
     if prompt_lines is not None:
@@ -96,6 +97,17 @@ def test_blocks_interleave_the_modes_and_pool_their_figures(tmp_path):
         assert indices == list(range(7))
     for mode in ("speculative", "off"):
         assert point[mode]["num_requests"] == 7 and point[mode]["total_output_tokens"] == 35
+    assert len(point["speedup_by_block"]) == 3
+
+
+def test_by_default_each_block_holds_the_concurrency(tmp_path):
+    from deployments.loadgen.cli import LoadConfig
+    from deployments.loadgen.client import Concurrency, Prompt, Sampling
+
+    config = LoadConfig(address="unused", prompts_path=tmp_path, prompts=(Prompt("p", 5),) * 3, max_new_tokens=5,
+                        loads=(Concurrency(4),), sampling=Sampling(0.0, 0, False), speculation=None, blocks=2)
+    assert config.requests_per_point(Concurrency(4)) == 8  # 2 blocks of 4, not 3 prompts
+    assert config.requests_per_point(Concurrency(1)) == 3  # every prompt once
 
 
 LATENCY_KEYS = [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p90", "p99")]
