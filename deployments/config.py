@@ -100,6 +100,9 @@ class RouterConfig(_Strict):
     draft_timeout_s: float = Field(10.0, gt=0)
     worker_refresh_s: float = Field(10.0, gt=0)  # how often the router re-reads the worker replicas
     worker_start_timeout_s: float = Field(900.0, gt=0)  # how long a router waits for workers to come up
+    # Measure what rounds cost at each batch size before serving (specdec_core.calibration), so that `auto` needs
+    # no exploring on live requests. Each router replica runs it once at startup, on synthetic sequences.
+    calibrate: bool = True
 
     @model_validator(mode="after")
     def _limits(self) -> "RouterConfig":

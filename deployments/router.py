@@ -28,6 +28,7 @@ from deployments.scheduler import Admission, DeadlineExceeded, Scheduler
 from deployments.telemetry import RequestTracer, context_from_metadata, setup_tracing
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
+from specdec_core.calibration import calibrate
 from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.engine import EngineConfig, RequestOutput, SpecEngine
 from specdec_core.errors import InvalidArgument, ResourceExhausted
@@ -68,6 +69,18 @@ def wait_for_workers(app: str, kind: str, expected: int, timeout_s: float) -> li
         time.sleep(0.5)
 
 
+def _calibrate(engine: SpecEngine) -> None:
+    """Round costs measured before the first request (the engine thread has not started yet). A failure costs
+    only the head start: `auto` then explores on live rounds."""
+    try:
+        done = calibrate(engine)
+    except Exception as exc:
+        log.warning("calibration failed, `auto` will measure costs on live rounds: %s", exc, exc_info=True)
+        return
+    log.info("calibrated round costs at batch sizes %s: %d rounds in %.1f s", list(done.batch_sizes), done.rounds,
+             done.seconds)
+
+
 class Router:
     """GenerationService: Generate, GenerateStream, GetModelInfo."""
 
@@ -100,6 +113,8 @@ class Router:
         target = RemoteTarget(self.target_pool, self.tracer, self.metrics)
         self.max_seq_len = min(cfg.router.max_seq_len, target.max_seq_len)
         engine = SpecEngine(target, drafter, self.tokenizer.tokenizer, self.tokenizer.eos_token_ids, engine_config)
+        if cfg.router.calibrate:
+            _calibrate(engine)
         self.proposals = None
         if cfg.proposal_log is not None:
             log_cfg = cfg.proposal_log

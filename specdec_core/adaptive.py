@@ -33,7 +33,8 @@ device (on CPUs it jumps where the GEMM kernel's row blocking does), so each buc
 `explore_up_to` a few times before trusting the model, unless costs carried over from an explored bucket (read at the
 same tokens per verify in all, B * t, and scaled to plain decoding's cost here, which one plain round measures
 first) already say speculation cannot pay there: exploring costs every row of a large batch a draft prefill and
-wider verifies. While a request sits at k = 0 it
+wider verifies. (The server measures every bucket before serving, `calibration`, so live rounds explore nothing.)
+While a request sits at k = 0 it
 learns nothing new about acceptance, so after `probe_every` such rounds it tries k = 1; since one k serves the
 batch, a probe waits until every adaptive row in it is due, and is skipped where speculation would not pay even
 with each row's acceptance halfway from its estimate to 1 (under load a probe costs every row a draft call, the

@@ -142,11 +142,7 @@ class SpecEngine:
         if request_id in self._running or any(s.request_id == request_id for s in self._waiting):
             raise InvalidArgument("request_id", f"request {request_id!r} is already running")
         prompt = self._check_prompt(prompt_ids, params)
-        k = parse_num_speculative_tokens(num_speculative_tokens, self.config.max_speculative_tokens)
-        if k is None:
-            k = self.config.num_speculative_tokens
-        if self.drafter is None:
-            k = 0
+        k = self._k_setting(num_speculative_tokens)
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         stopper = StopChecker(
@@ -189,6 +185,22 @@ class SpecEngine:
             return None
         self._free(seq)
         return self._final(seq, FinishReason.CANCELLED)
+
+    def set_speculation(self, request_id: str, num_speculative_tokens: int | str) -> bool:
+        """From its next round on, a queued or running request speculates as `num_speculative_tokens` says (a k,
+        or `auto`). False when there is no such request."""
+        seq = self._running.get(request_id) or next((s for s in self._waiting if s.request_id == request_id), None)
+        if seq is None:
+            return False
+        seq.k_setting = self._k_setting(num_speculative_tokens)
+        return True
+
+    def _k_setting(self, num_speculative_tokens: int | str | None) -> int | str:
+        """What a request asks (None: the engine's default), validated; 0 without a drafter."""
+        k = parse_num_speculative_tokens(num_speculative_tokens, self.config.max_speculative_tokens)
+        if self.drafter is None:
+            return 0
+        return self.config.num_speculative_tokens if k is None else k
 
     @property
     def has_work(self) -> bool:

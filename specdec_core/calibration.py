@@ -1,0 +1,105 @@
+"""Measuring what rounds cost before serving, so that `auto` starts from measured costs instead of exploring.
+
+`auto` picks k from the seconds that draft calls and verify forwards take at the current batch size
+(`adaptive.CostModel`). A batch size it has not measured is explored: its first rounds try k = 1 .. explore_up_to
+a few times each. Under load that exploration is dear, and it falls on real requests: every row of the batch pays
+a draft start and wider verifies. Served on two CPU cores, the first wave of 8 concurrent requests spent about 20
+rounds exploring at 8 sequences, where speculation does not pay, and took 10% longer than the waves after it.
+
+Calibration runs those rounds before any request arrives, on synthetic sequences and through the engine's own
+round code: at batch sizes 1, 2, 4, ... up to the target's free slots, plain rounds and then rounds at each
+k = 1 .. explore_up_to, `samples` times each. The costs it records are the ones traffic would teach (gRPC
+included when the workers are remote), and live rounds keep refining them. The sequences are cancelled at the
+end, freeing their caches; the acceptance the rounds saw is forgotten (synthetic text says nothing about real
+requests' acceptance).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from specdec_core.config import SamplingParams
+from specdec_core.engine import SpecEngine
+
+log = logging.getLogger(__name__)
+
+# Ordinary code, tokenized by the target's tokenizer: any text would do, this one drafts like real traffic.
+TEXT = '''def moving_average(values: list[float], window: int) -> list[float]:
+    """Averages of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    total, out = 0.0, []
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i + 1 >= window:
+            out.append(total / window)
+    return out
+'''
+
+
+@dataclass(frozen=True)
+class Calibration:
+    batch_sizes: tuple[int, ...]  # measured, in order
+    rounds: int  # rounds run in all
+    seconds: float
+
+
+def batch_sizes(largest: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to `largest`, and `largest` itself: one size in each of the cost model's buckets."""
+    sizes = [1 << i for i in range(largest.bit_length()) if 1 << i <= largest]
+    return tuple(sizes + ([largest] if largest not in sizes else [])) if largest > 0 else ()
+
+
+def calibrate(engine: SpecEngine, max_batch: int | None = None, context: int = 64,
+              samples: int | None = None) -> Calibration:
+    """Run calibration rounds on `engine` (idle: no request queued or running) and leave their costs in
+    `engine.costs`. `context`: prompt tokens per synthetic sequence; `samples`: rounds per (batch size, k),
+    by default the policy's `explore_samples`."""
+    if engine.has_work:
+        raise RuntimeError("calibrate an idle engine: its rounds would be shared with requests")
+    policy = engine.config.policy
+    up_to = min(policy.explore_up_to, engine.config.max_speculative_tokens) if engine.drafter is not None else 0
+    samples = policy.explore_samples if samples is None else samples
+    free = engine.target.free_slots
+    sizes = batch_sizes(free if max_batch is None else min(free, max_batch))
+    prompt, params = _synthetic_request(engine, context, rounds=(len(sizes) + 1) * (up_to + 1) * samples)
+    saved = copy.deepcopy(engine.acceptance), copy.deepcopy(engine.acceptance_by_label)
+    tag, ids, done, rounds, start = uuid.uuid4().hex[:8], [], [], 0, time.perf_counter()
+    try:
+        for size in sizes:
+            while len(ids) < size:
+                ids.append(f"calibration-{tag}-{len(ids)}")
+                engine.add_request(ids[-1], prompt, params, num_speculative_tokens=0)
+            engine.step()  # prefills the new sequences (and runs a round for the others)
+            for k in range(up_to + 1):
+                # A sequence that ended (out of room, or a failed round) would leave the batch size unmeasured.
+                if engine.num_running < size or not all(engine.set_speculation(i, k) for i in ids):
+                    log.warning("calibration stopped at batch size %d, k = %d: a sequence ended", size, k)
+                    return Calibration(tuple(done), rounds, time.perf_counter() - start)
+                for _ in range(samples):
+                    engine.step()
+                rounds += samples
+            done.append(size)
+    finally:
+        for request_id in ids:
+            engine.abort(request_id)
+        engine.acceptance, engine.acceptance_by_label = saved
+    return Calibration(tuple(done), rounds, time.perf_counter() - start)
+
+
+def _synthetic_request(engine: SpecEngine, context: int, rounds: int) -> tuple[list[int], SamplingParams]:
+    """`context` tokens of code (repeated as needed, fewer where the context window is small), and greedy params
+    that never stop early: room for `rounds` rounds of up to explore_up_to + 1 tokens each."""
+    vocab = engine.target.vocab_size
+    ids = [t for t in engine.tokenizer.encode(TEXT) if 0 <= t < vocab] or list(range(1, min(vocab, 64)))
+    limit = engine.target.max_seq_len
+    context = max(1, min(context, limit // 4))
+    prompt = (ids * (context // len(ids) + 1))[:context]
+    max_tokens = max(1, min(rounds * (engine.config.policy.explore_up_to + 1), limit - context))
+    return prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
