@@ -52,8 +52,10 @@ class Calibration:
 
 def batch_sizes(largest: int) -> tuple[int, ...]:
     """1, 2, 4, ... up to `largest`, and `largest` itself: one size in each of the cost model's buckets."""
-    sizes = [1 << i for i in range(largest.bit_length()) if 1 << i <= largest]
-    return tuple(sizes + ([largest] if largest not in sizes else [])) if largest > 0 else ()
+    sizes = []
+    while largest > 0 and (not sizes or sizes[-1] < largest):
+        sizes.append(min(2 * sizes[-1], largest) if sizes else 1)
+    return tuple(sizes)
 
 
 def calibrate(engine: SpecEngine, max_batch: int | None = None, context: int = 64,
@@ -68,38 +70,47 @@ def calibrate(engine: SpecEngine, max_batch: int | None = None, context: int = 6
     samples = policy.explore_samples if samples is None else samples
     free = engine.target.free_slots
     sizes = batch_sizes(free if max_batch is None else min(free, max_batch))
-    prompt, params = _synthetic_request(engine, context, rounds=(len(sizes) + 1) * (up_to + 1) * samples)
+    # The first sequence takes part in every round (samples per k, and the admission step, per size); it must
+    # still be running after the last, so its room exceeds what those rounds can commit (its prefill token too).
+    rounds_each = len(sizes) * ((up_to + 1) * samples + 1)
+    prompt, params = _synthetic_request(engine, context, max_tokens=rounds_each * (up_to + 1) + 2)
     saved = copy.deepcopy(engine.acceptance), copy.deepcopy(engine.acceptance_by_label)
-    tag, ids, done, rounds, start = uuid.uuid4().hex[:8], [], [], 0, time.perf_counter()
+    tag, ids, done, start = uuid.uuid4().hex[:8], [], [], time.perf_counter()
     try:
         for size in sizes:
             while len(ids) < size:
                 ids.append(f"calibration-{tag}-{len(ids)}")
                 engine.add_request(ids[-1], prompt, params, num_speculative_tokens=0)
             engine.step()  # prefills the new sequences (and runs a round for the others)
-            for k in range(up_to + 1):
-                # A sequence that ended (out of room, or a failed round) would leave the batch size unmeasured.
-                if engine.num_running < size or not all(engine.set_speculation(i, k) for i in ids):
-                    log.warning("calibration stopped at batch size %d, k = %d: a sequence ended", size, k)
-                    return Calibration(tuple(done), rounds, time.perf_counter() - start)
-                for _ in range(samples):
-                    engine.step()
-                rounds += samples
+            if not _measure(engine, ids, up_to, samples):
+                log.warning("calibration stopped at batch size %d: a sequence ended", size)
+                break
             done.append(size)
     finally:
         for request_id in ids:
             engine.abort(request_id)
         engine.acceptance, engine.acceptance_by_label = saved
-    return Calibration(tuple(done), rounds, time.perf_counter() - start)
+    return Calibration(tuple(done), len(done) * (up_to + 1) * samples, time.perf_counter() - start)
 
 
-def _synthetic_request(engine: SpecEngine, context: int, rounds: int) -> tuple[list[int], SamplingParams]:
-    """`context` tokens of code (repeated as needed, fewer where the context window is small), and greedy params
-    that never stop early: room for `rounds` rounds of up to explore_up_to + 1 tokens each."""
+def _measure(engine: SpecEngine, ids: list[str], up_to: int, samples: int) -> bool:
+    """`samples` rounds of the sequences `ids` at each k = 0..up_to. False where a sequence ended (out of room, or
+    a failed round): the batch size would then go unmeasured."""
+    for k in range(up_to + 1):
+        if engine.num_running < len(ids) or not all(engine.set_speculation(i, k) for i in ids):
+            return False
+        for _ in range(samples):
+            engine.step()
+    return engine.num_running == len(ids)
+
+
+def _synthetic_request(engine: SpecEngine, context: int, max_tokens: int) -> tuple[list[int], SamplingParams]:
+    """`context` tokens of code (repeated as needed; fewer where the context window is small) and greedy params
+    that never stop early, with room for `max_tokens` (as much as the window holds)."""
     vocab = engine.target.vocab_size
     ids = [t for t in engine.tokenizer.encode(TEXT) if 0 <= t < vocab] or list(range(1, min(vocab, 64)))
     limit = engine.target.max_seq_len
     context = max(1, min(context, limit // 4))
     prompt = (ids * (context // len(ids) + 1))[:context]
-    max_tokens = max(1, min(rounds * (engine.config.policy.explore_up_to + 1), limit - context))
-    return prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return prompt, SamplingParams(temperature=0.0, max_tokens=max(1, min(max_tokens, limit - context)),
+                                  ignore_eos=True)
