@@ -19,7 +19,9 @@ $(STAMP): pyproject.toml tests/clients/node/package-lock.json
 	if command -v npm >/dev/null; then npm ci --prefix tests/clients/node --no-audit --no-fund --silent; fi
 	touch $(STAMP)
 
+# Dependencies run one way (pyproject.toml's [tool.importlinter]), then the suite.
 test: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 # The main job: pull the demo pair once into $(SPECDEC_HOME) (default ~/.cache/specdec), serve it on a local
@@ -27,7 +29,7 @@ test: setup
 demo: setup
 	$(SPECDEC) models pull qwen2.5-coder-1.5b-instruct
 	$(SPECDEC) models pull qwen2.5-coder-0.5b-instruct
-	$(PY) -m deployments.demo deployments/configs/demo_cpu.yaml
+	$(SPECDEC) demo deployments/configs/demo_cpu.yaml
 
 # The in-process benchmark of the demo pair (target-only vs speculative, same prompts, one process).
 bench: setup

@@ -22,8 +22,10 @@ from deployments.config import Placement, ServeConfig, TargetConfig, parse_confi
 from deployments.router import RouterDeployment
 from deployments.telemetry import otel_environment, setup_tracing
 from deployments.workers import DraftServicer, TargetServicer, start_server
+from specdec_core.environment import auth_token
 from specdec_core.drafters.draft_model import DraftModelDrafter
-from specdec_core.models.loader import check_tokenizers_compatible, load_model, load_tokenizer
+from specdec_core.build import prepare_draft, prepare_model
+from specdec_core.models.loader import load_tokenizer
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
 
@@ -39,6 +41,8 @@ def limit_public_messages() -> None:
     """Keep gRPC's 4 MiB receive limit on the public API: Serve's proxy raises it to 2 GiB unless
     RAY_SERVE_GRPC_MAX_MESSAGE_SIZE is set in the environment of the cluster's processes (so set it before Ray
     starts; on Kubernetes the pods' environment sets it). A larger request is RESOURCE_EXHAUSTED at the proxy."""
+    # Written, not read: Serve's proxy reads it from the environment of the processes Ray starts, which inherit
+    # this one's.
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(PUBLIC_MAX_MESSAGE_BYTES))
 
 
@@ -109,7 +113,7 @@ class TargetWorker(_Worker):
                                                _runner_config(cfg, t), t.num_cpus, t.num_gpus, cfg.router.rpc_timeout_s,
                                                t.resources)
         else:
-            loaded = load_model(t.model, dtype=t.dtype, device=t.device)
+            loaded = prepare_model(t.model, dtype=t.dtype, device=t.device)
             target = LocalTarget(ModelRunner(loaded.model, _runner_config(cfg, t)))
         self._serve(cfg, TargetServicer(target, t.model, cfg.session_idle_timeout_s))
 
@@ -125,14 +129,10 @@ class DraftWorker(_Worker):
     def __init__(self, config: dict[str, Any]) -> None:
         cfg = parse_config(config)
         _use_cpus(cfg.draft.num_cpus)
-        loaded = load_model(cfg.draft.model, dtype=cfg.draft.dtype, device=cfg.draft.device)
         target = load_tokenizer(cfg.target.model)
-        check_tokenizers_compatible(target.tokenizer, loaded.tokenizer)  # refuse to start with a mismatched pair
-        if cfg.draft.quantization == "int8":
-            from specdec_core.kernels.cpu import quantize_draft_int8
-
-            if quantize_draft_int8(loaded.model) == 0:
-                log.warning("int8 draft quantization unavailable here: drafting in %s", cfg.draft.dtype)
+        # Refuses to start with a mismatched pair.
+        loaded = prepare_draft(cfg.draft.model, target.tokenizer, dtype=cfg.draft.dtype, device=cfg.draft.device,
+                               quantization=cfg.draft.quantization)
         target_vocab = _target_vocab_size(target)
         runner = ModelRunner(loaded.model, _runner_config(cfg, cfg.draft))
         drafter = DraftModelDrafter(runner, max(target_vocab, len(target.tokenizer)))
@@ -193,7 +193,7 @@ def _auth_environment() -> dict[str, str]:
     """SPECDEC_AUTH_TOKEN of the building process, for the router: it may run on a Ray cluster this process only
     joined, whose workers never saw this environment. (A token file, `auth_token_file`, keeps the token out of
     the runtime environment that Ray's dashboard shows: prefer it on shared clusters.)"""
-    token = os.environ.get(ENV_TOKEN)
+    token = auth_token()
     return {ENV_TOKEN: token} if token else {}
 
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import grpc
 
+from specdec_core import environment
 from specdec_core.errors import InvalidArgument
 
-ENV_TOKEN = "SPECDEC_AUTH_TOKEN"
+ENV_TOKEN = environment.AUTH_TOKEN
 INTERNAL_KEY = "specdec-internal-token"
 OPEN_METHODS = frozenset({"GetStats"})  # internal methods that need no secret
 
@@ -38,7 +38,7 @@ def _digest(token: str) -> bytes:
 
 def load_public_token(token_file: str | None) -> str | None:
     """The public API's token: SPECDEC_AUTH_TOKEN, else the contents of `token_file`, else None (no auth)."""
-    token = os.environ.get(ENV_TOKEN, "").strip()
+    token = environment.auth_token()
     if token:
         return token
     if token_file is None:

@@ -14,7 +14,6 @@ OTLP endpoint is set) | console | none (the default otherwise), `OTEL_EXPORTER_O
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from specdec_core import environment
 
 TRACER_NAME = "specdec"
 LINKS_KEY = "specdec-links"
@@ -39,8 +40,9 @@ def setup_tracing(default_service_name: str) -> None:
         if _configured:
             return
         _configured = True
-    has_endpoint = any(os.environ.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
-    kind = os.environ.get("OTEL_TRACES_EXPORTER", "otlp" if has_endpoint else "none").strip().lower()
+    otel = environment.otel_variables()
+    has_endpoint = any(otel.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    kind = otel.get("OTEL_TRACES_EXPORTER", "otlp" if has_endpoint else "none").strip().lower()
     if kind == "none":
         return
     from opentelemetry.sdk.resources import Resource
@@ -55,7 +57,7 @@ def setup_tracing(default_service_name: str) -> None:
         exporter = OTLPSpanExporter()
     else:
         raise ValueError(f"OTEL_TRACES_EXPORTER={kind!r}: use otlp, console or none")
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", default_service_name)})
+    resource = Resource.create({"service.name": otel.get("OTEL_SERVICE_NAME", default_service_name)})
     provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
@@ -63,7 +65,7 @@ def setup_tracing(default_service_name: str) -> None:
 
 def otel_environment() -> dict[str, str]:
     """The OTEL_* variables of this process: handed to every deployment so they all export alike."""
-    return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
+    return environment.otel_variables()
 
 
 def tracer() -> trace.Tracer:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 import uuid
 from typing import Any, Sequence
 
@@ -25,9 +24,9 @@ import torch
 import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deployments.ports import free_port
 from specdec_core.errors import Unavailable
-from specdec_core.models.loader import load_model
-from specdec_core.parallel import shard_model
+from specdec_core.build import prepare_model
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget, PrefillItem, VerifyItem, VerifyOutcome
 
@@ -44,12 +43,7 @@ def build_sharded_target(
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    loaded = load_model(model, dtype=dtype, device=device, cpu_kernels=False)
-    shard_model(loaded.model, rank, world_size)
-    if device == "cpu" and loaded.model.embed_tokens.weight.dtype == torch.bfloat16:
-        from specdec_core.kernels.cpu import use_cpu_kernels
-
-        use_cpu_kernels(loaded.model)
+    loaded = prepare_model(model, dtype=dtype, device=device, shard=(rank, world_size))
     return LocalTarget(ModelRunner(loaded.model, runner_config))
 
 
@@ -85,7 +79,7 @@ class TensorParallelTarget:
         self.timeout_s = timeout_s
         self.world_size = world_size
         self.healthy = True
-        init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
         pg = ray.util.get_current_placement_group()
         threads = max(1, int(num_cpus))
         group_id = uuid.uuid4().hex[:8]
@@ -138,9 +132,3 @@ class TensorParallelTarget:
             self.healthy = False
             raise Unavailable("target", f"tensor-parallel ranks disagree after {method}")
         return mine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

@@ -18,9 +18,10 @@ import statistics
 import time
 from pathlib import Path
 
-from specdec_core.bench.offline import read_prompts
-from specdec_core.models.loader import LoadedModel, encode_prompt, load_model, resolve_source
+from specdec_core.build import prepare_model
+from specdec_core.models.loader import LoadedModel, encode_prompt, resolve_source
 from specdec_core.runner import ModelRunner, RunnerConfig
+from specdec_tools.requests import read_prompt_texts
 
 MAX_N = 4
 MAX_VERIFY = 16  # tokens per row a verify may take (the runner's max_extend)
@@ -93,8 +94,8 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     report = json.loads(args.report.read_text())
-    model = load_model(resolve_source(args.target), dtype="bfloat16", device="cpu")
-    prompts = [encode_prompt(model.tokenizer, p) for p in read_prompts(args.prompts)]
+    model = prepare_model(resolve_source(args.target), dtype="bfloat16", device="cpu")
+    prompts = [encode_prompt(model.tokenizer, p) for p in read_prompt_texts(args.prompts)]
     outputs = [p["target_only_token_ids"] for p in report["prompts"]]
     costs = verify_costs(model)
     print("verify cost over decode, t = 1..16:", " ".join(f"{c:.2f}" for c in costs))

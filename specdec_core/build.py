@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
 
 from specdec_core.config import AUTO
 from specdec_core.drafters.base import Drafter
@@ -12,7 +15,9 @@ from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.errors import InvalidArgument
+from specdec_core.kernels.cpu import quantize_draft_int8, use_cpu_kernels
 from specdec_core.models.loader import LoadedModel, check_tokenizers_compatible, load_model, resolve_source
+from specdec_core.parallel import shard_model
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
 
@@ -31,6 +36,43 @@ class DraftSpec:
 DRAFT_QUANTIZATIONS = ("none", "int8")
 
 
+def prepare_model(
+    source: str | Path,
+    *,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    shard: tuple[int, int] | None = None,
+    quantization: str = "none",
+) -> LoadedModel:
+    """A model ready to run, built in this order, the only order that works:
+
+    1. load: torch's own modules (`models.loader`);
+    2. shard: keep rank r of `shard = (r, world_size)` (`parallel.shard_model`): it slices plain Linear weights;
+    3. kernels: on the CPU in bf16, swap in the CPU kernels (`kernels.cpu`), which repack the (sharded) weights;
+    4. quantization "int8" (a draft: cheaper drafts, the same output; only acceptance can move).
+    """
+    if quantization not in DRAFT_QUANTIZATIONS:
+        raise InvalidArgument("quantization", f"choose one of {DRAFT_QUANTIZATIONS}, got {quantization!r}")
+    loaded = load_model(source, dtype=dtype, device=device)
+    if shard is not None:
+        shard_model(loaded.model, *shard)
+    param = next(loaded.model.parameters())
+    if param.device.type == "cpu" and param.dtype == torch.bfloat16:
+        swapped = use_cpu_kernels(loaded.model)
+        log.debug("%d linear layers use the CPU bf16 kernel", swapped)
+    if quantization == "int8" and quantize_draft_int8(loaded.model) == 0:
+        log.warning("int8 draft quantization unavailable here (needs a bf16 CPU model and the CPU kernels)")
+    return loaded
+
+
+def prepare_draft(source: str | Path, target_tokenizer: Any, *, dtype: str = "bfloat16", device: str = "cpu",
+                  quantization: str = "none") -> LoadedModel:
+    """`prepare_model` for a draft, refused (`InvalidArgument`) when its tokenizer does not match the target's."""
+    draft = prepare_model(source, dtype=dtype, device=device, quantization=quantization)
+    check_tokenizers_compatible(target_tokenizer, draft.tokenizer)
+    return draft
+
+
 def load_pair(
     target: str,
     draft: str | None,
@@ -39,26 +81,16 @@ def load_pair(
     device: str = "cpu",
     draft_quantization: str = "none",
 ) -> tuple[LoadedModel, LoadedModel | None]:
-    """Load the target and (optionally) the draft model; a tokenizer mismatch fails here, at load time.
-
-    `draft_quantization` "int8" stores the draft's linear layers in int8 (CPU, bf16 models): drafting gets
-    cheaper and the output stays exactly the target's; only the acceptance rate can move.
-    """
+    """Load the target and (optionally) the draft model; a tokenizer mismatch fails here, at load time."""
     if draft_quantization not in DRAFT_QUANTIZATIONS:
         raise InvalidArgument("draft_quantization", f"choose one of {DRAFT_QUANTIZATIONS}, got {draft_quantization!r}")
     target_path = resolve_source(target)
     draft_path = None if draft is None else resolve_source(draft)  # both found before any weights are read
-    target_model = load_model(target_path, dtype=dtype, device=device)
+    target_model = prepare_model(target_path, dtype=dtype, device=device)
     if draft_path is None:
         return target_model, None
-    draft_model = load_model(draft_path, dtype=dtype, device=device)
-    check_tokenizers_compatible(target_model.tokenizer, draft_model.tokenizer)
-    if draft_quantization == "int8":
-        from specdec_core.kernels.cpu import quantize_draft_int8
-
-        if quantize_draft_int8(draft_model.model) == 0:
-            log.warning("int8 draft quantization unavailable here (needs a bf16 CPU model and the CPU kernels)")
-    return target_model, draft_model
+    return target_model, prepare_draft(draft_path, target_model.tokenizer, dtype=dtype, device=device,
+                                       quantization=draft_quantization)
 
 
 def _draft_model(spec: DraftSpec, draft: LoadedModel | None, runner_config: RunnerConfig, vocab: int) -> Drafter:

@@ -16,7 +16,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import shlex
 import shutil
 import subprocess
 import tempfile
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from specdec_core import environment
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,6 @@ SOURCES = [
 ]
 HEADER = Path(__file__).with_name("bf16.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-EXTRA_FLAGS_ENV = "SPECDEC_KERNEL_CFLAGS"  # appended to FLAGS, e.g. -mno-avx512bf16 to build the fp32 path
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -54,23 +54,21 @@ def _cpu_has_avx512() -> bool:
 
 
 def _cache_dir() -> Path:
-    from specdec_core.models.store import specdec_home
-
-    return specdec_home() / "kernels"
+    return environment.specdec_home() / "kernels"
 
 
 @lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     """Compile (once per source and flags) and load the kernel; None when this machine cannot run it."""
-    if os.environ.get("SPECDEC_DISABLE_CPU_KERNELS") or not _cpu_has_avx512():
+    if environment.cpu_kernels_disabled() or not _cpu_has_avx512():
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = shutil.which(environment.c_compiler()) or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: CPU bf16 kernels disabled (decoding works, slower)")
         return None
     source = b"".join(path.read_bytes() for path in [*SOURCES, HEADER])
     # -march=native: a library built on one CPU may not run on another (a cache shared between machines).
-    flags = [*FLAGS, *shlex.split(os.environ.get(EXTRA_FLAGS_ENV, ""))]
+    flags = [*FLAGS, *environment.kernel_cflags()]
     build = " ".join([*flags, *sorted(_cpu_flags())]).encode()
     digest = hashlib.sha256(source + build).hexdigest()[:16]
     lib_path = _cache_dir() / digest / "libspecdec_gemm.so"

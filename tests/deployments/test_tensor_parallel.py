@@ -40,7 +40,7 @@ def test_sizes_that_do_not_split_are_refused_by_name(tiny_dir):
 
 def _sharded_logits(ray, path, world, prompt, steps):
     """Per rank: the logits of a prefill and of `steps` verify-sized extends, from a model sharded over `world`."""
-    from deployments.tensor_parallel import _free_port
+    from deployments.ports import free_port as _free_port
 
     @ray.remote(num_cpus=1)
     def run(rank, init_method):

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specdec_core.build import prepare_model
 from specdec_core.kernels import cpu
 from specdec_core.models.loader import load_model
 from specdec_core.models.transformer import MLP, RMSNorm, TorchAttention
@@ -52,6 +53,7 @@ def test_linear_rows_do_not_depend_on_the_batch():
 
 _FP32_PATH_CHECK = """
 import torch
+from specdec_core.build import prepare_model
 from specdec_core.kernels import cpu
 lib = cpu.load_library()
 assert lib is not None and not lib.specdec_has_native_bf16()
@@ -75,7 +77,7 @@ def test_the_path_for_cpus_without_native_bf16(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, cpu.EXTRA_FLAGS_ENV: "-mno-avx512bf16", "SPECDEC_HOME": str(tmp_path)}
+    env = {**os.environ, "SPECDEC_KERNEL_CFLAGS": "-mno-avx512bf16", "SPECDEC_HOME": str(tmp_path)}
     subprocess.run([sys.executable, "-c", _FP32_PATH_CHECK], env=env, check=True, timeout=300)
 
 
@@ -110,8 +112,7 @@ def test_fused_elementwise_ops_match_torch():
 @pytest.fixture(scope="module")
 def bf16_pair(tiny_dir):
     """The tiny target in bf16 twice: with the CPU kernels and with torch's code paths."""
-    return load_model(tiny_dir / "target", dtype="bfloat16"), load_model(tiny_dir / "target", dtype="bfloat16",
-                                                                           cpu_kernels=False)
+    return prepare_model(tiny_dir / "target", dtype="bfloat16"), load_model(tiny_dir / "target", dtype="bfloat16")
 
 
 def test_kernels_are_in_place_and_agree_with_torch(bf16_pair):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec_core.cli.main import main
+from specdec_tools.cli import main
 from specdec_core.errors import ModelIntegrityError, ModelNotFound
 from specdec_core.models import catalog, store
 from specdec_core.models.catalog import ModelSpec, WheelPart

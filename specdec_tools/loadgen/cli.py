@@ -23,10 +23,10 @@ from typing import Any
 import grpc
 from tqdm import tqdm
 
-from deployments.loadgen.client import (LOADS, Concurrency, Load, Prompt, RequestRate, Sampling, Speculation,
-                                        build_request, stream_one)
-from deployments.loadgen.metrics import SLO_KEYS, RequestRecord, summarize
 from specdec_core.errors import InvalidArgument
+from specdec_tools.loadgen.client import LOADS, Concurrency, Load, RequestRate, Sampling, build_request, stream_one
+from specdec_tools.loadgen.metrics import SLO_KEYS, RequestRecord, summarize
+from specdec_tools.requests import Prompt, Speculation, parse_speculation, read_prompts
 
 OFF = 0  # num_speculative_tokens of the speculation-off mode
 
@@ -91,7 +91,7 @@ def _positive_rates(text: str) -> list[float]:
     return values
 
 
-def _positive(kind: type) -> Any:
+def positive(kind: type) -> Any:
     def parse(text: str) -> Any:
         try:
             value = kind(text)
@@ -120,12 +120,14 @@ def _non_negative_float(text: str) -> float:
 
 
 def _speculation(text: str) -> Speculation:
-    if text == "auto":
-        return "auto"
-    if not text.isdigit() or int(text) == 0:
+    try:
+        value = parse_speculation(text)
+    except InvalidArgument:
+        value = 0
+    if value == 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer or auto, got {text!r} (for speculation off, "
                                           "use --compare-off)")
-    return int(text)
+    return value
 
 
 def _slo(text: str) -> tuple[str, float]:
@@ -148,21 +150,21 @@ def register(modes: Any) -> None:
     parser.add_argument("--address", required=True, help="HOST:PORT of the server's gRPC endpoint")
     parser.add_argument("--prompts", required=True, type=Path,
                         help='JSONL, one {"prompt": "...", "max_tokens": N (optional)} per line, cycled as needed')
-    parser.add_argument("--max-new-tokens", required=True, type=_positive(int),
+    parser.add_argument("--max-new-tokens", required=True, type=positive(int),
                         help="output tokens per request, where a prompt line gives no max_tokens")
     parser.add_argument("--concurrency", type=_positive_ints, default=[],
                         help="load points: streams kept in flight, e.g. 1,4,8")
     parser.add_argument("--request-rate", type=_positive_rates, default=[],
                         help="load points: requests per second (open loop), e.g. 0.5,1,inf")
-    parser.add_argument("--burstiness", type=_positive(float), default=1.0,
+    parser.add_argument("--burstiness", type=positive(float), default=1.0,
                         help="gamma shape of the inter-arrival times with --request-rate: 1 = Poisson, <1 burstier")
     parser.add_argument("--compare-off", action="store_true",
                         help="run every point again with speculation off (num_speculative_tokens 0 per request)")
     length = parser.add_mutually_exclusive_group()
-    length.add_argument("--duration", type=_positive(float), help="seconds of sending per load point and mode")
-    length.add_argument("--num-requests", type=_positive(int),
+    length.add_argument("--duration", type=positive(float), help="seconds of sending per load point and mode")
+    length.add_argument("--num-requests", type=positive(int),
                         help="requests per load point and mode (default: the number of prompts, at least the concurrency)")
-    parser.add_argument("--blocks", type=_positive(int), default=1,
+    parser.add_argument("--blocks", type=positive(int), default=1,
                         help="split each point's requests (or duration) per mode into this many blocks, run "
                              "interleaved A B B A ... so that drift in the machine's speed cancels in the ratio")
     parser.add_argument("--warmup", type=_non_negative_int, default=2, help="warm-up requests per mode, not measured")
@@ -174,33 +176,11 @@ def register(modes: Any) -> None:
                         help="K or auto: what speculative requests ask (default: the server's setting)")
     parser.add_argument("--goodput", nargs="+", type=_slo, default=[], metavar="KEY:MS",
                         help="SLOs in milliseconds, keys ttft, tpot, e2el: goodput counts requests meeting all")
-    parser.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds per request")
+    parser.add_argument("--timeout", type=positive(float), default=600.0, help="seconds per request")
     parser.add_argument("--auth-token", default=None, help="sent as `authorization: Bearer TOKEN` metadata")
     parser.add_argument("--json", required=True, type=Path, help="where to write the report")
     parser.add_argument("--plot", type=Path, default=None, help="the PNG (default: the --json path with .png)")
     parser.set_defaults(func=main)
-
-
-def read_prompts(path: Path, max_new_tokens: int) -> tuple[Prompt, ...]:
-    if not path.is_file():
-        raise InvalidArgument("--prompts", f"{str(path)!r} is not a file")
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            item = None
-        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
-            raise InvalidArgument("--prompts", f"{path}:{number}: expected a JSON object with a non-empty \"prompt\"")
-        max_tokens = item.get("max_tokens", max_new_tokens)
-        if type(max_tokens) is not int or max_tokens <= 0:
-            raise InvalidArgument("--prompts", f"{path}:{number}: \"max_tokens\" must be a positive integer")
-        prompts.append(Prompt(item["prompt"], max_tokens))
-    if not prompts:
-        raise InvalidArgument("--prompts", f"{path} holds no prompts")
-    return tuple(prompts)
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
@@ -236,8 +216,8 @@ def _check_blocks_hold_concurrency(num_requests: int | None, blocks: int, concur
 
 
 def main(args: argparse.Namespace) -> int:
-    from deployments.loadgen.plot import plot_report
-    from specdec_core.bench.offline import write_report
+    from specdec_tools.loadgen.plot import plot_report
+    from specdec_tools.reports import write_report
 
     config = config_from_args(args)
     try:
@@ -258,7 +238,7 @@ def main(args: argparse.Namespace) -> int:
 
 async def run(config: LoadConfig) -> dict[str, Any]:
     """Every load point in each mode against the server at config.address; the report as a dict."""
-    from deployments.cli import GRPC_OPTIONS
+    from specdec_tools.requests import GRPC_OPTIONS
     from specdec.v1 import generation_pb2 as pb
     from specdec.v1 import generation_pb2_grpc as pb_grpc
 

@@ -1,18 +1,19 @@
-"""`make demo`: serve the demo pair locally and stream one completion over gRPC, speculation on and off.
-
-    python -m deployments.demo [CONFIG.yaml] [--prompt TEXT] [--max-tokens N]
-"""
+"""`specdec demo [CONFIG.yaml]` (what `make demo` runs): serve the demo pair locally and stream one completion over
+gRPC, speculation on and off, then print both speeds and whether the tokens are identical."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from typing import Any
 
 import grpc
 
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc as pb_grpc
+from specdec_core.config import AUTO
+from specdec_tools.requests import generate_request
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation."
 
@@ -32,32 +33,30 @@ def stream(stub: pb_grpc.GenerationServiceStub, request: pb.GenerateRequest, ech
     return time.perf_counter() - start, last, ids
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def register(sub: Any) -> None:
+    parser = sub.add_parser("demo", help="serve a model pair locally and stream one completion, speculation on and off",
+                            description=__doc__)
     parser.add_argument("config", nargs="?", default="deployments/configs/demo_cpu.yaml")
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--max-tokens", type=int, default=96)
-    args = parser.parse_args(argv)
+    parser.set_defaults(func=main)
 
-    from deployments.cli import serving
+
+def main(args: argparse.Namespace) -> int:
     from deployments.config import load_config
+    from deployments.launch import serving
 
     config = load_config(args.config)
     print(f"demo: deploying {config.target.model} + {config.draft.model or config.draft.method} (this loads both models)",
           flush=True)
     with serving(config, quiet=True), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
-        base = pb.GenerateRequest(prompt=args.prompt, sampling=pb.SamplingParams(max_tokens=args.max_tokens))
-        stream(stub, pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=4)), echo=False)  # warm-up
+        stream(stub, generate_request("hi", max_tokens=4), echo=False)  # warm-up
         print(f"\n>>> {args.prompt}\n")
-        on = pb.GenerateRequest()
-        on.CopyFrom(base)
-        on.speculation.adaptive = True
+        on = generate_request(args.prompt, max_tokens=args.max_tokens, speculation=AUTO)
         on_s, on_last, on_ids = stream(stub, on, echo=True)
-        off = pb.GenerateRequest()
-        off.CopyFrom(base)
-        off.speculation.num_speculative_tokens = 0
         print("\n(the same request with speculation off...)", flush=True)
+        off = generate_request(args.prompt, max_tokens=args.max_tokens, speculation=0)
         off_s, off_last, off_ids = stream(stub, off, echo=False)
     on_n, off_n = on_last.usage.completion_tokens, off_last.usage.completion_tokens
     spec = on_last.speculation
@@ -67,7 +66,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"speculation off: {off_n} tokens in {off_s:.1f} s = {off_n / off_s:.2f} tokens/s")
     print(f"speedup: {(on_n / on_s) / (off_n / off_s):.2f}x; identical tokens (greedy): {on_ids == off_ids}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

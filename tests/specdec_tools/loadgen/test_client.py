@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from deployments.loadgen.client import (Prompt, Sampling, build_request, closed_loop, inter_arrival_times,
+from specdec_tools.loadgen.client import (Prompt, Sampling, build_request, closed_loop, inter_arrival_times,
                                         open_loop)
-from deployments.loadgen.metrics import RequestRecord
+from specdec_tools.loadgen.metrics import RequestRecord
 
 
 def draws(rate, burstiness, n=20000, seed=0):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from deployments.loadgen.client import Concurrency, RequestRate
+from specdec_tools.loadgen.client import Concurrency, RequestRate
 
 KINDS = {Concurrency.key: "concurrency (streams in flight)", RequestRate.key: "request rate (requests/s)"}
 COLORS = {"speculative": "C0", "off": "C1"}  # a mode keeps its colour; in the TPOT panel p50 is solid, p99 dotted

@@ -1,11 +1,14 @@
-"""`specdec bench offline`, and where the serving stack is installed, `specdec bench stack`, `tp` and `tracing`
-(deployments.bench) and `specdec bench serve`, the load generator (deployments.loadgen)."""
+"""`specdec bench offline` (one process, offline.py), `stack`, `tp` and `tracing` (the served stack, stack.py) and
+`specdec bench serve`, the load generator (specdec_tools.loadgen)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+
+from specdec_tools.bench import stack
+from specdec_tools.loadgen import cli as loadgen
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,19 +36,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                          help="int8 weights and activations for the draft (CPU with AVX-512 VNNI): cheaper drafts, same output")
     offline.add_argument("--json", required=True, type=Path, help="where to write the report")
     offline.set_defaults(func=_offline)
-    try:  # the other benchmarks need the serving stack (ray, grpc); the engine does not
-        from deployments import bench as serve_bench
-        from deployments.loadgen import cli as loadgen
-    except ImportError:
-        return
     loadgen.register(modes)
-    serve_bench.register_stack(modes)
-    serve_bench.register_tp(modes)
-    serve_bench.register_tracing(modes)
+    stack.register_stack(modes)
+    stack.register_tp(modes)
+    stack.register_tracing(modes)
 
 
 def _offline(args: argparse.Namespace) -> int:
-    from specdec_core.bench.offline import OfflineBenchConfig, run_offline_bench, write_report
+    from specdec_tools.bench.offline import OfflineBenchConfig, run_offline_bench
+    from specdec_tools.reports import write_report
 
     config = OfflineBenchConfig(
         target=args.target,

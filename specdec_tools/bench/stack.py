@@ -23,6 +23,7 @@ from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc as pb_grpc
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
+from specdec_tools.requests import generate_request
 
 
 def register_stack(modes: Any) -> None:
@@ -55,7 +56,7 @@ class Mode:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from specdec_core.bench.offline import write_report
+    from specdec_tools.reports import write_report
 
     report = run_serve_bench(args.config, args.prompts, args.max_new_tokens, args.temperature, args.seed,
                              args.compare_offline)
@@ -66,12 +67,12 @@ def _main(args: argparse.Namespace) -> int:
 
 def run_serve_bench(config_path: Path, prompts_path: Path, max_new_tokens: int, temperature: float, seed: int,
                     compare_offline: bool) -> dict[str, Any]:
-    from deployments.cli import serving
+    from deployments.launch import serving
     from deployments.config import load_config
-    from specdec_core.bench.offline import read_prompts
+    from specdec_tools.requests import read_prompt_texts
 
     config = load_config(config_path)
-    texts = read_prompts(prompts_path)
+    texts = read_prompt_texts(prompts_path)
     off, on = Mode(), Mode()
     with serving(config, quiet=True), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
@@ -93,11 +94,7 @@ def run_serve_bench(config_path: Path, prompts_path: Path, max_new_tokens: int, 
 
 
 def _request(text: str, max_tokens: int, temperature: float, seed: int, k: int | None) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(prompt=text, sampling=pb.SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                                                         seed=seed))
-    if k is not None:
-        request.speculation.num_speculative_tokens = k
-    return request
+    return generate_request(text, temperature=temperature, max_tokens=max_tokens, seed=seed, speculation=k)
 
 
 def _stream(stub: Any, request: pb.GenerateRequest) -> list[pb.GenerateStreamResponse]:
@@ -165,7 +162,7 @@ def _report(config: Any, texts: list[str], max_new_tokens: int, temperature: flo
 
 def _offline(config: Any, prompts: Path, max_new_tokens: int, temperature: float, seed: int,
              stack_speedup: float) -> dict[str, Any]:
-    from specdec_core.bench.offline import OfflineBenchConfig, run_offline_bench
+    from specdec_tools.bench.offline import OfflineBenchConfig, run_offline_bench
 
     draft = config.draft
     offline = run_offline_bench(OfflineBenchConfig(
@@ -206,7 +203,7 @@ def register_tp(modes: Any) -> None:
 def _tp_main(args: argparse.Namespace) -> int:
     import os
 
-    from specdec_core.bench.offline import write_report
+    from specdec_tools.reports import write_report
 
     world = args.tensor_parallel_size
     ray.init(num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False, log_to_driver=False)
@@ -229,7 +226,7 @@ def _tp_main(args: argparse.Namespace) -> int:
 
 
 def _port() -> int:
-    from deployments.tensor_parallel import _free_port
+    from deployments.ports import free_port as _free_port
 
     return _free_port()
 
@@ -245,9 +242,9 @@ def _remote_time_forwards(model: str, dtype: str, rank: int, world: int, init: s
     torch.set_num_threads(threads)
     config = RunnerConfig(num_slots=1, max_seq_len=context + 16, max_extend=8)
     if world == 1:
-        from specdec_core.models.loader import load_model
+        from specdec_core.build import prepare_model
 
-        runner = ModelRunner(load_model(model, dtype=dtype).model, config)
+        runner = ModelRunner(prepare_model(model, dtype=dtype).model, config)
     else:
         from deployments.tensor_parallel import build_sharded_target
 
@@ -285,7 +282,7 @@ def register_tracing(modes: Any) -> None:
 
 
 def _tracing_main(args: argparse.Namespace) -> int:
-    from specdec_core.bench.offline import write_report
+    from specdec_tools.reports import write_report
 
     report = run_tracing_bench(args.config, args.prompts, args.max_new_tokens)
     write_report(report, args.json)
@@ -323,12 +320,12 @@ def run_tracing_bench(config_path: Path, prompts_path: Path, max_new_tokens: int
     import os
     import secrets
 
-    from deployments.cli import serving
+    from deployments.launch import serving
     from deployments.config import load_config
-    from specdec_core.bench.offline import read_prompts
+    from specdec_tools.requests import read_prompt_texts
 
     config = load_config(config_path)
-    texts = read_prompts(prompts_path)
+    texts = read_prompt_texts(prompts_path)
     receiver = _SpanCounter()
     os.environ.update({
         "OTEL_TRACES_EXPORTER": "otlp",

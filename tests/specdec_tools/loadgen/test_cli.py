@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from specdec_core.cli.main import main
+from specdec_tools.cli import main
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_bad_input_is_an_error_naming_the_flag(flags, prompt_lines, named, promp
 
 
 def test_an_unreachable_address_is_an_error_and_exit_code_1(prompts, tmp_path, capsys):
-    from deployments.tensor_parallel import _free_port
+    from deployments.ports import free_port as _free_port
 
     address = f"127.0.0.1:{_free_port()}"  # nothing listens there
     assert bench_serve(address, prompts, tmp_path / "out.json", "--concurrency", "1", "--timeout", "10") == 1
@@ -72,9 +72,9 @@ def test_blocks_interleave_the_modes_and_pool_their_figures(tmp_path):
     the same request indices, and its figures pool all its blocks."""
     import asyncio
 
-    from deployments.loadgen.cli import LoadConfig, run_load
-    from deployments.loadgen.client import Concurrency, Prompt, Sampling
-    from deployments.loadgen.metrics import RequestRecord
+    from specdec_tools.loadgen.cli import LoadConfig, run_load
+    from specdec_tools.loadgen.client import Concurrency, Prompt, Sampling
+    from specdec_tools.loadgen.metrics import RequestRecord
 
     sent = []
 
@@ -101,8 +101,8 @@ def test_blocks_interleave_the_modes_and_pool_their_figures(tmp_path):
 
 
 def test_by_default_each_block_holds_the_concurrency(tmp_path):
-    from deployments.loadgen.cli import LoadConfig
-    from deployments.loadgen.client import Concurrency, Prompt, Sampling
+    from specdec_tools.loadgen.cli import LoadConfig
+    from specdec_tools.loadgen.client import Concurrency, Prompt, Sampling
 
     config = LoadConfig(address="unused", prompts_path=tmp_path, prompts=(Prompt("p", 5),) * 3, max_new_tokens=5,
                         loads=(Concurrency(4),), sampling=Sampling(0.0, 0, False), speculation=None, blocks=2)

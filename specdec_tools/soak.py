@@ -20,9 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -33,7 +31,12 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from deployments.loadgen.client import Prompt, Sampling, Speculation, build_request, closed_loop, stream_one
+import deployments
+from deployments.ports import free_port
+from specdec_core.environment import auth_token
+from specdec_tools.loadgen.cli import positive
+from specdec_tools.loadgen.client import closed_loop, stream_one
+from specdec_tools.requests import Speculation, generate_request
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc as pb_grpc
 from specdec.v1 import worker_pb2 as wpb
@@ -44,7 +47,7 @@ from specdec.v1 import worker_pb2_grpc as wpb_grpc
 OK = "ok"
 CANCELLED_ON_PURPOSE = "cancelled_on_purpose"  # not gRPC's CANCELLED, which would be an error: the server gave up
 WORKER_DEPLOYMENTS = {"target": "TargetWorker", "draft": "DraftWorker"}  # kind -> deployment name (deployments.app)
-TINY_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
+TINY_CONFIG = Path(deployments.__file__).parent / "configs" / "tiny.yaml"
 MEMORY_NOTE = (
     "RSS is read from the worker processes on this node: after a warm-up, at its peak during the load, and after "
     "it. A short soak shows first-use growth (allocator pools, kernels, lazily built buffers) that levels off; "
@@ -108,7 +111,8 @@ def make_variant(index: int, seed: int, cancel_fraction: float) -> Variant:
     speculation = rng.choice(SPECULATION_CHOICES)
     by_ids = rng.random() < 0.2
     text = "" if by_ids else " ".join([rng.choice(PROMPTS)] * rng.randint(1, 3))
-    request = build_request(Prompt(text, max_tokens), index, Sampling(temperature, seed, ignore_eos), speculation)
+    request = generate_request(text or None, temperature=temperature, seed=seed + index, max_tokens=max_tokens,
+                               ignore_eos=ignore_eos, speculation=speculation)
     tags = ["sampled" if temperature else "greedy", _speculation_tag(speculation)]
     if by_ids:
         request.prompt_token_ids.extend(rng.randrange(5, 300) for _ in range(rng.randint(1, 60)))
@@ -480,8 +484,8 @@ def _mib(n: int | None, signed: bool = False) -> str:
 def register(sub: Any) -> None:
     soak = sub.add_parser("soak", help="hold N concurrent streams for M minutes; report errors, worker memory and "
                                        "sessions left open")
-    soak.add_argument("--concurrency", type=_positive(int), default=4, help="streams kept in flight")
-    soak.add_argument("--minutes", type=_positive(float), default=5.0, help="how long to hold them")
+    soak.add_argument("--concurrency", type=positive(int), default=4, help="streams kept in flight")
+    soak.add_argument("--minutes", type=positive(float), default=5.0, help="how long to hold them")
     soak.add_argument("--json", type=Path, default=None, help="where to write the report")
     soak.add_argument("--config", default=None,
                       help="serve this YAML config instead of a tiny random pair built for the run")
@@ -489,25 +493,12 @@ def register(sub: Any) -> None:
     soak.set_defaults(func=soak_main)
 
 
-def _positive(kind: type) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-        return value
-
-    return parse
-
-
 def soak_main(args: argparse.Namespace) -> int:
-    from deployments.cli import serving
+    from deployments.launch import serving
 
     with stack_config(args.config) as config, serving(config, quiet=True):
         report = run_soak(f"127.0.0.1:{config.grpc_port}", config.app_name, args.concurrency, args.minutes * 60,
-                          seed=args.seed, auth_token=os.environ.get("SPECDEC_AUTH_TOKEN") or None,
+                          seed=args.seed, auth_token=auth_token(),
                           progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_summary(report))
     if args.json is not None:
@@ -535,9 +526,3 @@ def stack_config(path: str | None) -> Iterator[Any]:
         data["draft"]["model"] = str(Path(root) / "draft")
         data["grpc_port"], data["http_port"] = free_port(), free_port()
         yield parse_config(data)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specdec_core.cli.main import main
+from specdec_tools.cli import main
 
 KEYS = {
     "target_only_tokens_per_s", "speculative_tokens_per_s", "speedup", "acceptance_rate",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.loadgen.metrics import (RequestRecord, distribution_ms, errors_by_code, inter_token_latencies,
+from specdec_tools.loadgen.metrics import (RequestRecord, distribution_ms, errors_by_code, inter_token_latencies,
                                          meets_slos, summarize, time_per_output_token)
 
 # A speculative stream: 1 token from prefill at 0.1 s, a round of 4 at 0.5 s, a round of 1 at 0.8 s; ends at 0.9 s.

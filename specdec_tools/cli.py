@@ -1,4 +1,8 @@
-"""The `specdec` command: one argparse tree, each subcommand in its own module."""
+"""The `specdec` command: one argparse tree; each subcommand lives in a module of its own that exposes `register()`.
+
+Every module is imported here unconditionally: an import error in any of them is an error with its traceback,
+never a command that silently goes missing.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +11,17 @@ import logging
 import sys
 
 from specdec_core.errors import SpecdecError
+from specdec_tools import bench, demo, generate, models, proposals, serve, soak
+
+SUBCOMMANDS = (models, serve, generate, bench, soak, demo, proposals)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdec_core.cli import bench_cmd, models_cmd
-
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding, lossless.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", required=True)
-    models_cmd.register(sub)
-    bench_cmd.register(sub)
-    try:  # the serving commands need ray and grpc; the engine does not
-        from deployments import cli as serving_cli
-    except ImportError:
-        serving_cli = None
-    if serving_cli is not None:
-        serving_cli.register(sub)
+    for module in SUBCOMMANDS:
+        module.register(sub)
     return parser
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from deployments.loadgen.cli import format_summary
-from deployments.loadgen.metrics import RequestRecord, summarize
-from deployments.loadgen.plot import plot_report
+from specdec_tools.loadgen.cli import format_summary
+from specdec_tools.loadgen.metrics import RequestRecord, summarize
+from specdec_tools.loadgen.plot import plot_report
 
 RECORD = RequestRecord(chunk_times=(0.1, 0.5), chunk_tokens=(1, 3), e2el=0.6, rounds=1, proposed=3, accepted=2)
 

@@ -13,17 +13,11 @@ from typing import Any, Awaitable, Callable, ClassVar, Iterator, Sequence
 import grpc
 import numpy as np
 
-from deployments.loadgen.metrics import RequestRecord
+from specdec_tools.loadgen.metrics import RequestRecord
 from specdec.v1 import generation_pb2 as pb
+from specdec_tools.requests import Prompt, Speculation, generate_request
 
 Send = Callable[[int], Awaitable[RequestRecord]]  # request index -> its record
-Speculation = int | str | None  # a fixed k (0 = off), "auto", or None for the server's setting
-
-
-@dataclass(frozen=True)
-class Prompt:
-    text: str
-    max_tokens: int
 
 
 @dataclass(frozen=True)
@@ -34,14 +28,8 @@ class Sampling:
 
 
 def build_request(prompt: Prompt, index: int, sampling: Sampling, speculation: Speculation) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(prompt=prompt.text, sampling=pb.SamplingParams(
-        temperature=sampling.temperature, seed=sampling.seed + index, max_tokens=prompt.max_tokens,
-        ignore_eos=sampling.ignore_eos))
-    if speculation == "auto":
-        request.speculation.adaptive = True
-    elif speculation is not None:
-        request.speculation.num_speculative_tokens = int(speculation)
-    return request
+    return generate_request(prompt.text, temperature=sampling.temperature, seed=sampling.seed + index,
+                            max_tokens=prompt.max_tokens, ignore_eos=sampling.ignore_eos, speculation=speculation)
 
 
 async def stream_one(stub: Any, request: pb.GenerateRequest, timeout_s: float,

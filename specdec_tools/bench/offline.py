@@ -7,7 +7,6 @@ timing transformers' `generate`); decode-only figures (after the first token) ar
 
 from __future__ import annotations
 
-import json
 import logging
 import platform
 import time
@@ -25,6 +24,7 @@ from specdec_core.errors import InvalidArgument
 from specdec_core.kernels.cpu import kernel_info
 from specdec_core.models.loader import LoadedModel, encode_prompt
 from specdec_core.runner import RunnerConfig
+from specdec_tools.requests import read_prompt_texts
 
 log = logging.getLogger(__name__)
 
@@ -68,26 +68,6 @@ class ModeResult:
 
     def decode_tokens_per_s(self) -> float:
         return self.round_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-
-def read_prompts(path: Path) -> list[str]:
-    """The text of each `{"prompt": ...}` line of a JSONL file."""
-    if not path.exists():
-        raise InvalidArgument("prompts", f"prompts file {str(path)!r} does not exist")
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            text = json.loads(line)["prompt"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise InvalidArgument("prompts", f"{path}:{number}: expected a JSON object with a \"prompt\" string")
-        if not isinstance(text, str) or not text:
-            raise InvalidArgument("prompts", f"{path}:{number}: \"prompt\" must be a non-empty string")
-        prompts.append(text)
-    if not prompts:
-        raise InvalidArgument("prompts", f"{path} holds no prompts")
-    return prompts
 
 
 def run_one(engine: SpecEngine, request_id: str, prompt: list[int], params: SamplingParams, k: int | str,
@@ -152,7 +132,7 @@ def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
         raise InvalidArgument("draft", "give exactly one of --draft PATH|NAME or --ngram")
     k = parse_num_speculative_tokens(config.num_speculative_tokens, 16)
     SamplingParams(temperature=config.temperature, seed=config.seed, max_tokens=config.max_new_tokens)
-    texts = read_prompts(config.prompts)
+    texts = read_prompt_texts(config.prompts)
     target, draft = load_pair(
         config.target, config.draft, dtype=config.dtype, device=config.device,
         draft_quantization=config.draft_quantization,
@@ -175,7 +155,7 @@ def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
         report = _report(config, target, prompts, plain, speculative)
         del plain_engine, spec_engine
         if config.compare_hf:
-            from specdec_core.bench.hf import run_hf_comparison
+            from specdec_tools.bench.hf import run_hf_comparison
 
             report.update(run_hf_comparison(config, target, draft, prompts, bar))
     return report
@@ -228,10 +208,3 @@ def _report(config: OfflineBenchConfig, target: LoadedModel, prompts: list[list[
         "identical_to_target": all(p["first_divergence"] is None for p in per_prompt),
         "prompts": per_prompt,
     }
-
-
-def write_report(report: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(path)

@@ -1,0 +1,63 @@
+"""Run the application for one config on Ray Serve: a local cluster started here, or the one at $RAY_ADDRESS.
+
+`specdec serve`, the demo, the soak and the stack benchmarks all deploy through `serving`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import ray
+from ray import serve
+
+from deployments import registry
+from deployments.app import build_app, grpc_options, limit_public_messages
+from deployments.config import ServeConfig
+from specdec_core.environment import ray_address
+
+
+@contextlib.contextmanager
+def serving(config: ServeConfig, quiet: bool = False) -> Iterator[None]:
+    """Deploy `config` on Ray Serve for the duration of the block: on the cluster at $RAY_ADDRESS, or on a local
+    one started (and stopped, with every process it started) here. `quiet`: keep the cluster's logs out of this
+    process's output."""
+    address = ray_address()
+    started_ray = not address
+    limit_public_messages()
+    if started_ray:
+        # Draft and target take turns within a round, so on one machine they may share its cores: give the local
+        # cluster enough logical CPUs for every deployment's request.
+        import os
+
+        needed = cpus_needed(config)
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False,
+                 log_to_driver=not quiet, logging_level=logging.WARNING if quiet else logging.INFO)
+    else:
+        ray.init(address=address, log_to_driver=not quiet)
+    if quiet:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    try:
+        serve.start(http_options={"host": "0.0.0.0", "port": config.http_port}, grpc_options=grpc_options(config))
+        serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
+        yield
+    finally:
+        try:
+            serve.delete(config.app_name)
+            if started_ray:
+                serve.shutdown()
+            registry.shutdown()
+        finally:
+            if started_ray:
+                ray.shutdown()
+
+
+def cpus_needed(config: ServeConfig) -> float:
+    """Logical CPUs that every deployment of `config` asks for, plus one for Serve's controller and proxy."""
+    target = config.target
+    total = target.num_cpus * target.tensor_parallel_size * target.num_replicas
+    total += config.router.num_cpus * config.router.num_replicas
+    if config.draft.method == "draft_model":
+        total += config.draft.num_cpus * config.draft.num_replicas
+    return total + 1
