@@ -13,6 +13,7 @@ import torch
 
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import worker_pb2 as wpb
+from specdec_core.chat import ChatMessage
 from specdec_core.config import AUTO, SamplingParams
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.engine import RequestOutput, SpecStats
@@ -34,9 +35,12 @@ FINISH_REASONS = {
 
 @dataclass(frozen=True)
 class Prompt:
-    text: str | None  # exactly one of text and token_ids
-    token_ids: tuple[int, ...] | None
-    raw: bool
+    """Exactly one of text, token_ids and messages is set."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    raw: bool = False  # text only: no chat template
 
 
 @dataclass(frozen=True)
@@ -50,14 +54,19 @@ class GenerateCall:
 
 
 def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> GenerateCall:
-    has_text, has_ids = bool(request.prompt), len(request.prompt_token_ids) > 0
-    if has_text and has_ids:
-        raise InvalidArgument("prompt", "set either prompt or prompt_token_ids, not both")
-    if not (has_text or has_ids):
-        raise InvalidArgument("prompt", "missing: set prompt (text) or prompt_token_ids")
+    given = [name for name, present in (("prompt", bool(request.prompt)),
+                                        ("prompt_token_ids", len(request.prompt_token_ids) > 0),
+                                        ("messages", len(request.messages) > 0)) if present]
+    if len(given) > 1:
+        raise InvalidArgument(given[1], f"set one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
+    if not given:
+        raise InvalidArgument("prompt", "missing: set prompt (text), prompt_token_ids or messages")
+    if request.messages and request.raw_prompt:
+        raise InvalidArgument("raw_prompt", "applies to prompt only: messages always go through the chat template")
     prompt = Prompt(
-        text=request.prompt if has_text else None,
-        token_ids=tuple(request.prompt_token_ids) if has_ids else None,
+        text=request.prompt or None,
+        token_ids=tuple(request.prompt_token_ids) or None,
+        messages=decode_messages(request.messages) or None,
         raw=request.raw_prompt,
     )
     return GenerateCall(
@@ -66,6 +75,10 @@ def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> Gen
         params=decode_sampling(request.sampling, default_max_tokens),
         num_speculative_tokens=decode_speculation(request.speculation),
     )
+
+
+def decode_messages(messages: Sequence[pb.ChatMessage]) -> tuple[ChatMessage, ...]:
+    return tuple(ChatMessage(role=m.role, content=m.content) for m in messages)
 
 
 def _sampling(**values: Any) -> SamplingParams:

@@ -29,10 +29,11 @@ from deployments.telemetry import RequestTracer, context_from_metadata, setup_tr
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.calibration import calibrate
+from specdec_core.chat import encode_chat, encode_prompt
 from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.engine import EngineConfig, RequestOutput, SpecEngine
 from specdec_core.errors import InvalidArgument, ResourceExhausted
-from specdec_core.models.loader import encode_prompt, load_tokenizer
+from specdec_core.models.loader import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +256,8 @@ class Router:
             if bad is not None:
                 raise InvalidArgument("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
             return list(prompt.token_ids)
+        if prompt.messages is not None:
+            return encode_chat(self.tokenizer.tokenizer, prompt.messages)
         return encode_prompt(self.tokenizer.tokenizer, prompt.text, raw=prompt.raw)
 
     def _check_limits(self, prompt_ids: list[int], max_tokens: int) -> None:

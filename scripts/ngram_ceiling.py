@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from specdec_core.build import prepare_model
-from specdec_core.models.loader import LoadedModel, encode_prompt, resolve_source
+from specdec_core.chat import encode_prompt
+from specdec_core.models.loader import LoadedModel, resolve_source
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_tools.requests import read_prompt_texts
 

@@ -1,19 +1,28 @@
-"""`specdec generate PROMPT`: send one request to a running server over gRPC and print the completion."""
+"""`specdec generate [PROMPT]`: send one request to a running server over gRPC and print the completion.
+
+A conversation: `--message ROLE:TEXT` (repeatable) or `--messages FILE.json`; a PROMPT given as well becomes the
+last user turn. The server applies the model's chat template to it."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from specdec_core.environment import auth_token
-from specdec_tools.requests import GRPC_OPTIONS, generate_request, parse_speculation
+from specdec_core.errors import InvalidArgument
+from specdec_tools.requests import GRPC_OPTIONS, generate_request, parse_speculation, read_messages
 
 
 def register(sub: Any) -> None:
     gen = sub.add_parser("generate", help="send one prompt to a running server and print the completion")
-    gen.add_argument("prompt", help="the prompt text (the chat template is applied unless --raw)")
+    gen.add_argument("prompt", nargs="?", help="the prompt text (the chat template is applied unless --raw)")
+    gen.add_argument("--message", action="append", default=[], type=_message, metavar="ROLE:TEXT",
+                     help="a turn of a conversation, e.g. system:'You are terse.' (repeatable, in order)")
+    gen.add_argument("--messages", type=Path, default=None,
+                     help='a conversation as JSON: [{"role": "user", "content": "..."}, ...]')
     gen.add_argument("--address", default="localhost:9000", help="HOST:PORT of the gRPC endpoint")
     gen.add_argument("--stream", action="store_true", help="print the text as it is committed")
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -30,9 +39,23 @@ def register(sub: Any) -> None:
     gen.set_defaults(func=main)
 
 
+def _message(text: str) -> tuple[str, str]:
+    role, sep, content = text.partition(":")
+    if not sep or not role:
+        raise argparse.ArgumentTypeError(f"expected ROLE:TEXT, e.g. user:hello, got {text!r}")
+    return role.strip(), content
+
+
 def build_request(args: argparse.Namespace) -> Any:
+    messages = (read_messages(args.messages) if args.messages else []) + list(args.message)
+    prompt = args.prompt
+    if messages and prompt is not None:
+        messages.append(("user", prompt))
+        prompt = None
+    if not messages and prompt is None:
+        raise InvalidArgument("prompt", "give a PROMPT, --message or --messages")
     return generate_request(
-        args.prompt, raw=args.raw, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        prompt, messages=messages, raw=args.raw, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         max_tokens=args.max_tokens, stop=args.stop, speculation=parse_speculation(args.num_speculative_tokens),
     )
 

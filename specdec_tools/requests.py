@@ -56,6 +56,20 @@ def read_prompt_texts(path: Path, flag: str = "--prompts") -> list[str]:
     return [prompt.text for prompt in read_prompts(path, 1, flag)]
 
 
+def read_messages(path: Path, flag: str = "--messages") -> list[tuple[str, str]]:
+    """A conversation from a JSON file: `[{"role": "system" | "user" | "assistant" | "tool", "content": "..."}]`."""
+    if not path.is_file():
+        raise InvalidArgument(flag, f"{str(path)!r} is not a file")
+    try:
+        items = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(flag, f"{path} is not JSON: {exc}") from None
+    if not isinstance(items, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in items):
+        raise InvalidArgument(flag, f"{path}: expected a JSON array of {{\"role\": ..., \"content\": ...}} objects")
+    return [(m["role"], m["content"]) for m in items]
+
+
 def parse_speculation(text: str | None) -> Speculation:
     """A command-line speculation setting: N (0 = off), `auto`, or None (the server's default)."""
     if text is None or text == AUTO:
@@ -69,6 +83,7 @@ def generate_request(
     prompt: str | None = None,
     *,
     token_ids: Sequence[int] = (),
+    messages: Sequence[tuple[str, str]] = (),
     raw: bool = False,
     temperature: float = 0.0,
     top_p: float | None = None,
@@ -84,6 +99,8 @@ def generate_request(
     request = pb.GenerateRequest(request_id=request_id, raw_prompt=raw, prompt_token_ids=list(token_ids))
     if prompt is not None:
         request.prompt = prompt
+    for role, content in messages:
+        request.messages.add(role=role, content=content)
     s = request.sampling
     s.temperature = temperature
     s.top_k = top_k

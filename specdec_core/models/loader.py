@@ -90,15 +90,6 @@ def load_tokenizer(source: str | Path) -> LoadedTokenizer:
     return LoadedTokenizer(tokenizer=AutoTokenizer.from_pretrained(path), path=path, hf_config=cfg)
 
 
-def encode_prompt(tokenizer: Any, text: str, raw: bool = False) -> list[int]:
-    """Token ids for a user prompt: as a user turn of the chat template when the tokenizer has one (and not
-    `raw`), else the text as is."""
-    if not raw and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return list(tokenizer(text)["input_ids"])
-
-
 def load_model(
     source: str | Path,
     *,

@@ -18,11 +18,12 @@ import torch
 from tqdm import tqdm
 
 from specdec_core.build import DraftSpec, build_engine, load_pair
+from specdec_core.chat import encode_prompt
 from specdec_core.config import SamplingParams, parse_num_speculative_tokens
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
 from specdec_core.kernels.cpu import kernel_info
-from specdec_core.models.loader import LoadedModel, encode_prompt
+from specdec_core.models.loader import LoadedModel
 from specdec_core.runner import RunnerConfig
 from specdec_tools.requests import read_prompt_texts
 

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc as pb_grpc
 from specdec_core.config import MAX_SEED, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MIN_TEMPERATURE
-from specdec_core.models.loader import encode_prompt, load_tokenizer
+from specdec_core.chat import encode_prompt
+from specdec_core.models.loader import load_tokenizer
 from tests.helpers import wait_until_idle
 
 CALL_TIMEOUT_S = 30  # a tiny-model request takes well under a second; past this the server hangs

@@ -23,20 +23,30 @@ FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "raw_prompt", "sampling", "speculation")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "raw_prompt", "sampling", "speculation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     raw_prompt: bool
     sampling: SamplingParams
     speculation: SpeculationOptions
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., raw_prompt: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "ignore_eos")
@@ -119,7 +129,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("target_model", "draft_model", "draft_method", "max_context_length", "vocab_size", "tensor_parallel_size", "num_speculative_tokens", "max_speculative_tokens", "default_max_tokens", "eos_token_ids")
+    __slots__ = ("target_model", "draft_model", "draft_method", "max_context_length", "vocab_size", "tensor_parallel_size", "num_speculative_tokens", "max_speculative_tokens", "default_max_tokens", "eos_token_ids", "served_model_name")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +140,7 @@ class GetModelInfoResponse(_message.Message):
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     draft_method: str
@@ -140,4 +151,5 @@ class GetModelInfoResponse(_message.Message):
     max_speculative_tokens: int
     default_max_tokens: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_method: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    served_model_name: str
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_method: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., served_model_name: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,158 @@
+"""Between the OpenAI-compatible API's JSON and the engine: request bodies to the `GenerateCall` that the gRPC codec
+also produces (so both APIs reach the router by one path), engine outputs to response bodies and stream chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from deployments.codec import GenerateCall, Prompt
+from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest
+from specdec_core.chat import ChatMessage
+from specdec_core.config import SamplingParams
+from specdec_core.engine import RequestOutput
+from specdec_core.errors import InvalidArgument
+from specdec_core.stopping import FinishReason
+
+# OpenAI's documented defaults where a request leaves a field out.
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # /v1/completions; chat completions take the server's default_max_tokens
+
+FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop",
+                  FinishReason.CANCELLED: "abort", FinishReason.ERROR: "error"}
+
+
+@dataclass(frozen=True)
+class Call:
+    """A decoded HTTP request: what the engine runs, and how to answer."""
+
+    generate: GenerateCall
+    chat: bool
+    model: str
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    return_token_ids: bool
+    cache_salt: str | None
+
+
+def decode_chat(body: ChatCompletionRequest, default_max_tokens: int) -> Call:
+    # "developer" is OpenAI's newer name for the system turn; chat templates know "system".
+    messages = tuple(ChatMessage("system" if m.role == "developer" else m.role, m.text) for m in body.messages)
+    return _call(body, Prompt(messages=messages), body.output_limit or default_max_tokens, chat=True)
+
+
+def decode_completion(body: CompletionRequest) -> Call:
+    prompt = body.single_prompt
+    as_prompt = Prompt(text=prompt, raw=True) if isinstance(prompt, str) else Prompt(token_ids=tuple(prompt))
+    return _call(body, as_prompt, body.output_limit or DEFAULT_COMPLETION_MAX_TOKENS, chat=False)
+
+
+def _call(body: Any, prompt: Prompt, max_tokens: int, chat: bool) -> Call:
+    try:
+        params = SamplingParams(
+            temperature=DEFAULT_TEMPERATURE if body.temperature is None else float(body.temperature),
+            top_p=1.0 if body.top_p is None else float(body.top_p),
+            top_k=max(0, body.top_k or 0),  # vLLM's -1 and 0 both mean off
+            seed=body.seed,
+            max_tokens=max_tokens,
+            stop=body.stop_strings,
+            ignore_eos=body.ignore_eos,
+        )
+    except InvalidArgument as exc:  # the engine's own names are the body's, but for the length limit
+        field = {"max_tokens": "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"}
+        raise InvalidArgument(field.get(exc.field, exc.field), exc.message) from None
+    options = body.stream_options
+    return Call(
+        generate=GenerateCall(request_id="", prompt=prompt, params=params,
+                              num_speculative_tokens=body.num_speculative_tokens),
+        chat=chat,
+        model=body.model,
+        stream=body.stream,
+        include_usage=bool(options and options.include_usage),
+        continuous_usage=bool(options and options.continuous_usage_stats),
+        return_token_ids=body.return_token_ids,
+        cache_salt=body.cache_salt,
+    )
+
+
+# -- responses -----------------------------------------------------------------------------------------------------
+
+
+def new_id(call: Call) -> str:
+    return ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(last: RequestOutput) -> dict[str, Any]:
+    return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens,
+            "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
+
+
+def speculation(last: RequestOutput) -> dict[str, int]:
+    stats = last.stats
+    return {"rounds": stats.rounds, "proposed": stats.proposed, "accepted": stats.accepted}
+
+
+def response(call: Call, response_id: str, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """The unary body: every output's text and tokens, the last one's reason, usage and speculation."""
+    last = outputs[-1]
+    text = "".join(o.new_text for o in outputs)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASONS.get(last.finish_reason), "logprobs": None}
+    if call.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    if call.return_token_ids:
+        choice["token_ids"] = [t for o in outputs for t in o.new_token_ids]
+    return {**_envelope(call, response_id, stream=False), "choices": [choice], "usage": usage(last),
+            "speculation": speculation(last)}
+
+
+def first_chunk(call: Call, response_id: str) -> dict[str, Any] | None:
+    """Chat streams open with the assistant's role, as OpenAI's do; completion streams have no such chunk."""
+    if not call.chat:
+        return None
+    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+    return _chunk(call, response_id, [choice])
+
+
+def chunk(call: Call, response_id: str, output: RequestOutput) -> dict[str, Any] | None:
+    """One round's output as a stream chunk (None when it committed nothing to show and did not finish)."""
+    if not output.new_text and not output.finished and not call.return_token_ids:
+        return None
+    choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASONS.get(output.finish_reason),
+                              "logprobs": None}
+    if call.chat:
+        choice["delta"] = {"content": output.new_text} if output.new_text or not output.finished else {}
+    else:
+        choice["text"] = output.new_text
+    if call.return_token_ids:
+        choice["token_ids"] = list(output.new_token_ids)
+    body = _chunk(call, response_id, [choice])
+    if call.continuous_usage:
+        body["usage"] = usage(output)
+    return body
+
+
+def usage_chunk(call: Call, response_id: str, last: RequestOutput) -> dict[str, Any]:
+    """`stream_options.include_usage`: a last chunk with no choices, carrying usage and speculation."""
+    return {**_chunk(call, response_id, []), "usage": usage(last), "speculation": speculation(last)}
+
+
+def _chunk(call: Call, response_id: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    body = {**_envelope(call, response_id, stream=True), "choices": choices}
+    if call.include_usage:
+        body["usage"] = None  # OpenAI's streams carry usage: null on every chunk but the usage chunk
+    return body
+
+
+def _envelope(call: Call, response_id: str, stream: bool) -> dict[str, Any]:
+    kind = ("chat.completion" if call.chat else "text_completion") + (".chunk" if stream and call.chat else "")
+    return {"id": response_id, "object": kind, "created": int(time.time()), "model": call.model}
+
+
+def model_card(model_id: str, created: int, owned_by: str, max_model_len: int) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by,
+            "max_model_len": max_model_len}

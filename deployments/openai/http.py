@@ -1,0 +1,160 @@
+"""The ASGI app of the OpenAI-compatible API: routes, server-sent events, and OpenAI's error bodies.
+
+Built once per router replica (`build_http_app(router)`) and served by Serve's HTTP proxy next to the gRPC API;
+every route goes through the router's `generate`, the path gRPC requests take.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, AsyncIterator, Protocol, Sequence
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from deployments.codec import GenerateCall
+from deployments.openai import codec
+from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from deployments.status import http_error
+from specdec_core.engine import RequestOutput
+from specdec_core.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 * 1024 * 1024  # as the gRPC API's message limit
+
+
+class Backend(Protocol):
+    """What the HTTP API needs of the router."""
+
+    served_model_name: str
+    max_model_len: int
+    default_max_tokens: int
+    started_at: int
+
+    def authenticate(self, metadata: Sequence[tuple[str, str]]) -> None:
+        """Raise `Unauthenticated` unless the headers carry the server's bearer token (when it has one)."""
+
+    def generate(self, call: GenerateCall, request_id: str,
+                 metadata: Sequence[tuple[str, str]]) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for `call`; typed errors (InvalidArgument, ResourceExhausted, ...) otherwise."""
+
+
+class ModelNotFound(LookupError):
+    """The request names a model this server does not serve (404)."""
+
+
+def build_http_app(backend: Backend) -> Starlette:
+    async def models(request: Request) -> Response:
+        return await _guard(request, lambda: JSONResponse({"object": "list", "data": [_card(backend)]}))
+
+    async def model(request: Request) -> Response:
+        async def one() -> Response:
+            _check_model(backend, request.path_params["model"])
+            return JSONResponse(_card(backend))
+
+        return await _guard(request, one)
+
+    async def chat(request: Request) -> Response:
+        return await _guard(request, lambda: _complete(backend, request, chat=True))
+
+    async def completions(request: Request) -> Response:
+        return await _guard(request, lambda: _complete(backend, request, chat=False))
+
+    async def _guard(request: Request, handler: Any) -> Response:
+        try:
+            backend.authenticate(list(request.headers.items()))
+            result = handler()
+            return await result if hasattr(result, "__await__") else result
+        except Exception as exc:  # every failure answers in OpenAI's error format
+            return error_response(exc)
+
+    return Starlette(routes=[
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ])
+
+
+def _card(backend: Backend) -> dict[str, Any]:
+    return codec.model_card(backend.served_model_name, backend.started_at, "specdec", backend.max_model_len)
+
+
+def _check_model(backend: Backend, name: str) -> None:
+    if name != backend.served_model_name:
+        raise ModelNotFound(f"the model {name!r} does not exist; this server serves {backend.served_model_name!r}")
+
+
+async def _complete(backend: Backend, request: Request, chat: bool) -> Response:
+    body = await _json_body(request)
+    if chat:
+        call = codec.decode_chat(parse_body(ChatCompletionRequest, body), backend.default_max_tokens)
+    else:
+        call = codec.decode_completion(parse_body(CompletionRequest, body))
+    _check_model(backend, call.model)
+    response_id = codec.new_id(call)
+    outputs = backend.generate(call.generate, response_id, list(request.headers.items()))
+    first = await anext(outputs)  # refusals (admission, a prompt too long) are still a status code here
+    if not call.stream:
+        collected = [first] + [o async for o in outputs]
+        return JSONResponse(codec.response(call, response_id, collected))
+    return StreamingResponse(_events(call, response_id, first, outputs), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise InvalidArgument("body", f"{len(raw)} bytes; at most {MAX_BODY_BYTES}")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidArgument("body", f"not valid JSON: {exc}") from None
+
+
+async def _events(call: codec.Call, response_id: str, first: RequestOutput,
+                  rest: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per round, the usage chunk when asked, then `data: [DONE]`. A failure after
+    the first byte can no longer change the status: it is sent as an error event before [DONE]."""
+    opening = codec.first_chunk(call, response_id)
+    if opening is not None:
+        yield _event(opening)
+    last = first
+    try:
+        output: RequestOutput | None = first
+        while output is not None:
+            last = output
+            body = codec.chunk(call, response_id, output)
+            if body is not None:
+                yield _event(body)
+            output = await anext(rest, None)
+        if call.include_usage:
+            yield _event(codec.usage_chunk(call, response_id, last))
+    except Exception as exc:
+        yield _event(error_body(exc)[1])
+    yield "data: [DONE]\n\n"
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI's error body) for a failure."""
+    if isinstance(exc, ModelNotFound):
+        return 404, {"error": {"message": str(exc), "type": "invalid_request_error", "param": "model",
+                               "code": "model_not_found"}}
+    error = http_error(exc)
+    if error.status >= 500 and error.status not in (503, 504):
+        log.exception("request failed", exc_info=exc)
+    return error.status, {"error": {"message": error.message, "type": error.type, "param": error.param,
+                                    "code": error.code}}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body = error_body(exc)
+    return JSONResponse(body, status_code=status)

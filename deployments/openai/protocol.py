@@ -1,0 +1,195 @@
+"""Request bodies of the OpenAI-compatible API, validated at the edge.
+
+Unknown fields are refused with a 400 naming them, never silently ignored. Three kinds of known field:
+- implemented: model, messages / prompt, max_tokens / max_completion_tokens, temperature, top_p, seed, stop, n (1),
+  stream, stream_options.include_usage, and vLLM's extensions top_k, ignore_eos, cache_salt, return_token_ids, plus
+  our num_speculative_tokens;
+- informational, accepted and ignored: user, metadata, store (false), service_tier, and per message `name`;
+- OpenAI features this server does not implement: accepted only at their no-op value (a harness that sends
+  `frequency_penalty: 0` still works), refused naming the field at any other value.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
+
+from specdec_core.errors import InvalidArgument
+
+INFORMATIONAL = ("user", "metadata", "store", "service_tier")
+
+# Not implemented: the values that mean "off". Anything else is refused naming the field.
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),
+    "prediction": (),
+    "modalities": (["text"],),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "audio": (),
+    "functions": ([],),
+    "function_call": ("none",),
+    "min_tokens": (0,),
+}
+
+MAX_SALT_LENGTH = 256
+
+
+def _unsupported(field: str, value: Any) -> InvalidArgument:
+    return InvalidArgument(field, f"{value!r} is not supported by this server (only its no-op value is accepted)")
+
+
+class _Body(BaseModel):
+    # Unknown fields are collected (extra="allow") and refused in `_refuse_unknown`, which knows the informational
+    # and no-op ones; pydantic's own "extra fields not permitted" could not tell them apart.
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    model: str
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    n: StrictInt = 1  # one choice per request: other values are refused
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    # Extensions, as vLLM names them (OpenAI clients send them through extra_body).
+    top_k: StrictInt | None = Field(None, ge=-1)  # -1 or 0: off
+    ignore_eos: StrictBool = False
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_LENGTH)
+    return_token_ids: StrictBool = False
+    num_speculative_tokens: Union[Annotated[StrictInt, Field(ge=0)], Literal["auto"], None] = None
+
+    @model_validator(mode="after")
+    def _refuse_unknown(self) -> "_Body":
+        for name, value in (self.model_extra or {}).items():
+            if name in INFORMATIONAL:
+                if name == "store" and value not in (None, False):
+                    raise _unsupported(name, value)
+                continue
+            if name not in NO_OP_VALUES:
+                raise InvalidArgument(name, "unknown parameter")
+            if value is not None and value not in NO_OP_VALUES[name]:
+                raise _unsupported(name, value)
+        if self.n != 1:
+            raise InvalidArgument("n", f"only n = 1 is supported (one choice per request), got {self.n}")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidArgument("stream_options", "only allowed with stream: true")
+        return self
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: usage on every chunk
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None  # informational
+    tool_call_id: str | None = None  # informational until tool calls are implemented
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_length(self) -> "ChatCompletionRequest":
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise InvalidArgument("max_tokens", "max_tokens and max_completion_tokens disagree: send one of them")
+        return self
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Body):
+    # A string, token ids, or a batch of one of either (a batch of more is refused: one choice per request).
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "CompletionRequest":
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) != 1:
+                raise InvalidArgument("prompt", "send one prompt per request (a batch of prompts is not supported)")
+        if self.prompt in ("", []) or self.prompt == [[]]:
+            raise InvalidArgument("prompt", "the prompt is empty")
+        return self
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return prompt[0]
+        return prompt
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+
+def parse_body(cls: type[_Body], data: Any) -> Any:
+    """`data` (decoded JSON) as a `cls`; `InvalidArgument` naming the parameter (OpenAI's `param`) otherwise."""
+    if not isinstance(data, dict):
+        raise InvalidArgument("body", "expected a JSON object")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        cause = (error.get("ctx") or {}).get("error")
+        if isinstance(cause, InvalidArgument):
+            raise InvalidArgument(cause.field, cause.message) from None
+        raise InvalidArgument(_param(error["loc"]) or "body", error["msg"]) from None
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """pydantic's location as OpenAI writes a param: messages[0].content. Union branch names are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _BRANCH_NAMES or "[" in str(part) or "-" in str(part):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+_BRANCH_NAMES = {"str", "int", "float", "bool", "list", "dict", "list[str]", "list[int]", "list[TextPart]",
+                 "literal['auto']", "function-after", "constrained-int"}
