@@ -126,7 +126,9 @@ class ProposalLogConfig(_Strict):
 class ServeConfig(_Strict):
     app_name: str = "specdec"
     grpc_port: int = Field(9000, ge=1, le=65535)
-    http_port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy (health checks)
+    http_port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy: the OpenAI-compatible API, health
+    # The model id of the OpenAI-compatible API (`model` in requests, /v1/models): by default target.model.
+    served_model_name: str | None = Field(None, min_length=1)
     worker_grpc_port: int = Field(0, ge=0, le=65535)  # workers' internal gRPC servers; 0: any free port
     session_idle_timeout_s: float = Field(300.0, gt=0)  # a worker frees a session unused this long
     # Bearer-token auth on the public API: a file holding the token (SPECDEC_AUTH_TOKEN in the router's
@@ -136,6 +138,10 @@ class ServeConfig(_Strict):
     draft: DraftConfig = DraftConfig(method="none")
     router: RouterConfig = RouterConfig()
     proposal_log: ProposalLogConfig | None = None
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.target.model
 
 
 def parse_config(data: Any) -> ServeConfig:

@@ -40,7 +40,7 @@ def serving(config: ServeConfig, quiet: bool = False) -> Iterator[None]:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
     try:
         serve.start(http_options={"host": "0.0.0.0", "port": config.http_port}, grpc_options=grpc_options(config))
-        serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
+        serve.run(build_app(config), name=config.app_name, route_prefix="/")
         yield
     finally:
         try:

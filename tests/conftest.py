@@ -103,5 +103,5 @@ def served(ray_cluster, tiny_dir, near_draft_dir):
         "router": {"max_seq_len": 256, "default_max_tokens": 16, "num_cpus": 0.5},
     })
     serve.start(http_options={"host": "127.0.0.1", "port": config.http_port}, grpc_options=grpc_options(config))
-    serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
+    serve.run(build_app(config), name=config.app_name, route_prefix="/")
     yield f"127.0.0.1:{config.grpc_port}", config

@@ -29,6 +29,7 @@ from specdec_tools.loadgen.metrics import SLO_KEYS, RequestRecord, summarize
 from specdec_tools.requests import Prompt, Speculation, parse_speculation, read_prompts
 
 OFF = 0  # num_speculative_tokens of the speculation-off mode
+PROTOCOLS = ("grpc", "openai")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class LoadConfig:
     auth_token: str | None = None
     progress: bool = True
     blocks: int = 1  # each point's share of every mode, split and interleaved (A B B A ...)
+    protocol: str = "grpc"  # or "openai": the HTTP API's streamed chat completions
 
     def requests_per_point(self, load: Load) -> int | None:
         """None: as many as fit in the duration. By default every prompt once, and enough for each block to hold
@@ -147,7 +149,10 @@ def register(modes: Any) -> None:
     parser = modes.add_parser(
         "serve", help="load generator for a running server's gRPC API: latency percentiles, throughput, goodput",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--address", required=True, help="HOST:PORT of the server's gRPC endpoint")
+    parser.add_argument("--address", required=True,
+                        help="HOST:PORT of the server's gRPC endpoint, or of its HTTP API with --protocol openai")
+    parser.add_argument("--protocol", choices=PROTOCOLS, default="grpc",
+                        help="grpc: GenerateStream; openai: streamed /v1/chat/completions (one user turn a prompt)")
     parser.add_argument("--prompts", required=True, type=Path,
                         help='JSONL, one {"prompt": "...", "max_tokens": N (optional)} per line, cycled as needed')
     parser.add_argument("--max-new-tokens", required=True, type=positive(int),
@@ -200,7 +205,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         sampling=Sampling(args.temperature, args.seed, args.ignore_eos), speculation=args.num_speculative_tokens,
         compare_off=args.compare_off, burstiness=args.burstiness, warmup=args.warmup, duration_s=args.duration,
         num_requests=args.num_requests, slos_ms=dict(args.goodput), timeout_s=args.timeout,
-        auth_token=args.auth_token, blocks=args.blocks)
+        auth_token=args.auth_token, blocks=args.blocks, protocol=args.protocol)
 
 
 def _check_blocks_hold_concurrency(num_requests: int | None, blocks: int, concurrency: list[int]) -> None:
@@ -238,9 +243,16 @@ def main(args: argparse.Namespace) -> int:
 
 async def run(config: LoadConfig) -> dict[str, Any]:
     """Every load point in each mode against the server at config.address; the report as a dict."""
-    from specdec_tools.requests import GRPC_OPTIONS
+    transport = _openai if config.protocol == "openai" else _grpc
+    return await transport(config)
+
+
+async def _grpc(config: LoadConfig) -> dict[str, Any]:
+    from google.protobuf import json_format
+
     from specdec.v1 import generation_pb2 as pb
     from specdec.v1 import generation_pb2_grpc as pb_grpc
+    from specdec_tools.requests import GRPC_OPTIONS
 
     metadata = [("authorization", f"Bearer {config.auth_token}")] if config.auth_token else None
     # One channel: every stream is multiplexed over one HTTP/2 connection, as a client library would do.
@@ -260,13 +272,38 @@ async def run(config: LoadConfig) -> dict[str, Any]:
                 return await stream_one(stub, request, config.timeout_s, metadata)
             return send
 
-        senders = {mode: sender(k) for mode, k in config.modes().items()}
-        for send in senders.values():  # first-call costs stay out of the figures
-            for index in range(config.warmup):
-                await send(index)
-        points = [await run_load(config, load, senders, speculative_first=number % 2 == 0)
-                  for number, load in enumerate(config.loads)]
+        points = await run_points(config, sender)
+    return {**report_header(config, json_format.MessageToDict(info, preserving_proto_field_name=True)),
+            "points": points}
+
+
+async def _openai(config: LoadConfig) -> dict[str, Any]:
+    from specdec_tools.loadgen.openai_http import OpenAIClient, chat_body
+
+    async with OpenAIClient(config.address, config.auth_token, config.timeout_s) as client:
+        try:
+            info = await client.model_info()
+        except Exception as exc:
+            raise Unreachable(f"--address {config.address}: GET /v1/models failed ({exc})") from None
+
+        def sender(speculation: Speculation) -> Any:
+            async def send(index: int) -> RequestRecord:
+                prompt = config.prompts[index % len(config.prompts)]
+                return await client.stream_one(chat_body(client.model, prompt, index, config.sampling, speculation))
+            return send
+
+        points = await run_points(config, sender)
     return {**report_header(config, info), "points": points}
+
+
+async def run_points(config: LoadConfig, sender: Any) -> list[dict[str, Any]]:
+    """Warm-up requests in each mode (first-call costs stay out of the figures), then every load point."""
+    senders = {mode: sender(k) for mode, k in config.modes().items()}
+    for send in senders.values():
+        for index in range(config.warmup):
+            await send(index)
+    return [await run_load(config, load, senders, speculative_first=number % 2 == 0)
+            for number, load in enumerate(config.loads)]
 
 
 async def run_load(config: LoadConfig, load: Load, senders: dict[str, Any], speculative_first: bool) -> dict[str, Any]:
@@ -300,11 +337,10 @@ def _ratio(speculative: float, off: float) -> float:
     return speculative / off if off else 0.0
 
 
-def report_header(config: LoadConfig, info: Any) -> dict[str, Any]:
-    from google.protobuf import json_format
-
+def report_header(config: LoadConfig, server: dict[str, Any]) -> dict[str, Any]:
     return {
         "address": config.address,
+        "protocol": config.protocol,
         "prompts": str(config.prompts_path),
         "num_prompts": len(config.prompts),
         "max_new_tokens": config.max_new_tokens,
@@ -320,7 +356,7 @@ def report_header(config: LoadConfig, info: Any) -> dict[str, Any]:
         "burstiness": config.burstiness,
         "goodput_slos_ms": config.slos_ms,
         "timeout_s": config.timeout_s,
-        "server": json_format.MessageToDict(info, preserving_proto_field_name=True),
+        "server": server,
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
