@@ -78,6 +78,17 @@ def _call(body: Any, prompt: Prompt, max_tokens: int, chat: bool) -> Call:
     )
 
 
+# The router names the gRPC request's fields in its errors; an HTTP client knows the body's.
+_HTTP_PARAMS = {"sampling.max_tokens": "max_tokens", "speculation.num_speculative_tokens": "num_speculative_tokens",
+                "prompt_token_ids": "prompt", "messages.role": "messages", "messages.content": "messages"}
+
+
+def http_param(field: str) -> str:
+    """The body's name for a field an error names (sampling.top_p -> top_p)."""
+    field = _HTTP_PARAMS.get(field, field)
+    return field.removeprefix("sampling.")
+
+
 # -- responses -----------------------------------------------------------------------------------------------------
 
 

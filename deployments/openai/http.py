@@ -18,9 +18,9 @@ from starlette.routing import Route
 from deployments.codec import GenerateCall
 from deployments.openai import codec
 from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from deployments.status import http_error
+from deployments.status import status_of
 from specdec_core.engine import RequestOutput
-from specdec_core.errors import InvalidArgument
+from specdec_core.errors import InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,12 @@ async def _complete(backend: Backend, request: Request, chat: bool) -> Response:
     _check_model(backend, call.model)
     response_id = codec.new_id(call)
     outputs = backend.generate(call.generate, response_id, list(request.headers.items()))
-    first = await anext(outputs)  # refusals (admission, a prompt too long) are still a status code here
+    try:
+        first = await anext(outputs)  # refusals (admission, a prompt too long) are still a status code here
+    except InvalidArgument as exc:
+        if chat and exc.field in ("prompt", "prompt_token_ids"):  # a chat request's prompt is its messages
+            raise InvalidArgument("messages", exc.message) from None
+        raise
     if not call.stream:
         collected = [first] + [o async for o in outputs]
         return JSONResponse(codec.response(call, response_id, collected))
@@ -146,13 +151,18 @@ def _event(body: dict[str, Any]) -> str:
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """(HTTP status, OpenAI's error body) for a failure."""
     if isinstance(exc, ModelNotFound):
-        return 404, {"error": {"message": str(exc), "type": "invalid_request_error", "param": "model",
-                               "code": "model_not_found"}}
-    error = http_error(exc)
-    if error.status >= 500 and error.status not in (503, 504):
-        log.exception("request failed", exc_info=exc)
-    return error.status, {"error": {"message": error.message, "type": error.type, "param": error.param,
-                                    "code": error.code}}
+        return 404, _error(str(exc), "invalid_request_error", "model", "model_not_found")
+    status = status_of(exc)
+    if isinstance(exc, (InvalidArgument, ResourceExhausted)):
+        param = codec.http_param(exc.field)
+        return status.http, _error(f"{param}: {exc.message}", status.openai_type, param, status.grpc.name.lower())
+    if status.http == 500:
+        log.error("request failed", exc_info=exc)
+    return status.http, _error(str(exc) or type(exc).__name__, status.openai_type, None, status.grpc.name.lower())
+
+
+def _error(message: str, kind: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(exc: BaseException) -> JSONResponse:
