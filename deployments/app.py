@@ -22,9 +22,9 @@ from deployments.config import Placement, ServeConfig, TargetConfig, parse_confi
 from deployments.router import RouterDeployment
 from deployments.telemetry import otel_environment, setup_tracing
 from deployments.workers import DraftServicer, TargetServicer, start_server
-from specdec_core.environment import auth_token
-from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.build import prepare_draft, prepare_model
+from specdec_core.drafters.base import DraftContext
+from specdec_core.environment import auth_token
 from specdec_core.models.loader import load_tokenizer
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
@@ -133,9 +133,9 @@ class DraftWorker(_Worker):
         # Refuses to start with a mismatched pair.
         loaded = prepare_draft(cfg.draft.model, target.tokenizer, dtype=cfg.draft.dtype, device=cfg.draft.device,
                                quantization=cfg.draft.quantization)
-        target_vocab = _target_vocab_size(target)
+        target_vocab = max(_target_vocab_size(target), len(target.tokenizer))
         runner = ModelRunner(loaded.model, _runner_config(cfg, cfg.draft))
-        drafter = DraftModelDrafter(runner, max(target_vocab, len(target.tokenizer)))
+        drafter = cfg.draft.drafting.build(DraftContext(cfg.draft.spec, target_vocab, runner))
         self._serve(cfg, DraftServicer(drafter, cfg.draft.model, cfg.session_idle_timeout_s))
 
 
@@ -176,7 +176,7 @@ def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
         _check_tensor_parallel(cfg.target)
     args = cfg.model_dump(mode="json")
     workers = [_deployment(TargetWorker, "TargetWorker", cfg.target, cfg.target.tensor_parallel_size).bind(args)]
-    if cfg.draft.method == "draft_model":
+    if cfg.draft.runs_draft_model:
         workers.append(_deployment(DraftWorker, "DraftWorker", cfg.draft).bind(args))
     scaling: dict[str, Any] = {"num_replicas": cfg.router.num_replicas}
     if cfg.router.autoscaling is not None:

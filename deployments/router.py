@@ -1,8 +1,9 @@
 """The router: the public GenerationService behind Ray Serve's gRPC proxy, and the draft -> verify rounds.
 
 Each router replica runs the engine (`SpecEngine`) over remote workers: the drafter and the target are gRPC
-clients of the worker deployments (`deployments.remote`), or an in-router n-gram drafter. The engine decides k,
-keeps the per-request randomness, stopping and text; the workers keep the caches and the models.
+clients of the worker deployments (`deployments.remote`), or the drafter of a method without a draft model (n-gram)
+runs in the router. The engine decides k, keeps the per-request randomness, stopping and text; the workers keep the
+caches and the models.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from deployments.telemetry import RequestTracer, context_from_metadata, setup_tr
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.calibration import calibrate
-from specdec_core.drafters.ngram import NgramDrafter
+from specdec_core.drafters.base import DraftContext
 from specdec_core.engine import EngineConfig, RequestOutput, SpecEngine
 from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.models.loader import encode_prompt, load_tokenizer
@@ -89,28 +90,27 @@ class Router:
         self.config: ServeConfig = parse_config(config)
         cfg = self.config
         setup_tracing(cfg.app_name)
-        draft_name = cfg.draft.model if cfg.draft.method == "draft_model" else cfg.draft.method
-        self.tracer = RequestTracer(cfg.target.model, draft_name or "none")
-        self.metrics = ServingMetrics(cfg.target.model, draft_name or "none")
+        draft_name = cfg.draft.label
+        self.tracer = RequestTracer(cfg.target.model, draft_name)
+        self.metrics = ServingMetrics(cfg.target.model, draft_name)
         self.auth = BearerAuth(load_public_token(cfg.auth_token_file))
         self.tokenizer = load_tokenizer(cfg.target.model)
         timeout = cfg.router.rpc_timeout_s
         secret = ray.get(registry.registry().secret.remote(cfg.app_name))  # the workers serve only its holders
         target_addresses = wait_for_workers(cfg.app_name, "target", cfg.target.num_replicas, cfg.router.worker_start_timeout_s)
         self.target_pool = ReplicaPool("target", target_addresses, wpb_grpc.TargetServiceStub, timeout, secret)
-        drafter = None
-        self.draft_pool = None
-        if cfg.draft.method == "draft_model":
+        target = RemoteTarget(self.target_pool, self.tracer, self.metrics)
+        method, drafter, self.draft_pool = cfg.draft.drafting, None, None
+        if method is not None and method.runs_draft_model:
             addresses = wait_for_workers(cfg.app_name, "draft", cfg.draft.num_replicas, cfg.router.worker_start_timeout_s)
             self.draft_pool = ReplicaPool("draft", addresses, wpb_grpc.DraftServiceStub, timeout, secret)
             drafter = RemoteDrafter(self.draft_pool, self.tracer, self.metrics, timeout_s=cfg.router.draft_timeout_s)
-        elif cfg.draft.method == "ngram":
-            drafter = NgramDrafter(max_n=cfg.draft.ngram_max, min_n=cfg.draft.ngram_min)
+        elif method is not None:  # a method without a draft model drafts here, in the router
+            drafter = method.build(DraftContext(cfg.draft.spec, target.vocab_size))
         engine_config = EngineConfig(
             max_speculative_tokens=cfg.draft.max_speculative_tokens,
             num_speculative_tokens=cfg.draft.num_speculative_tokens,
         )
-        target = RemoteTarget(self.target_pool, self.tracer, self.metrics)
         self.max_seq_len = min(cfg.router.max_seq_len, target.max_seq_len)
         engine = SpecEngine(target, drafter, self.tokenizer.tokenizer, self.tokenizer.eos_token_ids, engine_config)
         if cfg.router.calibrate:
@@ -118,7 +118,7 @@ class Router:
         self.proposals = None
         if cfg.proposal_log is not None:
             log_cfg = cfg.proposal_log
-            self.proposals = ProposalLog(log_cfg.directory, log_cfg.sample_rate, cfg.target.model, draft_name or "none",
+            self.proposals = ProposalLog(log_cfg.directory, log_cfg.sample_rate, cfg.target.model, draft_name,
                                          log_cfg.max_bytes, log_cfg.backup_count, log_cfg.include_probs)
         admission = Admission(cfg.router.max_queued_requests, cfg.router.queue_timeout_s, cfg.router.request_timeout_s)
         self.scheduler = Scheduler(engine, admission, self._why_waiting)
@@ -164,12 +164,12 @@ class Router:
         cfg = self.config
         return pb.GetModelInfoResponse(
             target_model=cfg.target.model,
-            draft_model=(cfg.draft.model or "") if cfg.draft.method == "draft_model" else "",
+            draft_model=(cfg.draft.model or "") if cfg.draft.runs_draft_model else "",
             draft_method=cfg.draft.method,
             max_context_length=self.max_seq_len,
             vocab_size=len(self.tokenizer.tokenizer),
             tensor_parallel_size=cfg.target.tensor_parallel_size,
-            num_speculative_tokens=str(cfg.draft.num_speculative_tokens) if cfg.draft.method != "none" else "0",
+            num_speculative_tokens=str(cfg.draft.num_speculative_tokens) if cfg.draft.drafting is not None else "0",
             max_speculative_tokens=cfg.draft.max_speculative_tokens,
             default_max_tokens=cfg.router.default_max_tokens,
             eos_token_ids=sorted(self.tokenizer.eos_token_ids),
