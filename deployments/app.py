@@ -2,11 +2,13 @@
 
 `build_app(config)` is the one builder. `specdec serve CONFIG.yaml` calls it; so does Serve itself through
 `build` (import path `deployments.app:build`, the config as the application's `args`) for `serve run` and
-`serve deploy` with a Serve config file.
+`serve deploy` with a Serve config file. The router is handed `connect_router`, the wiring of its engine to the
+workers, which its replica runs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -17,14 +19,21 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 
 from deployments import registry
-from deployments.auth import ENV_TOKEN
+from deployments.auth import ENV_TOKEN, BearerAuth, load_public_token
 from deployments.config import Placement, ServeConfig, TargetConfig, parse_config
-from deployments.router import RouterDeployment
-from deployments.telemetry import otel_environment, setup_tracing
+from deployments.discovery import WorkerFollower, wait_for_workers
+from deployments.metrics import ServingMetrics
+from deployments.proposals import ProposalLog
+from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool
+from deployments.router import RouterDeployment, RouterParts
+from deployments.telemetry import RequestTracer, otel_environment, setup_tracing
 from deployments.workers import DraftServicer, TargetServicer, start_server
-from specdec_core.environment import auth_token
-from specdec_core.drafters.draft_model import DraftModelDrafter
+from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.build import prepare_draft, prepare_model
+from specdec_core.calibration import calibrate
+from specdec_core.drafters.base import DraftContext
+from specdec_core.engine import EngineConfig, SpecEngine
+from specdec_core.environment import auth_token
 from specdec_core.models.loader import load_tokenizer
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
@@ -133,15 +142,70 @@ class DraftWorker(_Worker):
         # Refuses to start with a mismatched pair.
         loaded = prepare_draft(cfg.draft.model, target.tokenizer, dtype=cfg.draft.dtype, device=cfg.draft.device,
                                quantization=cfg.draft.quantization)
-        target_vocab = _target_vocab_size(target)
+        target_vocab = max(_target_vocab_size(target), len(target.tokenizer))
         runner = ModelRunner(loaded.model, _runner_config(cfg, cfg.draft))
-        drafter = DraftModelDrafter(runner, max(target_vocab, len(target.tokenizer)))
+        drafter = cfg.draft.drafting.build(DraftContext(cfg.draft.spec, target_vocab, runner))
         self._serve(cfg, DraftServicer(drafter, cfg.draft.model, cfg.session_idle_timeout_s))
 
 
 def _target_vocab_size(target: Any) -> int:
     """The target's embedding rows (may exceed the tokenizer: q must cover every id the target scores)."""
     return int(target.hf_config.get("vocab_size") or len(target.tokenizer))
+
+
+def connect_router(config: dict[str, Any]) -> RouterParts:
+    """The router's parts for `config` (a `ServeConfig` as JSON), wired to the application's workers. Runs in the
+    router's replica: it waits for the workers to register, connects to them, builds the engine over them (the
+    drafter runs in the router for a method without a draft model) and calibrates it."""
+    cfg = parse_config(config)
+    setup_tracing(cfg.app_name)
+    tracer = RequestTracer(cfg.target.model, cfg.draft.label)
+    metrics = ServingMetrics(cfg.target.model, cfg.draft.label)
+    auth = BearerAuth(load_public_token(cfg.auth_token_file))
+    tokenizer = load_tokenizer(cfg.target.model)
+    timeout = cfg.router.rpc_timeout_s
+    secret = ray.get(registry.registry().secret.remote(cfg.app_name))  # the workers serve only its holders
+    start_s = cfg.router.worker_start_timeout_s
+    target_addresses = wait_for_workers(cfg.app_name, "target", cfg.target.num_replicas, start_s)
+    target_pool = ReplicaPool("target", target_addresses, wpb_grpc.TargetServiceStub, timeout, secret)
+    target = RemoteTarget(target_pool, tracer, metrics)
+    method, drafter, draft_pool = cfg.draft.drafting, None, None
+    if method is not None and method.runs_draft_model:
+        addresses = wait_for_workers(cfg.app_name, "draft", cfg.draft.num_replicas, start_s)
+        draft_pool = ReplicaPool("draft", addresses, wpb_grpc.DraftServiceStub, timeout, secret)
+        drafter = RemoteDrafter(draft_pool, tracer, metrics, timeout_s=cfg.router.draft_timeout_s)
+    elif method is not None:
+        drafter = method.build(DraftContext(cfg.draft.spec, target.vocab_size))
+    engine_config = EngineConfig(
+        max_speculative_tokens=cfg.draft.max_speculative_tokens,
+        num_speculative_tokens=cfg.draft.num_speculative_tokens,
+    )
+    engine = SpecEngine(target, drafter, tokenizer.tokenizer, tokenizer.eos_token_ids, engine_config)
+    if cfg.router.calibrate:
+        _calibrate(engine)
+    proposals = None
+    if cfg.proposal_log is not None:
+        log_cfg = cfg.proposal_log
+        proposals = ProposalLog(log_cfg.directory, log_cfg.sample_rate, cfg.target.model, cfg.draft.label,
+                                log_cfg.max_bytes, log_cfg.backup_count, log_cfg.include_probs)
+    pools = [pool for pool in (target_pool, draft_pool) if pool is not None]
+    return RouterParts(
+        config=cfg, engine=engine, tokenizer=tokenizer, auth=auth, tracer=tracer, metrics=metrics,
+        max_seq_len=min(cfg.router.max_seq_len, target.max_seq_len), target_pool=target_pool, draft_pool=draft_pool,
+        proposals=proposals, follower=WorkerFollower(cfg.app_name, pools, cfg.router.worker_refresh_s),
+    )
+
+
+def _calibrate(engine: SpecEngine) -> None:
+    """Round costs measured before the first request (the engine thread has not started yet). A failure costs
+    only the head start: `auto` then explores on live rounds."""
+    try:
+        done = calibrate(engine)
+    except Exception as exc:
+        log.warning("calibration failed, `auto` will measure costs on live rounds: %s", exc, exc_info=True)
+        return
+    log.info("calibrated round costs at batch sizes %s: %d rounds in %.1f s", list(done.batch_sizes), done.rounds,
+             done.seconds)
 
 
 def _actor_options(num_cpus: float, num_gpus: float = 0.0, resources: dict[str, float] | None = None,
@@ -176,7 +240,7 @@ def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
         _check_tensor_parallel(cfg.target)
     args = cfg.model_dump(mode="json")
     workers = [_deployment(TargetWorker, "TargetWorker", cfg.target, cfg.target.tensor_parallel_size).bind(args)]
-    if cfg.draft.method == "draft_model":
+    if cfg.draft.runs_draft_model:
         workers.append(_deployment(DraftWorker, "DraftWorker", cfg.draft).bind(args))
     scaling: dict[str, Any] = {"num_replicas": cfg.router.num_replicas}
     if cfg.router.autoscaling is not None:
@@ -186,7 +250,7 @@ def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
         max_ongoing_requests=cfg.router.max_ongoing_requests,
         **scaling,
     )
-    return router.bind(args, *workers)
+    return router.bind(functools.partial(connect_router, args), *workers)
 
 
 def _auth_environment() -> dict[str, str]:

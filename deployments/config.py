@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specdec_core.drafters import registry as drafters
+from specdec_core.drafters.base import DraftMethod, DraftSpec
 from specdec_core.errors import InvalidArgument
 
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -44,8 +46,9 @@ class TargetConfig(Placement):
 
 
 class DraftConfig(Placement):
-    method: Literal["draft_model", "ngram", "none"] = "draft_model"
-    model: str | None = None  # required for draft_model
+    # A registered drafting method (`specdec_core.drafters.registry`: draft_model, ngram), or none.
+    method: str = "draft_model"
+    model: str | None = None  # required by a method that runs a draft model (draft_model)
     dtype: Dtype = "bfloat16"
     device: Device = "cpu"
     quantization: Literal["none", "int8"] = "none"  # int8: CPU draft models only
@@ -54,15 +57,45 @@ class DraftConfig(Placement):
     ngram_max: int = Field(4, ge=1)
     ngram_min: int = Field(1, ge=1)
 
+    @field_validator("method")
+    @classmethod
+    def _registered(cls, method: str) -> str:
+        try:
+            drafters.resolve(method)
+        except InvalidArgument as exc:
+            raise ValueError(exc.message) from None  # it names every registered method
+        return method
+
     @model_validator(mode="after")
     def _consistent(self) -> "DraftConfig":
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("method draft_model needs draft.model")
+        if self.runs_draft_model and not self.model:
+            raise ValueError(f"method {self.method} needs draft.model")
         if isinstance(self.num_speculative_tokens, int) and not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens:
             raise ValueError(f"num_speculative_tokens must be in [0, {self.max_speculative_tokens}] or auto")
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must be <= ngram_max")
         return self
+
+    @property
+    def drafting(self) -> DraftMethod | None:
+        """The registered method; None for "none" (plain decoding)."""
+        return drafters.resolve(self.method)
+
+    @property
+    def runs_draft_model(self) -> bool:
+        """The method runs a draft model: the application deploys draft workers and the router drafts through them."""
+        drafting = self.drafting
+        return drafting is not None and drafting.runs_draft_model
+
+    @property
+    def spec(self) -> DraftSpec:
+        """The method and its options, as the engine's builders take them."""
+        return DraftSpec(self.method, ngram_max=self.ngram_max, ngram_min=self.ngram_min)
+
+    @property
+    def label(self) -> str:
+        """What metrics, traces and proposal records call the drafter: the draft model, else the method ("none")."""
+        return self.model if self.runs_draft_model and self.model else self.method
 
 
 class Autoscaling(_Strict):

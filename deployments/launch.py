@@ -58,6 +58,6 @@ def cpus_needed(config: ServeConfig) -> float:
     target = config.target
     total = target.num_cpus * target.tensor_parallel_size * target.num_replicas
     total += config.router.num_cpus * config.router.num_replicas
-    if config.draft.method == "draft_model":
+    if config.draft.runs_draft_model:
         total += config.draft.num_cpus * config.draft.num_replicas
     return total + 1

@@ -1,39 +1,38 @@
 """The router: the public GenerationService behind Ray Serve's gRPC proxy, and the draft -> verify rounds.
 
 Each router replica runs the engine (`SpecEngine`) over remote workers: the drafter and the target are gRPC
-clients of the worker deployments (`deployments.remote`), or an in-router n-gram drafter. The engine decides k,
-keeps the per-request randomness, stopping and text; the workers keep the caches and the models.
+clients of the worker deployments (`deployments.remote`), or the drafter of a method without a draft model (n-gram)
+runs in the router. The engine decides k, keeps the per-request randomness, stopping and text; the workers keep the
+caches and the models. The router is handed its engine (`RouterParts`); the wiring that needs Ray is
+`app.connect_router`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
-from typing import Any, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
 
 import grpc
-import ray
 from ray import serve
 
-from deployments import codec, registry
-from deployments.auth import BearerAuth, Unauthenticated, load_public_token
-from deployments.config import ServeConfig, parse_config
+from deployments import codec
+from deployments.auth import BearerAuth, Unauthenticated
+from deployments.config import ServeConfig
+from deployments.discovery import WorkerFollower
 from deployments.metrics import ServingMetrics
 from deployments.proposals import ProposalLog
-from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool, WorkerUnavailable
+from deployments.remote import ReplicaPool, WorkerUnavailable
 from deployments.scheduler import Admission, DeadlineExceeded, Scheduler
-from deployments.telemetry import RequestTracer, context_from_metadata, setup_tracing
+from deployments.telemetry import RequestTracer, context_from_metadata
 from specdec.v1 import generation_pb2 as pb
-from specdec.v1 import worker_pb2_grpc as wpb_grpc
-from specdec_core.calibration import calibrate
 from specdec_core.chat import encode_chat, encode_prompt
-from specdec_core.drafters.ngram import NgramDrafter
-from specdec_core.engine import EngineConfig, RequestOutput, SpecEngine
+from specdec_core.engine import RequestOutput, SpecEngine
 from specdec_core.errors import InvalidArgument, ResourceExhausted
-from specdec_core.models.loader import load_tokenizer
+from specdec_core.models.loader import LoadedTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -57,105 +56,58 @@ class RequestFailed(Exception):
     """Raised out of a handler after the status was set on the gRPC context."""
 
 
-def wait_for_workers(app: str, kind: str, expected: int, timeout_s: float) -> list[str]:
-    """Addresses of `kind` workers once `expected` replicas registered (fewer, at least one, at the timeout)."""
-    reg = registry.registry()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        addresses = ray.get(reg.addresses.remote(app, kind))
-        if len(addresses) >= expected or (addresses and time.monotonic() > deadline):
-            return addresses
-        if time.monotonic() > deadline:
-            raise WorkerUnavailable(f"no {kind} worker registered within {timeout_s:.0f} s")
-        time.sleep(0.5)
+@dataclass(frozen=True)
+class RouterParts:
+    """What a router serves with. The engine is idle (calibrated or not): from here on only the router's engine
+    thread (`Scheduler`) runs it."""
 
-
-def _calibrate(engine: SpecEngine) -> None:
-    """Round costs measured before the first request (the engine thread has not started yet). A failure costs
-    only the head start: `auto` then explores on live rounds."""
-    try:
-        done = calibrate(engine)
-    except Exception as exc:
-        log.warning("calibration failed, `auto` will measure costs on live rounds: %s", exc, exc_info=True)
-        return
-    log.info("calibrated round costs at batch sizes %s: %d rounds in %.1f s", list(done.batch_sizes), done.rounds,
-             done.seconds)
+    config: ServeConfig
+    engine: SpecEngine
+    tokenizer: LoadedTokenizer  # the target's: prompts are encoded, and prompt token ids checked, with it
+    auth: BearerAuth
+    tracer: RequestTracer
+    metrics: ServingMetrics
+    max_seq_len: int  # what GetModelInfo reports: router.max_seq_len, capped by the target's
+    target_pool: ReplicaPool | None = None  # the workers the engine's target and drafter call, when remote
+    draft_pool: ReplicaPool | None = None
+    proposals: ProposalLog | None = None
+    follower: WorkerFollower | None = None  # keeps the pools' replicas current; stopped with the router
 
 
 class Router:
-    """GenerationService: Generate, GenerateStream, GetModelInfo."""
+    """GenerationService: Generate, GenerateStream, GetModelInfo, over the parts that `make_parts` builds.
 
-    def __init__(self, config: dict[str, Any], *worker_handles: Any) -> None:
+    `build_app` binds `app.connect_router` with the config: the wiring that needs Ray (the registry, the workers'
+    addresses, calibration over them). A factory rather than the parts themselves: an engine over remote workers
+    holds gRPC channels and threads, so it is built in the router's replica, not where the application is built.
+    A test hands a factory of parts around an in-process engine, and needs no cluster."""
+
+    def __init__(self, make_parts: Callable[[], RouterParts], *worker_handles: Any) -> None:
         # The worker handles are only bound so that Serve deploys the workers with the router.
-        self.config: ServeConfig = parse_config(config)
+        parts = make_parts()
+        self.config: ServeConfig = parts.config
         cfg = self.config
-        setup_tracing(cfg.app_name)
-        draft_name = cfg.draft.model if cfg.draft.method == "draft_model" else cfg.draft.method
-        self.tracer = RequestTracer(cfg.target.model, draft_name or "none")
-        self.metrics = ServingMetrics(cfg.target.model, draft_name or "none")
-        self.auth = BearerAuth(load_public_token(cfg.auth_token_file))
-        self.tokenizer = load_tokenizer(cfg.target.model)
-        timeout = cfg.router.rpc_timeout_s
-        secret = ray.get(registry.registry().secret.remote(cfg.app_name))  # the workers serve only its holders
-        target_addresses = wait_for_workers(cfg.app_name, "target", cfg.target.num_replicas, cfg.router.worker_start_timeout_s)
-        self.target_pool = ReplicaPool("target", target_addresses, wpb_grpc.TargetServiceStub, timeout, secret)
-        drafter = None
-        self.draft_pool = None
-        if cfg.draft.method == "draft_model":
-            addresses = wait_for_workers(cfg.app_name, "draft", cfg.draft.num_replicas, cfg.router.worker_start_timeout_s)
-            self.draft_pool = ReplicaPool("draft", addresses, wpb_grpc.DraftServiceStub, timeout, secret)
-            drafter = RemoteDrafter(self.draft_pool, self.tracer, self.metrics, timeout_s=cfg.router.draft_timeout_s)
-        elif cfg.draft.method == "ngram":
-            drafter = NgramDrafter(max_n=cfg.draft.ngram_max, min_n=cfg.draft.ngram_min)
-        engine_config = EngineConfig(
-            max_speculative_tokens=cfg.draft.max_speculative_tokens,
-            num_speculative_tokens=cfg.draft.num_speculative_tokens,
-        )
-        target = RemoteTarget(self.target_pool, self.tracer, self.metrics)
-        self.max_seq_len = min(cfg.router.max_seq_len, target.max_seq_len)
-        engine = SpecEngine(target, drafter, self.tokenizer.tokenizer, self.tokenizer.eos_token_ids, engine_config)
-        if cfg.router.calibrate:
-            _calibrate(engine)
-        self.proposals = None
-        if cfg.proposal_log is not None:
-            log_cfg = cfg.proposal_log
-            self.proposals = ProposalLog(log_cfg.directory, log_cfg.sample_rate, cfg.target.model, draft_name or "none",
-                                         log_cfg.max_bytes, log_cfg.backup_count, log_cfg.include_probs)
+        self.tracer = parts.tracer
+        self.metrics = parts.metrics
+        self.auth = parts.auth
+        self.tokenizer = parts.tokenizer
+        self.max_seq_len = parts.max_seq_len
+        self.target_pool = parts.target_pool
+        self.draft_pool = parts.draft_pool
+        self.proposals = parts.proposals
+        self._follower = parts.follower
         admission = Admission(cfg.router.max_queued_requests, cfg.router.queue_timeout_s, cfg.router.request_timeout_s)
-        self.scheduler = Scheduler(engine, admission, self._why_waiting)
+        self.scheduler = Scheduler(parts.engine, admission, self._why_waiting)
         self._tag = uuid.uuid4().hex[:8]
-        self._refresher = threading.Thread(target=self._follow_workers, name="follow-workers", daemon=True)
-        self._refresher.start()
-        log.info("router %s ready: %d target, %d draft replicas", self._tag, len(target_addresses),
+        log.info("router %s ready: %d target, %d draft replicas", self._tag,
+                 len(self.target_pool.replicas) if self.target_pool else 0,
                  len(self.draft_pool.replicas) if self.draft_pool else 0)
 
     def _why_waiting(self) -> Exception:
         """What a request that waited out the queue timeout is told."""
-        if not self.target_pool.has_usable:
+        if self.target_pool is not None and not self.target_pool.has_usable:
             return WorkerUnavailable("no target worker is available (a replacement may be starting); retry later")
         return ResourceExhausted("kv_cache", "no KV cache slot came free within router.queue_timeout_s; retry later")
-
-    def _follow_workers(self) -> None:
-        """Replicas come and go (autoscaling, restarts): re-read the registry now and then, and soon after a
-        replica failed (its replacement registers under a new address)."""
-        reg = registry.registry()
-        app = self.config.app_name
-        pools = [p for p in (self.target_pool, self.draft_pool) if p is not None]
-        while not self.scheduler.closed:
-            deadline = time.monotonic() + self.config.router.worker_refresh_s
-            while time.monotonic() < deadline and not any(p.failure.is_set() for p in pools):
-                time.sleep(0.2)
-            failed = any(p.failure.is_set() for p in pools)
-            for pool in pools:
-                pool.failure.clear()
-            if failed:
-                time.sleep(1.0)  # let Serve notice the death and the replacement register
-            try:
-                self.target_pool.update(ray.get(reg.addresses.remote(app, "target")))
-                if self.draft_pool is not None:
-                    self.draft_pool.update(ray.get(reg.addresses.remote(app, "draft")))
-            except Exception:
-                log.warning("could not refresh the worker list", exc_info=True)
 
     # -- GenerationService -------------------------------------------------------------------------------------
 
@@ -165,12 +117,12 @@ class Router:
         cfg = self.config
         return pb.GetModelInfoResponse(
             target_model=cfg.target.model,
-            draft_model=(cfg.draft.model or "") if cfg.draft.method == "draft_model" else "",
+            draft_model=(cfg.draft.model or "") if cfg.draft.runs_draft_model else "",
             draft_method=cfg.draft.method,
             max_context_length=self.max_seq_len,
             vocab_size=len(self.tokenizer.tokenizer),
             tensor_parallel_size=cfg.target.tensor_parallel_size,
-            num_speculative_tokens=str(cfg.draft.num_speculative_tokens) if cfg.draft.method != "none" else "0",
+            num_speculative_tokens=str(cfg.draft.num_speculative_tokens) if cfg.draft.drafting is not None else "0",
             max_speculative_tokens=cfg.draft.max_speculative_tokens,
             default_max_tokens=cfg.router.default_max_tokens,
             eos_token_ids=sorted(self.tokenizer.eos_token_ids),
@@ -245,9 +197,9 @@ class Router:
             self.metrics.round(info.k, len(info.proposed_token_ids), info.num_accepted)
         if output.finished:
             self.metrics.finished(output, times[0], times[1])
-        self.metrics.slots_in_use("target", sum(len(r.sessions) for r in self.target_pool.replicas))
-        if self.draft_pool is not None:
-            self.metrics.slots_in_use("draft", sum(len(r.sessions) for r in self.draft_pool.replicas))
+        for pool in (self.target_pool, self.draft_pool):
+            if pool is not None:
+                self.metrics.slots_in_use(pool.kind, sum(len(r.sessions) for r in pool.replicas))
 
     def _prompt_ids(self, prompt: codec.Prompt) -> list[int]:
         if prompt.token_ids is not None:
@@ -282,13 +234,20 @@ class Router:
         grpc_context.set_details(details)
         raise RequestFailed(details)
 
-    def __del__(self) -> None:
+    def close(self) -> None:
+        """Stop following the workers and the engine thread (which ends the requests it holds); close the log."""
+        follower = getattr(self, "_follower", None)
+        if follower is not None:
+            follower.stop()
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:
             scheduler.close()
         proposals = getattr(self, "proposals", None)
         if proposals is not None:
             proposals.close()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 RouterDeployment = serve.deployment(Router, name="Router")

@@ -249,8 +249,8 @@ class CostModel:
 
 @dataclass(frozen=True)
 class AdaptivePolicy:
-    max_k: int = 8
-    explore_up_to: int = 4  # measure the verify cost of k = 1..this per batch-size bucket before choosing
+    max_k: int = 8  # the largest k chosen (an engine sets it to its max_speculative_tokens)
+    explore_up_to: int = 4  # measure the verify cost of k = 1..this (<= max_k) per batch-size bucket before choosing
     explore_samples: int = 3  # ... this many times each: one timing on a shared machine can mislead
     probe_every: int = 8
 
@@ -261,6 +261,12 @@ class AdaptivePolicy:
     # gave the same time per output token as plain decoding and a longer time to first token.
     margin_per_sequence: float = 0.02
     max_margin: float = 0.25
+
+    @property
+    def explore_k(self) -> int:
+        """The largest k explored, and measured by calibration: explore_up_to, within max_k (a k never chosen
+        would never be measured, and its bucket would stay unexplored)."""
+        return min(self.explore_up_to, self.max_k)
 
     def required_gain(self, batch_size: int) -> float:
         return min(self.max_margin, self.margin + self.margin_per_sequence * max(0, batch_size - 1))
@@ -279,18 +285,18 @@ class AdaptivePolicy:
         read of the context they have that it has not seen); `horizon`: output tokens the batch's rows have left,
         over which that one-time cost is spread."""
         catch_up = (catch_up_s, horizon)
-        explore = costs.unmeasured_k(batch_size, min(self.explore_up_to, self.max_k), self.explore_samples)
+        explore = costs.unmeasured_k(batch_size, self.explore_k, self.explore_samples)
         if explore is not None:
             # Exploring a batch size costs every row a draft prefill and wider verifies. Where costs carried over
             # from a measured batch size already say speculation cannot pay, skip it. Carrying needs plain
             # decoding's cost here: measure it first (one plain round) where another batch size is explored.
-            explored_elsewhere = any(costs.unmeasured_k(b, self.explore_up_to, self.explore_samples) is None
+            explored_elsewhere = any(costs.unmeasured_k(b, self.explore_k, self.explore_samples) is None
                                      for b in costs.verify)
             if explored_elsewhere and 1 not in costs.verify.get(_bucket(batch_size), {}):
                 return 0
         judged = self._judging_costs(costs, batch_size)
         if judged is None:
-            return explore if explore is not None else min(self.explore_up_to, self.max_k)
+            return explore if explore is not None else self.explore_k
         if explore is not None and self._best(rows, judged, batch_size, catch_up) > 0:
             return explore
         costs = judged
@@ -315,8 +321,8 @@ class AdaptivePolicy:
     def _judging_costs(self, costs: CostModel, batch_size: int) -> CostModel | None:
         """The costs to judge `batch_size` by: those measured there once it is explored, else those carried from
         an explored batch size; None where neither is known yet."""
-        if costs.unmeasured_k(batch_size, min(self.explore_up_to, self.max_k), self.explore_samples) is not None:
-            return costs.carried_to(batch_size, self.explore_up_to, self.explore_samples)
+        if costs.unmeasured_k(batch_size, self.explore_k, self.explore_samples) is not None:
+            return costs.carried_to(batch_size, self.explore_k, self.explore_samples)
         if costs.draft_cost(batch_size, 1) is None or costs.verify_cost(batch_size, 1) is None:
             return None
         return costs

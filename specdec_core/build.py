@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from specdec_core.config import AUTO
-from specdec_core.drafters.base import Drafter
-from specdec_core.drafters.draft_model import DraftModelDrafter
-from specdec_core.drafters.ngram import NgramDrafter
+from specdec_core.drafters import registry
+from specdec_core.drafters.base import DraftContext, DraftSpec
 from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.errors import InvalidArgument
 from specdec_core.kernels.cpu import quantize_draft_int8, use_cpu_kernels
@@ -22,15 +20,6 @@ from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DraftSpec:
-    """How to draft. `method`: draft_model (the loaded draft is passed to `build_engine`), ngram, or none."""
-
-    method: str = "draft_model"
-    ngram_max: int = 4
-    ngram_min: int = 1
 
 
 DRAFT_QUANTIZATIONS = ("none", "int8")
@@ -93,22 +82,6 @@ def load_pair(
                                        quantization=draft_quantization)
 
 
-def _draft_model(spec: DraftSpec, draft: LoadedModel | None, runner_config: RunnerConfig, vocab: int) -> Drafter:
-    if draft is None:
-        raise InvalidArgument("draft.model", "method draft_model needs a draft model")
-    return DraftModelDrafter(ModelRunner(draft.model, runner_config), vocab)
-
-
-def _ngram(spec: DraftSpec, draft: LoadedModel | None, runner_config: RunnerConfig, vocab: int) -> Drafter:
-    return NgramDrafter(max_n=spec.ngram_max, min_n=spec.ngram_min)
-
-
-DRAFTERS: dict[str, Callable[[DraftSpec, LoadedModel | None, RunnerConfig, int], Drafter]] = {
-    "draft_model": _draft_model,
-    "ngram": _ngram,
-}
-
-
 def build_engine(
     target: LoadedModel,
     draft: LoadedModel | None,
@@ -118,13 +91,17 @@ def build_engine(
     num_speculative_tokens: int | str = AUTO,
     max_speculative_tokens: int = 8,
 ) -> SpecEngine:
-    """An engine over `target`, drafting as `spec` says (method "none": plain decoding only)."""
+    """An engine over `target`, drafting as `spec` says (`drafters.registry`; method "none": plain decoding only).
+    `draft`: the loaded draft model, for a method that runs one."""
     runner = ModelRunner(target.model, runner_config)
+    method = registry.resolve(spec.method)
     drafter = None
-    if spec.method != "none":
-        factory = DRAFTERS.get(spec.method)
-        if factory is None:
-            raise InvalidArgument("draft.method", f"unknown method {spec.method!r}; choose {sorted(DRAFTERS)} or none")
-        drafter = factory(spec, draft, runner_config, runner.vocab_size)
+    if method is not None:
+        draft_runner = None
+        if method.runs_draft_model:
+            if draft is None:
+                raise InvalidArgument("draft.model", f"method {method.name} needs a draft model")
+            draft_runner = ModelRunner(draft.model, runner_config)
+        drafter = method.build(DraftContext(spec, runner.vocab_size, draft_runner))
     config = EngineConfig(max_speculative_tokens=max_speculative_tokens, num_speculative_tokens=num_speculative_tokens)
     return SpecEngine(LocalTarget(runner), drafter, target.tokenizer, target.eos_token_ids, config)

@@ -66,7 +66,7 @@ def calibrate(engine: SpecEngine, max_batch: int | None = None, context: int = 6
     if engine.has_work:
         raise RuntimeError("calibrate an idle engine: its rounds would be shared with requests")
     policy = engine.config.policy
-    up_to = min(policy.explore_up_to, engine.config.max_speculative_tokens) if engine.drafter is not None else 0
+    up_to = policy.explore_k if engine.drafter is not None else 0  # what `auto` would explore
     samples = policy.explore_samples if samples is None else samples
     free = engine.target.free_slots
     sizes = batch_sizes(free if max_batch is None else min(free, max_batch))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -33,7 +33,13 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     max_speculative_tokens: int = 8  # the largest k a request may ask for or `auto` may choose
     num_speculative_tokens: int | str = AUTO  # default for requests that do not say
+    # How `auto` chooses k. Its `max_k` is set to max_speculative_tokens here, whatever the policy passed says: the
+    # largest k `auto` considers, and the longest a fixed k is priced at, is the largest a request may ask for.
     policy: AdaptivePolicy = AdaptivePolicy()
+
+    def __post_init__(self) -> None:
+        if self.policy.max_k != self.max_speculative_tokens:
+            object.__setattr__(self, "policy", replace(self.policy, max_k=self.max_speculative_tokens))
 
 
 @dataclass(frozen=True)

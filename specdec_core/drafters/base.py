@@ -3,16 +3,22 @@
 A drafter sees each sequence's committed tokens and proposes up to k more. It may keep state per sequence (a
 draft model keeps a KV cache) and learns which of its proposals were kept through `observe`, which gives the new
 committed length: state past that length must be rolled back.
+
+Each drafting method also describes itself (`DraftMethod`), in its own file, for the registry
+(`drafters.registry`) that the in-process builder, the router and the Serve application choose from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
 from specdec_core.config import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec_core.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -68,3 +74,34 @@ class Drafter(Protocol):
 
     def release(self, seq_id: str) -> None:
         """The sequence is finished or cancelled: free its state (idempotent)."""
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """How to draft: a method's name (`drafters.registry`: a registered method, or "none" for plain decoding) and
+    the options the methods read."""
+
+    method: str = "draft_model"
+    ngram_max: int = 4  # ngram: the longest n-gram looked up
+    ngram_min: int = 1  # ngram: the shortest
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a method's factory builds its in-process drafter from."""
+
+    spec: DraftSpec
+    target_vocab_size: int  # the target's embedding rows: q must cover every id the target scores
+    runner: ModelRunner | None = None  # the loaded draft model's runner, for a method that runs a draft model
+
+
+@dataclass(frozen=True)
+class DraftMethod:
+    """A drafting method as the builder, the router and the Serve application see it."""
+
+    name: str  # its `draft.method` value in configs: a contract, never renamed
+    # It runs a draft model: the in-process builder loads one and hands `build` its runner; the service deploys
+    # draft workers, which run `build`'s drafter, and the router reaches them remotely. Otherwise `build`'s
+    # drafter runs wherever the engine does (in the router, when served).
+    runs_draft_model: bool
+    build: Callable[[DraftContext], Drafter]

@@ -6,7 +6,8 @@ from typing import Sequence
 
 import torch
 
-from specdec_core.drafters.base import DraftRequest, Proposal
+from specdec_core.drafters.base import DraftContext, DraftMethod, DraftRequest, Proposal
+from specdec_core.errors import InvalidArgument
 from specdec_core.runner import ModelRunner
 from specdec_core.sampling import processed_probs, sample_from, token_probs
 
@@ -132,6 +133,15 @@ class DraftModelDrafter:
             picked[j] = token
             probs[j] = row
         return picked, probs
+
+
+def _build(context: DraftContext) -> DraftModelDrafter:
+    if context.runner is None:
+        raise InvalidArgument("draft.model", f"method {DraftModelDrafter.name} needs a draft model")
+    return DraftModelDrafter(context.runner, context.target_vocab_size)
+
+
+METHOD = DraftMethod(DraftModelDrafter.name, runs_draft_model=True, build=_build)
 
 
 def _picked_probs(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from specdec_core.drafters.base import DraftRequest, Proposal
+from specdec_core.drafters.base import DraftContext, DraftMethod, DraftRequest, Proposal
 
 
 @dataclass
@@ -70,3 +70,10 @@ class NgramDrafter:
                 if end + 1 >= n:
                     grams[tuple(tokens[end + 1 - n : end + 1])] = end
         index.indexed_upto = max(index.indexed_upto, len(tokens) - 1)
+
+
+def _build(context: DraftContext) -> NgramDrafter:
+    return NgramDrafter(max_n=context.spec.ngram_max, min_n=context.spec.ngram_min)
+
+
+METHOD = DraftMethod(NgramDrafter.name, runs_draft_model=False, build=_build)

@@ -48,8 +48,8 @@ def _offline(args: argparse.Namespace) -> int:
 
     config = OfflineBenchConfig(
         target=args.target,
+        method="ngram" if args.ngram else "draft_model",  # the flags name the registry's methods
         draft=args.draft,
-        ngram=args.ngram,
         prompts=args.prompts,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

@@ -1,5 +1,5 @@
 """transformers' own generation, timed on the same prompts: plain `generate`, and assisted generation with the
-draft model (`assistant_model=`) or prompt lookup (`prompt_lookup_num_tokens=`) when drafting by n-grams."""
+draft model (`assistant_model=`) or, for a method without one (n-grams), prompt lookup (`prompt_lookup_num_tokens=`)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def run_hf_comparison(config: Any, target: LoadedModel, draft: LoadedModel | Non
                       bar: tqdm) -> dict[str, Any]:
     dtype = next(target.model.parameters()).dtype
     hf_target = _load_hf(target, dtype)
-    if config.ngram:
+    if draft is None:  # model-free drafting: transformers' nearest is prompt lookup
         extra = {"prompt_lookup_num_tokens": config.prompt_lookup_num_tokens}
     else:
         assistant = _load_hf(draft, dtype)
@@ -68,7 +68,7 @@ def run_hf_comparison(config: Any, target: LoadedModel, draft: LoadedModel | Non
     assisted_tokens, assisted_s, _ = _generate_all(hf_target, prompts, config, bar, **extra)
     plain_tps, assisted_tps = plain_tokens / plain_s, assisted_tokens / assisted_s
     return {
-        "hf_method": "prompt_lookup" if config.ngram else "assistant_model",
+        "hf_method": "prompt_lookup" if draft is None else "assistant_model",
         "hf_target_tokens_per_s": plain_tps,
         "hf_assisted_tokens_per_s": assisted_tps,
         "hf_assisted_speedup": assisted_tps / plain_tps,

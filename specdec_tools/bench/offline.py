@@ -20,6 +20,7 @@ from tqdm import tqdm
 from specdec_core.build import DraftSpec, build_engine, load_pair
 from specdec_core.chat import encode_prompt
 from specdec_core.config import SamplingParams, parse_num_speculative_tokens
+from specdec_core.drafters import registry
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
 from specdec_core.kernels.cpu import kernel_info
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class OfflineBenchConfig:
     target: str
-    draft: str | None
-    ngram: bool
+    draft: str | None  # the draft model, for a method that runs one
+    method: str  # a drafting method (`specdec_core.drafters.registry`); --draft: draft_model, --ngram: ngram
     prompts: Path
     max_new_tokens: int
     temperature: float = 0.0
@@ -129,7 +130,8 @@ def first_divergence(target: LoadedModel, prompt: list[int], expected: list[int]
 def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
     if config.max_new_tokens <= 0:
         raise InvalidArgument("max_new_tokens", f"must be > 0, got {config.max_new_tokens}")
-    if (config.draft is None) == (not config.ngram):
+    method = registry.resolve(config.method)
+    if method is None or method.runs_draft_model != (config.draft is not None):
         raise InvalidArgument("draft", "give exactly one of --draft PATH|NAME or --ngram")
     k = parse_num_speculative_tokens(config.num_speculative_tokens, 16)
     SamplingParams(temperature=config.temperature, seed=config.seed, max_tokens=config.max_new_tokens)
@@ -144,8 +146,8 @@ def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
         for i in range(len(prompts))
     ]
     runner_config = RunnerConfig(num_slots=1, max_seq_len=min(config.max_seq_len, max(map(len, prompts)) + config.max_new_tokens + 1))
-    spec = DraftSpec(method="ngram" if config.ngram else "draft_model")
-    plain_engine = build_engine(target, None, DraftSpec(method="none"), runner_config=runner_config)
+    spec = DraftSpec(method=config.method)
+    plain_engine = build_engine(target, None, DraftSpec(method=registry.NONE), runner_config=runner_config)
     spec_engine = build_engine(target, draft, spec, runner_config=runner_config, max_speculative_tokens=16)
 
     modes = 2 + (2 if config.compare_hf else 0)
@@ -181,7 +183,7 @@ def _report(config: OfflineBenchConfig, target: LoadedModel, prompts: list[list[
         })
     return {
         "target": config.target,
-        "draft": config.draft if not config.ngram else "ngram",
+        "draft": config.draft if config.draft is not None else config.method,
         "draft_quantization": config.draft_quantization,
         "dtype": config.dtype,
         "device": config.device,

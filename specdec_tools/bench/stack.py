@@ -120,7 +120,7 @@ def _worker_stubs(config: Any) -> list[Any]:
     reg = registry.registry()
     stubs = []
     kinds = [("target", wpb_grpc.TargetServiceStub)]
-    if config.draft.method == "draft_model":
+    if config.draft.runs_draft_model:
         kinds.append(("draft", wpb_grpc.DraftServiceStub))
     for kind, stub_type in kinds:
         for address in ray.get(reg.addresses.remote(config.app_name, kind)):
@@ -167,8 +167,8 @@ def _offline(config: Any, prompts: Path, max_new_tokens: int, temperature: float
     draft = config.draft
     offline = run_offline_bench(OfflineBenchConfig(
         target=config.target.model,
-        draft=draft.model if draft.method == "draft_model" else None,
-        ngram=draft.method == "ngram",
+        method=draft.method,
+        draft=draft.model if draft.runs_draft_model else None,
         prompts=prompts,
         max_new_tokens=max_new_tokens,
         temperature=temperature,

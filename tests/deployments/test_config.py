@@ -36,6 +36,29 @@ def test_bad_values_name_the_key(config, field):
     assert field in str(err.value)
 
 
+def test_an_unknown_drafting_method_is_refused_naming_the_registered_ones():
+    with pytest.raises(InvalidArgument) as err:
+        parse_config({"target": {"model": "m"}, "draft": {"method": "beam"}})
+    assert "draft.method" in str(err.value)
+    assert all(name in str(err.value) for name in ("draft_model", "ngram", "none"))
+
+
+@pytest.mark.parametrize(
+    "draft, workers, label",
+    [
+        ({"method": "draft_model", "model": "d"}, True, "d"),
+        ({"method": "ngram"}, False, "ngram"),
+        ({"method": "none"}, False, "none"),
+    ],
+)
+def test_the_method_decides_whether_draft_workers_run(draft, workers, label):
+    from deployments.launch import cpus_needed
+
+    config = parse_config({"target": {"model": "m", "num_cpus": 2}, "draft": {**draft, "num_cpus": 4}})
+    assert config.draft.runs_draft_model is workers and config.draft.label == label
+    assert cpus_needed(config) == 2 + 0.5 + (4 if workers else 0) + 1  # target, router, draft workers, Serve
+
+
 @pytest.mark.parametrize("path", sorted(p for p in CONFIGS.glob("*.yaml") if not p.name.startswith("serve_")))
 def test_example_configs_load(path):
     config = load_config(path)

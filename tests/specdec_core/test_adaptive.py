@@ -93,6 +93,24 @@ def test_explores_each_small_k_a_few_times_per_batch_size():
     assert policy.choose(AcceptanceEstimate(), costs, 4) == 1
 
 
+def test_a_policy_capped_below_explore_up_to_explores_to_its_cap_and_carries_from_there():
+    """max_k 2 (draft.max_speculative_tokens: 2) under explore_up_to 4: k = 1..2 are explored, and a batch size
+    explored that far lends its costs to a new one, which is then explored only where they say it may pay."""
+    costs, policy = CostModel(), AdaptivePolicy(max_k=2, explore_samples=2)
+    assert policy.explore_up_to == 4 and policy.explore_k == 2
+    costs.observe_verify(1, 1, 0.1)  # a plain round
+    chosen = []
+    for _ in range(4):
+        k = policy.choose(AcceptanceEstimate(), costs, 1)
+        chosen.append(k)
+        costs.observe_draft(1, k, 0.01 * k)
+        costs.observe_verify(1, k + 1, 0.1 + 0.01 * k)
+    assert chosen == [1, 1, 2, 2]
+    costs.observe_verify(4, 1, 0.15)  # a plain round at the new batch size
+    assert policy.choose(_estimate(0.0), costs, 4) == 0  # carried costs: drafts never accepted cannot pay
+    assert policy.choose(_estimate(1.0), costs, 4) == 1  # ... always accepted may: explore
+
+
 def test_picks_the_k_where_verification_cost_jumps():
     """Verify cost flat up to 3 tokens, then a step (as CPU GEMM row blocking gives): k = 2 wins."""
     costs = CostModel()

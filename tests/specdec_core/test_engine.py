@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec_core.adaptive import CostModel
+from specdec_core.adaptive import AcceptanceEstimate, CostModel
 from specdec_core.config import MIN_TEMPERATURE, SamplingParams
 from specdec_core.errors import InvalidArgument
 from specdec_core.stopping import FinishReason
@@ -257,6 +257,31 @@ def test_drafts_are_not_started_for_a_batch_about_to_grow_past_where_they_pay(ti
         engine.add_request(name, _ids(tiny_target, PROMPTS[1]), params, "auto")
     engine.step(), engine.step()
     assert [seq_id for seq_id, _ in recorder.started] == ([] if joining else ["first"])
+
+
+def _nearly_free_verification(explore_samples: int) -> CostModel:
+    """Measured costs at one sequence under which every further draft pays: a verify of 17 tokens a row costs
+    about what one does, and a draft step almost nothing."""
+    costs = CostModel()
+    for tokens in range(1, 18):
+        for _ in range(explore_samples):  # enough samples that nothing is left to explore
+            costs.observe_verify(1, tokens, 0.1 + 1e-4 * tokens)
+    for k in range(1, 17):
+        costs.observe_draft(1, k, 1e-4 * k)
+    return costs
+
+
+@pytest.mark.parametrize("largest", [16, 5])
+def test_auto_chooses_up_to_the_engines_max_speculative_tokens_and_no_further(tiny_target, largest):
+    """`auto` considers every k a request may ask for (max_speculative_tokens, up to 16 in the config): where
+    drafts are nearly always accepted and verification is nearly free, the largest allowed is best."""
+    engine = make_engine(tiny_target, tiny_target.model, max_speculative_tokens=largest)
+    engine.costs = _nearly_free_verification(engine.config.policy.explore_samples)
+    engine.acceptance = AcceptanceEstimate.starting_at(0.99, weight=1e6)  # where a new request's estimate starts
+    engine.add_request("r", _ids(tiny_target, PROMPTS[0]), SamplingParams(max_tokens=40, ignore_eos=True), "auto")
+    engine.step()  # admission: prefill only
+    (output,) = engine.step()
+    assert output.round.k == largest
 
 
 def test_a_drafter_that_cannot_start_a_sequence_costs_speculation_not_the_request(tiny_target):

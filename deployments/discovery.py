@@ -1,0 +1,64 @@
+"""Finding the workers: the addresses their replicas registered (`deployments.registry`), waited for when a router
+starts and followed while it serves, for the router's replica pools (`deployments.remote.ReplicaPool`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Sequence
+
+import ray
+
+from deployments import registry
+from deployments.remote import ReplicaPool, WorkerUnavailable
+
+log = logging.getLogger(__name__)
+
+
+def wait_for_workers(app: str, kind: str, expected: int, timeout_s: float) -> list[str]:
+    """Addresses of `kind` workers once `expected` replicas registered (fewer, at least one, at the timeout)."""
+    reg = registry.registry()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        addresses = ray.get(reg.addresses.remote(app, kind))
+        if len(addresses) >= expected or (addresses and time.monotonic() > deadline):
+            return addresses
+        if time.monotonic() > deadline:
+            raise WorkerUnavailable(f"no {kind} worker registered within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+class WorkerFollower:
+    """Replicas come and go (autoscaling, restarts): re-read the registry every `refresh_s`, and soon after a
+    replica of a pool failed (its replacement registers under a new address). Each pool follows the workers of its
+    `kind`. Runs on a thread of its own from construction until `stop`."""
+
+    def __init__(self, app: str, pools: Sequence[ReplicaPool], refresh_s: float) -> None:
+        self.app = app
+        self.pools = list(pools)
+        self.refresh_s = refresh_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="follow-workers", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        reg = registry.registry()
+        while not self._stop.is_set():
+            deadline = time.monotonic() + self.refresh_s
+            while time.monotonic() < deadline and not any(p.failure.is_set() for p in self.pools):
+                if self._stop.wait(0.2):
+                    return
+            failed = any(p.failure.is_set() for p in self.pools)
+            for pool in self.pools:
+                pool.failure.clear()
+            if failed:
+                time.sleep(1.0)  # let Serve notice the death and the replacement register
+            try:
+                for pool in self.pools:
+                    pool.update(ray.get(reg.addresses.remote(self.app, pool.kind)))
+            except Exception:
+                log.warning("could not refresh the worker list", exc_info=True)

@@ -1,0 +1,198 @@
+"""The router's request logic without Ray: a real engine over the tiny models, handed to the router as its parts.
+
+Only the gRPC servicer context is a stand-in (the metadata in, the status out), as grpc.aio hands the handlers
+one. The target's verify rounds can be gated, so that a test decides how far a request gets: a cancelled request
+is then freed by the cancellation, never by running to its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from deployments.auth import BearerAuth
+from deployments.config import parse_config
+from deployments.metrics import ServingMetrics
+from deployments.router import RequestFailed, Router, RouterParts
+from deployments.telemetry import RequestTracer
+from specdec.v1 import generation_pb2 as pb
+from specdec_core.config import SamplingParams
+from specdec_core.drafters.base import DraftContext
+from specdec_core.engine import EngineConfig, SpecEngine
+from specdec_core.models.loader import load_tokenizer
+from specdec_core.runner import ModelRunner, RunnerConfig
+from specdec_core.target import LocalTarget
+from tests.helpers import make_engine, run_to_completion
+
+TOKEN = "router-test-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+PROMPT = list(range(5, 30))
+SLOTS = 4
+WAIT_S = 60.0  # a bound for what takes milliseconds: reached only when the router is broken
+
+
+class Context:
+    """What the router uses of a gRPC servicer context: the call's metadata in, its status out."""
+
+    def __init__(self, metadata=()) -> None:
+        self.metadata = tuple(metadata)
+        self.code: grpc.StatusCode | None = None
+        self.details: str | None = None
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+
+class GatedTarget(LocalTarget):
+    """The tiny target, whose verify rounds each take a permit when gated: prefills run, rounds wait."""
+
+    def __init__(self, runner: ModelRunner, gated: bool) -> None:
+        super().__init__(runner)
+        self.gated = gated
+        self.permits = threading.Semaphore(0)
+
+    def verify(self, items):
+        if self.gated:
+            self.permits.acquire()
+        return super().verify(items)
+
+
+@pytest.fixture()
+def make_router(tiny_dir, near_draft_dir, pair):
+    """make_router(gated=False) -> (router, engine): the service's config for the tiny pair, its drafter built
+    through the registry as a router builds an in-process one, and the router over them."""
+    routers = []
+
+    def make(gated: bool = False) -> tuple[Router, SpecEngine]:
+        config = parse_config({
+            "target": {"model": str(tiny_dir / "target"), "dtype": "float32"},
+            "draft": {"method": "draft_model", "model": str(near_draft_dir), "dtype": "float32",
+                      "num_speculative_tokens": 3},
+            "router": {"max_seq_len": 256, "default_max_tokens": 16, "max_output_tokens": 100, "calibrate": False},
+        })
+        target, draft = pair
+        runner_config = RunnerConfig(num_slots=SLOTS, max_seq_len=256)
+        runner = ModelRunner(target.model, runner_config)
+        context = DraftContext(config.draft.spec, runner.vocab_size, ModelRunner(draft.model, runner_config))
+        tokenizer = load_tokenizer(tiny_dir / "target")
+        engine = SpecEngine(GatedTarget(runner, gated), config.draft.drafting.build(context), tokenizer.tokenizer,
+                            tokenizer.eos_token_ids,
+                            EngineConfig(config.draft.max_speculative_tokens, config.draft.num_speculative_tokens))
+        parts = RouterParts(
+            config=config, engine=engine, tokenizer=tokenizer, auth=BearerAuth(TOKEN),
+            tracer=RequestTracer(config.target.model, config.draft.label),
+            metrics=ServingMetrics(config.target.model, config.draft.label), max_seq_len=runner.max_seq_len,
+        )
+        router = Router(lambda: parts)
+        routers.append((router, engine))
+        return router, engine
+
+    yield make
+    for router, engine in routers:
+        engine.target.gated = False
+        engine.target.permits.release(1000)  # a round still waiting (only where a test failed) ends
+        router.close()
+
+
+def request(prompt_ids, k=None, **sampling) -> pb.GenerateRequest:
+    message = pb.GenerateRequest(prompt_token_ids=prompt_ids, sampling=pb.SamplingParams(**sampling))
+    if k is not None:
+        message.speculation.num_speculative_tokens = k
+    return message
+
+
+async def _stream(router: Router, message: pb.GenerateRequest, context: Context) -> list[pb.GenerateStreamResponse]:
+    return [chunk async for chunk in router.GenerateStream(message, context)]
+
+
+async def _until(condition) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, "the engine did not get there"
+        await asyncio.sleep(0.01)
+
+
+def test_generate_and_stream_give_plain_decodings_tokens(make_router, pair):
+    router, _ = make_router()
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = run_to_completion(make_engine(pair[0]), [("r", PROMPT, params, 0)])["r"][0]
+    message = request(PROMPT, k=3, max_tokens=24, ignore_eos=True)
+
+    context = Context(AUTH)
+    response = asyncio.run(router.Generate(message, context))
+    assert list(response.token_ids) == expected and context.code is None
+    assert response.finish_reason == pb.FINISH_REASON_LENGTH and response.usage.completion_tokens == 24
+    assert response.speculation.proposed >= response.speculation.accepted > 0  # the drafts went through the engine
+
+    context = Context(AUTH)
+    chunks = asyncio.run(_stream(router, message, context))
+    assert [t for c in chunks for t in c.token_ids] == expected and context.code is None
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+    assert router.scheduler.num_active == 0
+
+
+def test_model_info_reports_the_config_to_authenticated_callers_only(make_router):
+    router, _ = make_router()
+    info = asyncio.run(router.GetModelInfo(pb.GetModelInfoRequest(), Context(AUTH)))
+    assert info.draft_method == "draft_model" and info.num_speculative_tokens == "3"
+    assert info.max_context_length == 256 and info.max_speculative_tokens == 8
+    context = Context()
+    with pytest.raises(RequestFailed):
+        asyncio.run(router.GetModelInfo(pb.GetModelInfoRequest(), context))
+    assert context.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize(
+    "metadata, message, code, named",
+    [
+        ((), request(PROMPT), grpc.StatusCode.UNAUTHENTICATED, "bearer"),
+        ((("authorization", "Bearer wrong"),), request(PROMPT), grpc.StatusCode.UNAUTHENTICATED, "bearer"),
+        (AUTH, pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (AUTH, request([5, 10_000]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
+        (AUTH, request(PROMPT, max_tokens=101), grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens"),
+        # Refused by the engine, on its thread: the error comes back through the request's queue.
+        (AUTH, request(PROMPT, k=99), grpc.StatusCode.INVALID_ARGUMENT, "speculation.num_speculative_tokens"),
+    ],
+)
+def test_a_refused_request_sets_the_status_naming_why(make_router, metadata, message, code, named):
+    router, engine = make_router()
+    for call in (router.Generate, lambda m, c: _stream(router, m, c)):
+        context = Context(metadata)
+        with pytest.raises(RequestFailed):
+            asyncio.run(call(message, context))
+        assert context.code == code and named in context.details.lower()
+    assert router.scheduler.num_active == 0 and not engine.has_work
+
+
+@pytest.mark.parametrize("handler", ["Generate", "GenerateStream"])
+def test_a_cancelled_request_frees_its_sequence_in_target_and_drafter(make_router, handler):
+    router, engine = make_router(gated=True)
+    message = request(PROMPT, k=3, max_tokens=100, ignore_eos=True)  # more tokens than the permits below allow
+
+    async def scenario() -> None:
+        call = router.Generate(message, Context(AUTH)) if handler == "Generate" else _stream(router, message,
+                                                                                             Context(AUTH))
+        task = asyncio.ensure_future(call)
+        # Prefilled, drafting started: the first round waits at the gate.
+        await _until(lambda: engine.target.active_sequences == 1 and engine.drafter.active_sequences == 1)
+        task.cancel()  # what Serve does when the client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        engine.target.permits.release(3)  # lets the waiting round end, and two more: far from 100 tokens
+        await _until(lambda: not engine.has_work)
+
+    asyncio.run(scenario())
+    assert engine.target.active_sequences == 0 and engine.target.free_slots == SLOTS
+    assert engine.drafter.active_sequences == 0
+    assert router.scheduler.num_active == 0

@@ -1,0 +1,38 @@
+"""The registry of drafting methods: the names configs and flags use, and what each method builds."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec_core.drafters import registry
+from specdec_core.drafters.base import DraftContext, DraftSpec
+from specdec_core.drafters.draft_model import DraftModelDrafter
+from specdec_core.drafters.ngram import NgramDrafter
+from specdec_core.errors import InvalidArgument
+from specdec_core.runner import ModelRunner, RunnerConfig
+
+
+def test_the_names_are_the_config_values():
+    assert registry.choices() == ("draft_model", "ngram", "none")  # contracts: configs and flags spell them so
+    assert all(method.name == name for name, method in registry.METHODS.items())
+    assert registry.resolve("none") is None  # plain decoding: no method, no drafter
+
+
+def test_an_unknown_name_is_refused_naming_every_choice():
+    with pytest.raises(InvalidArgument) as err:
+        registry.resolve("beam")
+    assert err.value.field == "draft.method"
+    assert all(name in err.value.message for name in registry.choices())
+
+
+def test_each_method_builds_its_drafter_from_the_context(tiny_draft):
+    runner = ModelRunner(tiny_draft.model, RunnerConfig(num_slots=1, max_seq_len=64))
+    spec = DraftSpec("ngram", ngram_max=3, ngram_min=2)
+    ngram = registry.resolve("ngram").build(DraftContext(spec, 400))
+    assert isinstance(ngram, NgramDrafter) and (ngram.max_n, ngram.min_n) == (3, 2)
+    assert not registry.resolve("ngram").runs_draft_model
+    model = registry.resolve("draft_model").build(DraftContext(DraftSpec("draft_model"), 400, runner))
+    assert isinstance(model, DraftModelDrafter) and model.runner is runner and model.target_vocab_size == 400
+    assert registry.resolve("draft_model").runs_draft_model
+    with pytest.raises(InvalidArgument, match="draft.model"):
+        registry.resolve("draft_model").build(DraftContext(DraftSpec("draft_model"), 400))

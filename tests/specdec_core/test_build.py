@@ -1,0 +1,37 @@
+"""`build_engine`: an engine for every registered drafting method, and for none."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec_core.build import DraftSpec, build_engine
+from specdec_core.config import SamplingParams
+from specdec_core.drafters import registry
+from specdec_core.errors import InvalidArgument
+from specdec_core.runner import RunnerConfig
+from tests.helpers import run_to_completion
+
+RUNNER = RunnerConfig(num_slots=2, max_seq_len=128)
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # repeats: n-gram lookup finds matches too
+
+
+@pytest.mark.parametrize("name", [*registry.METHODS, registry.NONE])
+def test_every_method_gives_plain_decodings_greedy_tokens(pair, name):
+    target, draft = pair
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = build_engine(target, None, DraftSpec(registry.NONE), runner_config=RUNNER)
+    assert plain.drafter is None
+    expected = run_to_completion(plain, [("r", PROMPT, params, 0)])["r"][0]
+    engine = build_engine(target, draft, DraftSpec(name), runner_config=RUNNER)
+    tokens, _, last = run_to_completion(engine, [("r", PROMPT, params, 3)])["r"]
+    assert tokens == expected
+    assert (engine.drafter is None) == (name == registry.NONE)
+    if engine.drafter is not None:
+        assert engine.drafter.name == name and last.stats.proposed > 0
+
+
+def test_a_method_that_runs_a_draft_model_refuses_to_build_without_one(tiny_target):
+    with pytest.raises(InvalidArgument, match="draft.model"):
+        build_engine(tiny_target, None, DraftSpec("draft_model"), runner_config=RUNNER)
+    with pytest.raises(InvalidArgument, match="draft.method"):
+        build_engine(tiny_target, None, DraftSpec("beam"), runner_config=RUNNER)
