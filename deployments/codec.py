@@ -58,7 +58,7 @@ def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> Gen
                                         ("prompt_token_ids", len(request.prompt_token_ids) > 0),
                                         ("messages", len(request.messages) > 0)) if present]
     if len(given) > 1:
-        raise InvalidArgument(given[1], f"set one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
+        raise InvalidArgument(given[0], f"set one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
     if not given:
         raise InvalidArgument("prompt", "missing: set prompt (text), prompt_token_ids or messages")
     if request.messages and request.raw_prompt:

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
 from ray import serve
@@ -24,6 +24,7 @@ from deployments.auth import BearerAuth, Unauthenticated
 from deployments.config import ServeConfig
 from deployments.discovery import WorkerFollower
 from deployments.metrics import ServingMetrics
+from deployments.openai.http import build_http_app
 from deployments.proposals import ProposalLog
 from deployments.remote import ReplicaPool, WorkerUnavailable
 from deployments.scheduler import Admission, DeadlineExceeded, Scheduler
@@ -99,6 +100,7 @@ class Router:
         admission = Admission(cfg.router.max_queued_requests, cfg.router.queue_timeout_s, cfg.router.request_timeout_s)
         self.scheduler = Scheduler(parts.engine, admission, self._why_waiting)
         self._tag = uuid.uuid4().hex[:8]
+        self.started_at = int(time.time())
         log.info("router %s ready: %d target, %d draft replicas", self._tag,
                  len(self.target_pool.replicas) if self.target_pool else 0,
                  len(self.draft_pool.replicas) if self.draft_pool else 0)
@@ -141,22 +143,29 @@ class Router:
     # -- one request ---------------------------------------------------------------------------------------------
 
     async def _run(self, request: pb.GenerateRequest, request_id: str, grpc_context: Any) -> AsyncIterator[RequestOutput]:
-        """Submit a request to the engine and yield its outputs; on a refusal or failure set the gRPC status and
-        raise. Cancelled (the client went away) -> the engine aborts it, which frees its caches."""
+        """`generate` for a gRPC request: on a refusal or failure, set the gRPC status and raise."""
         self._authenticate(grpc_context)
         try:
             call = codec.decode_generate(request, self.config.router.default_max_tokens)
-            # Tokenizing megabytes takes a while: off the event loop, which serves every other request.
-            prompt_ids = await asyncio.to_thread(self._prompt_ids, call.prompt)
-            self._check_limits(prompt_ids, call.params.max_tokens)
-        except InvalidArgument as exc:
+            async for output in self.generate(call, request_id, grpc_context.invocation_metadata() or ()):
+                yield output
+        except Exception as exc:
             self._fail(grpc_context, exc)
+
+    async def generate(self, call: codec.GenerateCall, request_id: str,
+                       metadata: Sequence[tuple[str, str]]) -> AsyncIterator[RequestOutput]:
+        """One request through the engine, whichever API it came by (gRPC, HTTP): its outputs as rounds commit
+        them; a refusal or failure raises its error. `metadata`: the call's metadata or headers (a client's
+        traceparent). Cancelled (the client went away) -> the engine aborts it, which frees its caches."""
+        # Tokenizing megabytes takes a while: off the event loop, which serves every other request.
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, call.prompt)
+        self._check_limits(prompt_ids, call.params.max_tokens)
         if self.scheduler.num_active >= self.config.router.max_ongoing_requests:
-            self._fail(grpc_context, ResourceExhausted("requests", "the router is at max_ongoing_requests; retry later"))
+            raise ResourceExhausted("requests", "the router is at max_ongoing_requests; retry later")
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         session_id = f"{self._tag}-{uuid.uuid4().hex[:16]}"  # unique across routers: workers key caches by it
-        parent, _ = context_from_metadata(grpc_context.invocation_metadata() or ())  # a client's traceparent
+        parent, _ = context_from_metadata(metadata)  # a client's traceparent
         self.tracer.start_request(session_id, call.params, parent, request_id)
         # Only requests whose records carry probabilities make the workers compute them.
         return_probs = self.proposals is not None and self.proposals.start(session_id, request_id)
@@ -179,10 +188,10 @@ class Router:
                 item = await inbox.get()
                 if isinstance(item, Exception):
                     finished = True
-                    self._fail(grpc_context, item)
+                    raise item
                 if item.error is not None:
                     finished = True
-                    self._fail(grpc_context, item.error)
+                    raise item.error
                 finished = item.finished
                 yield item
         finally:
@@ -223,9 +232,32 @@ class Router:
 
     def _authenticate(self, grpc_context: Any) -> None:
         try:
-            self.auth.check(grpc_context.invocation_metadata() or ())
+            self.authenticate(grpc_context.invocation_metadata() or ())
         except Unauthenticated as exc:
             self._fail(grpc_context, exc)
+
+    # -- the OpenAI-compatible HTTP API (deployments.openai) -----------------------------------------------------
+
+    def authenticate(self, metadata: Sequence[tuple[str, str]]) -> None:
+        """Raise `Unauthenticated` unless `metadata` (gRPC metadata or HTTP headers, lower-case names) carries
+        the server's bearer token, when it has one."""
+        self.auth.check(metadata)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.config.served_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_seq_len
+
+    @property
+    def default_max_tokens(self) -> int:
+        return self.config.router.default_max_tokens
+
+    def __serve_build_asgi_app__(self) -> Any:
+        """Serve's HTTP proxy hands this replica's HTTP requests to the app built here, after the constructor."""
+        return build_http_app(self)
 
     @staticmethod
     def _fail(grpc_context: Any, error: BaseException) -> None:
@@ -250,4 +282,6 @@ class Router:
         self.close()
 
 
-RouterDeployment = serve.deployment(Router, name="Router")
+# One deployment for both public APIs: gRPC reaches the servicer methods through Serve's gRPC proxy, HTTP reaches
+# the ASGI app of `__serve_build_asgi_app__` through Serve's HTTP proxy.
+RouterDeployment = serve.deployment(serve.ingress()(Router), name="Router")

@@ -38,6 +38,10 @@ def test_proposal_labels_cross_the_wire():
     [
         ({}, "prompt"),
         ({"prompt": "hi", "prompt_token_ids": [1]}, "prompt"),
+        ({"prompt": "hi", "messages": [pb.ChatMessage(role="user", content="x")]}, "prompt"),
+        ({"prompt_token_ids": [1], "messages": [pb.ChatMessage(role="user", content="x")]}, "prompt_token_ids"),
+        ({"messages": [pb.ChatMessage(role="robot", content="x")]}, "messages.role"),
+        ({"messages": [pb.ChatMessage(role="user", content="x")], "raw_prompt": True}, "raw_prompt"),
         ({"prompt": "hi", "sampling": pb.SamplingParams(temperature=-1)}, "sampling.temperature"),
         ({"prompt": "hi", "sampling": pb.SamplingParams(temperature=1e-45)}, "sampling.temperature"),  # overflows
         ({"prompt": "hi", "sampling": pb.SamplingParams(top_p=1.5)}, "sampling.top_p"),
