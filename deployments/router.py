@@ -16,7 +16,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
-import grpc
 from ray import serve
 
 from deployments import codec
@@ -26,8 +25,9 @@ from deployments.discovery import WorkerFollower
 from deployments.metrics import ServingMetrics
 from deployments.openai.http import build_http_app
 from deployments.proposals import ProposalLog
-from deployments.remote import ReplicaPool, WorkerUnavailable
-from deployments.scheduler import Admission, DeadlineExceeded, Scheduler
+from deployments.remote import ReplicaPool
+from deployments.scheduler import Admission, Scheduler
+from deployments.status import WorkerUnavailable, grpc_status_of
 from deployments.telemetry import RequestTracer, context_from_metadata
 from specdec.v1 import generation_pb2 as pb
 from specdec_core.chat import encode_chat, encode_prompt
@@ -36,21 +36,6 @@ from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.models.loader import LoadedTokenizer
 
 log = logging.getLogger(__name__)
-
-
-def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status a client sees for an error."""
-    if isinstance(error, InvalidArgument):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(codec.in_request_terms(error))
-    if isinstance(error, ResourceExhausted):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, WorkerUnavailable):
-        return error.code, str(error)
-    if isinstance(error, Unauthenticated):
-        return grpc.StatusCode.UNAUTHENTICATED, str(error)
-    if isinstance(error, DeadlineExceeded):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
-    return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
 
 
 class RequestFailed(Exception):
@@ -261,7 +246,7 @@ class Router:
 
     @staticmethod
     def _fail(grpc_context: Any, error: BaseException) -> None:
-        code, details = status_of(error)
+        code, details = grpc_status_of(error)
         grpc_context.set_code(code)
         grpc_context.set_details(details)
         raise RequestFailed(details)
