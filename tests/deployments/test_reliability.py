@@ -6,8 +6,11 @@ limits; the faults come last in this module because they kill its replicas.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -127,6 +130,50 @@ def test_beyond_the_kv_budget_requests_queue_then_are_refused(rel):
     codes = sorted(code.name for code, _ in results)
     assert codes == ["OK", "OK", "OK", "RESOURCE_EXHAUSTED"], results  # two run, one waits, one is refused
     assert all("queue" in details for code, details in results if code != grpc.StatusCode.OK)
+    assert wait_until_idle((None, config))
+
+
+def _http(config, method: str, path: str, body: dict | None = None, token: str | None = TOKEN) -> tuple[int, dict]:
+    """A call to the application's OpenAI-compatible API (under its route prefix)."""
+    url = f"http://127.0.0.1:{config.http_port}/{APP}/v1{path}"
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers, method=method), timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_http_api_wants_the_same_bearer_token(rel):
+    _, (_, config) = rel
+    chat = {"model": config.served_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for token in (None, "wrong", TOKEN.upper()):
+        for method, path, body in (("GET", "/models", None), ("POST", "/chat/completions", chat)):
+            status, error = _http(config, method, path, body, token)
+            assert status == 401 and error["error"]["type"] == "authentication_error", (token, error)
+    assert _http(config, "GET", "/models")[1]["data"][0]["id"] == config.served_name
+    status, reply = _http(config, "POST", "/chat/completions", chat)
+    assert status == 200 and reply["usage"]["completion_tokens"] <= 2
+
+
+def test_over_http_beyond_the_kv_budget_requests_queue_then_are_429(rel):
+    _, (_, config) = rel
+    results: list = [None] * 4
+
+    def run(i):
+        body = {"model": config.served_name, "prompt": list(range(10 + i, 30 + i)), "max_tokens": 200,
+                "temperature": 0, "ignore_eos": True, "num_speculative_tokens": 0}
+        results[i] = _http(config, "POST", "/completions", body)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(status for status, _ in results) == [200, 200, 200, 429], results
+    (refused,) = [body["error"] for status, body in results if status == 429]
+    assert refused["type"] == "rate_limit_exceeded" and refused["param"] == "queue"
     assert wait_until_idle((None, config))
 
 
