@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import grpc
 
-from deployments import codec
+from deployments import codec, status
 from deployments.auth import internal_channel
+from deployments.status import WorkerUnavailable
 from deployments.telemetry import RequestTracer, carrier_metadata
 from deployments.workers import GRPC_OPTIONS
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.drafters.base import DraftRequest, Proposal
-from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.errors import InvalidArgument
 from specdec_core.target import PartialVerifyFailure, PrefillItem, VerifyItem, VerifyOutcome
 
 if TYPE_CHECKING:
@@ -30,14 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class WorkerUnavailable(RuntimeError):
-    """A worker could not be reached or failed a call; `code` is the gRPC status to report."""
-
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -190,7 +183,8 @@ class ReplicaPool:
             try:
                 responses[address] = call.result()
             except grpc.RpcError as exc:
-                error = failures[address] = _translate(exc, f"{self.kind} worker {address}: {method}")
+                what = f"{self.kind} worker {address}: {method}"
+                error = failures[address] = status.error_of(exc.code(), exc.details(), what)
                 if _lost(error):
                     self.mark_failed(address)
         return responses, failures
@@ -207,19 +201,6 @@ class ReplicaPool:
     def close(self) -> None:
         for replica in self._replicas.values():
             replica.channel.close()
-
-
-def _translate(exc: grpc.RpcError, what: str) -> Exception:
-    code, details = exc.code(), exc.details()
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        field, _, message = (details or "").partition(": ")
-        return InvalidArgument(field or "request", message or details)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        field, _, message = (details or "").partition(": ")
-        return ResourceExhausted(field or "request", message or details)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return WorkerUnavailable(f"{what}: {code.name}: {details}")
-    return WorkerUnavailable(f"{what}: {code.name}: {details}", code=grpc.StatusCode.INTERNAL)
 
 
 def _lost(error: Exception) -> bool:

@@ -14,7 +14,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-import grpc
 import ray
 from ray import serve
 
@@ -24,7 +23,8 @@ from deployments.config import ServeConfig, parse_config
 from deployments.metrics import ServingMetrics
 from deployments.proposals import ProposalLog
 from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool, WorkerUnavailable
-from deployments.scheduler import Admission, DeadlineExceeded, Scheduler
+from deployments.scheduler import Admission, Scheduler
+from deployments.status import grpc_status_of
 from deployments.telemetry import RequestTracer, context_from_metadata, setup_tracing
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
@@ -35,21 +35,6 @@ from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.models.loader import encode_prompt, load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status a client sees for an error."""
-    if isinstance(error, InvalidArgument):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(codec.in_request_terms(error))
-    if isinstance(error, ResourceExhausted):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, WorkerUnavailable):
-        return error.code, str(error)
-    if isinstance(error, Unauthenticated):
-        return grpc.StatusCode.UNAUTHENTICATED, str(error)
-    if isinstance(error, DeadlineExceeded):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
-    return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
 
 
 class RequestFailed(Exception):
@@ -274,7 +259,7 @@ class Router:
 
     @staticmethod
     def _fail(grpc_context: Any, error: BaseException) -> None:
-        code, details = status_of(error)
+        code, details = grpc_status_of(error)
         grpc_context.set_code(code)
         grpc_context.set_details(details)
         raise RequestFailed(details)

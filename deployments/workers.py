@@ -23,11 +23,12 @@ from opentelemetry.trace import SpanKind
 
 from deployments import codec
 from deployments.auth import InternalAuthInterceptor
+from deployments.status import UnknownSession, grpc_status_of
 from deployments.telemetry import context_from_metadata, tracer
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.drafters.draft_model import DraftModelDrafter
-from specdec_core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.target import LocalTarget
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,9 @@ GRPC_OPTIONS = [
 ]
 
 
-class UnknownSession(LookupError):
-    pass
+# Errors after which the sessions a call touched are released. The others (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+# NOT_FOUND) refuse a call before it changes anything.
+_CACHES_IN_DOUBT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
 
 
 def rpc(method: Callable) -> Callable:
@@ -59,7 +61,7 @@ def rpc(method: Callable) -> Callable:
 
 
 def _call(self: "_SessionWorker", method: Callable, request: Any, context: grpc.ServicerContext) -> Any:
-    """The call under the worker's lock, with its counters; engine errors as gRPC status codes."""
+    """The call under the worker's lock, with its counters; an error aborts it with its status."""
     try:
         with self._lock:
             start = time.perf_counter()
@@ -69,19 +71,14 @@ def _call(self: "_SessionWorker", method: Callable, request: Any, context: grpc.
             self.bytes_received += request.ByteSize()
             self.bytes_sent += response.ByteSize()
             return response
-    except InvalidArgument as exc:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    except ResourceExhausted as exc:
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-    except UnknownSession as exc:
-        context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-    except Unavailable as exc:
-        self._release_after_error(request)
-        context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-    except Exception as exc:  # a bug or a device error: never leave a half-updated cache behind
-        log.exception("%s failed", method.__name__)
-        self._release_after_error(request)
-        context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed: {type(exc).__name__}: {exc}")
+    except Exception as exc:
+        code, details = grpc_status_of(exc)
+        if code == grpc.StatusCode.INTERNAL:  # a bug or a device error
+            log.exception("%s failed", method.__name__)
+            details = f"{method.__name__} failed: {details}"
+        if code in _CACHES_IN_DOUBT:  # never leave a half-updated cache behind
+            self._release_after_error(request)
+        context.abort(code, details)
 
 
 class _SessionWorker:
