@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from specdec_core.config import SamplingParams
+from specdec_core.config import TokenShaping
 from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.rejection import VerifyResult, greedy_accept, rejection_sample
 from specdec_core.runner import ModelRunner
@@ -29,7 +29,7 @@ PREFILL_BATCH = 16  # prompts of one length prefilled together
 class PrefillItem:
     seq_id: str
     prompt_ids: Sequence[int]
-    params: SamplingParams
+    shaping: TokenShaping
     uniform: float | None  # in [0, 1): draws the first token; None when greedy
 
 
@@ -39,7 +39,7 @@ class VerifyItem:
     last_token_id: int  # the last committed token (not yet in the target's cache)
     draft_token_ids: Sequence[int]  # 0..k drafts
     q: torch.Tensor | None  # [len(draft_token_ids), V] draft probabilities; None: point masses
-    params: SamplingParams
+    shaping: TokenShaping
     uniform_accept: torch.Tensor | None  # [len(draft_token_ids)] float64 in [0, 1); None when greedy
     uniform_sample: float | None  # draws the recovered or bonus token; None when greedy
     return_probs: bool = False  # also report p of each draft token (`VerifyOutcome.target_probs`)
@@ -143,9 +143,9 @@ class LocalTarget:
 
     def _sample_first(self, logits: torch.Tensor, items: Sequence[PrefillItem]) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()
-        sampled = [i for i, item in enumerate(items) if not item.params.greedy]
+        sampled = [i for i, item in enumerate(items) if not item.shaping.greedy]
         if sampled:
-            probs = _probs(logits[sampled], [items[i].params for i in sampled])
+            probs = _probs(logits[sampled], [items[i].shaping for i in sampled])
             uniform = torch.tensor([items[i].uniform for i in sampled], dtype=torch.float64)
             for i, token in zip(sampled, sample_from(probs, uniform).tolist()):
                 tokens[i] = token
@@ -182,7 +182,7 @@ class LocalTarget:
         for b, item in enumerate(items):
             drafts[b, : len(item.draft_token_ids)] = torch.tensor(list(item.draft_token_ids), dtype=torch.long)
         num_draft = torch.tensor([len(item.draft_token_ids) for item in items])  # [B]
-        sampled = [b for b, item in enumerate(items) if not item.params.greedy]
+        sampled = [b for b, item in enumerate(items) if not item.shaping.greedy]
         if len(sampled) < B:
             result = greedy_accept(drafts, num_draft, logits.argmax(dim=-1).cpu())
             if not sampled:
@@ -202,7 +202,7 @@ class LocalTarget:
     ) -> VerifyResult:
         S, T, V = logits.shape
         K = T - 1
-        p = _probs(logits.reshape(S * T, V), [item.params for item in items for _ in range(T)]).view(S, T, V)
+        p = _probs(logits.reshape(S * T, V), [item.shaping for item in items for _ in range(T)]).view(S, T, V)
         q = None
         if any(item.q is not None for item in items):
             q = torch.zeros(S, K, V, dtype=p.dtype, device=p.device)  # [S, K, V]
@@ -236,19 +236,19 @@ def _draft_token_probs(items: Sequence[VerifyItem], logits: torch.Tensor) -> lis
         return out
     counts = [len(items[b].draft_token_ids) for b in asked]
     rows = torch.cat([logits[b, :n] for b, n in zip(asked, counts)])  # [sum(counts), V]
-    params = [items[b].params for b, n in zip(asked, counts) for _ in range(n)]
+    shaping = [items[b].shaping for b, n in zip(asked, counts) for _ in range(n)]
     drafts = torch.tensor([t for b in asked for t in items[b].draft_token_ids], dtype=torch.long)  # [sum(counts)]
-    values = iter(token_probs(rows, params, drafts).tolist())
+    values = iter(token_probs(rows, shaping, drafts).tolist())
     for b, n in zip(asked, counts):
         out[b] = tuple(next(values) for _ in range(n))
     return out
 
 
-def _probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [N, V]
+def _probs(logits: torch.Tensor, shaping: Sequence[TokenShaping]) -> torch.Tensor:  # [N, V]
     device = logits.device
     return processed_probs(
         logits,
-        torch.tensor([p.temperature for p in params], device=device),
-        torch.tensor([p.top_k for p in params], device=device),
-        torch.tensor([p.top_p for p in params], device=device),
+        torch.tensor([s.temperature for s in shaping], device=device),
+        torch.tensor([s.top_k for s in shaping], device=device),
+        torch.tensor([s.top_p for s in shaping], device=device),
     )

@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from specdec_core.config import SamplingParams
+from specdec_core.config import TokenShaping
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class DraftRequest:
     seq_id: str
     token_ids: Sequence[int]  # every committed token: prompt and output so far (not copied; read only)
     num_tokens: int  # k: propose at most this many
-    params: SamplingParams  # the request's sampling settings; the draft samples from q processed alike
+    shaping: TokenShaping  # the request's token shaping; the draft samples from q shaped alike
     uniform: torch.Tensor | None  # [k] in [0, 1): randomness for sampling drafts; None when greedy
     return_probs: bool = False  # also report q of each proposed token (`Proposal.draft_probs`)
 

@@ -113,15 +113,15 @@ class DraftModelDrafter:
     ) -> tuple[list[int], list[torch.Tensor | None] | None]:
         """Greedy rows take the argmax; sampled rows draw from their processed q and keep it for verification."""
         picked = logits.argmax(dim=-1).tolist()
-        sampled = [j for j, r in enumerate(requests) if not r.params.greedy]
+        sampled = [j for j, r in enumerate(requests) if not r.shaping.greedy]
         if not sampled:
             return picked, None
         sub = [requests[j] for j in sampled]
         q = processed_probs(
             logits[sampled],
-            torch.tensor([r.params.temperature for r in sub], device=logits.device),
-            torch.tensor([r.params.top_k for r in sub], device=logits.device),
-            torch.tensor([r.params.top_p for r in sub], device=logits.device),
+            torch.tensor([r.shaping.temperature for r in sub], device=logits.device),
+            torch.tensor([r.shaping.top_k for r in sub], device=logits.device),
+            torch.tensor([r.shaping.top_p for r in sub], device=logits.device),
         )  # [S, V]
         if self.q_support is not None and self.q_support < q.shape[-1]:
             q = _truncate(q, self.q_support)
@@ -153,7 +153,7 @@ def _picked_probs(
             greedy.append(j)
     if greedy:
         chosen = torch.tensor([picked[j] for j in greedy])  # [G]
-        values = token_probs(logits[greedy], [requests[j].params for j in greedy], chosen)  # [G]
+        values = token_probs(logits[greedy], [requests[j].shaping for j in greedy], chosen)  # [G]
         for j, value in zip(greedy, values.tolist()):
             out[j] = value
     return out

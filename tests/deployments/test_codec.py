@@ -7,7 +7,8 @@ import torch
 
 from deployments import codec
 from specdec.v1 import generation_pb2 as pb
-from specdec_core.config import AUTO, MIN_TEMPERATURE, SamplingParams
+from specdec.v1 import worker_pb2 as wpb
+from specdec_core.config import AUTO, MIN_TEMPERATURE, SamplingParams, TokenShaping
 from specdec_core.errors import InvalidArgument
 from specdec_core.target import VerifyItem
 
@@ -17,11 +18,11 @@ def test_draft_distributions_cross_the_wire_exactly():
     q = torch.softmax(torch.randn(3, 50), dim=-1)
     q[:, 10:] = 0  # sparse, as the drafter sends them
     q = q / q.sum(-1, keepdim=True)
-    item = VerifyItem("s", 4, [1, 2, 3], q, SamplingParams(temperature=0.7, top_k=5), torch.rand(3, dtype=torch.float64), 0.25)
+    item = VerifyItem("s", 4, [1, 2, 3], q, TokenShaping(temperature=0.7, top_k=5), torch.rand(3, dtype=torch.float64), 0.25)
     back = codec.decode_verify(codec.encode_verify([item]), vocab_size=50)[0]
     assert torch.equal(back.q, q)
     assert torch.equal(back.uniform_accept, item.uniform_accept) and back.uniform_sample == 0.25
-    assert (back.params.temperature, back.params.top_k) == (pytest.approx(0.7), 5)
+    assert (back.shaping.temperature, back.shaping.top_k) == (pytest.approx(0.7), 5)
     assert back.draft_token_ids == [1, 2, 3] and back.last_token_id == 4
 
 
@@ -54,8 +55,18 @@ def test_the_smallest_temperature_survives_both_float32_hops():
     """Client -> router and router -> worker each carry temperature as a float32: MIN_TEMPERATURE passes both."""
     message = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(temperature=MIN_TEMPERATURE))
     call = codec.decode_generate(message, default_max_tokens=16)
-    worker = codec.decode_token_sampling(codec.encode_token_sampling(call.params))
+    worker = codec.decode_token_sampling(codec.encode_token_sampling(call.params.shaping))
     assert worker.temperature == call.params.temperature >= MIN_TEMPERATURE
+
+
+def test_workers_get_the_token_shaping_only():
+    """What a worker decodes is a TokenShaping (no made-up max_tokens or seed); proto3's unset top_p is off."""
+    shaping = TokenShaping(temperature=0.5, top_p=0.75, top_k=7)
+    assert codec.decode_token_sampling(codec.encode_token_sampling(shaping)) == shaping
+    assert codec.decode_token_sampling(codec.encode_token_sampling(TokenShaping())) == TokenShaping()
+    with pytest.raises(InvalidArgument) as err:
+        codec.decode_token_sampling(wpb.TokenSampling(temperature=-1.0))
+    assert err.value.field == "sampling.temperature"
 
 
 def test_defaults_and_speculation_options():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec_core.config import SamplingParams
+from specdec_core.config import TokenShaping
 from specdec_core.drafters.base import DraftRequest
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.runner import ModelRunner, RunnerConfig
@@ -18,7 +18,7 @@ def _drafter(model) -> DraftModelDrafter:
 
 
 def _request(seq_id: str, tokens: list[int], k: int = 3) -> DraftRequest:
-    return DraftRequest(seq_id=seq_id, token_ids=tokens, num_tokens=k, params=SamplingParams(), uniform=None)
+    return DraftRequest(seq_id=seq_id, token_ids=tokens, num_tokens=k, shaping=TokenShaping(), uniform=None)
 
 
 def test_a_stale_row_beside_a_long_one_drafts_as_each_would_alone(tiny_target):
