@@ -17,6 +17,7 @@ from specdec_core.config import AUTO, SamplingParams, TokenShaping
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.engine import RequestOutput, SpecStats
 from specdec_core.errors import InvalidArgument
+from specdec_core.sparse_q import SparseQ
 from specdec_core.stopping import FinishReason
 from specdec_core.target import PrefillItem, VerifyItem, VerifyOutcome
 
@@ -149,22 +150,24 @@ def decode_token_sampling(sampling: wpb.TokenSampling) -> TokenShaping:
                      top_k=sampling.top_k)
 
 
-def encode_distribution(q: torch.Tensor) -> wpb.SparseDistribution:  # q: [V]
-    ids = torch.nonzero(q).squeeze(-1)  # [nnz]
-    return wpb.SparseDistribution(token_ids=ids.tolist(), probs=q[ids].tolist())
+def encode_distributions(q: SparseQ) -> list[wpb.SparseDistribution]:
+    """One message per draft position, its padding (probability 0) left out."""
+    ids, probs = q.token_ids.cpu(), q.probs.cpu()  # [k, n]
+    kept = probs != 0  # [k, n]
+    return [wpb.SparseDistribution(token_ids=i[m].tolist(), probs=p[m].tolist()) for i, p, m in zip(ids, probs, kept)]
 
 
-def decode_distributions(rows: Sequence[wpb.SparseDistribution], vocab_size: int) -> torch.Tensor | None:
-    """[len(rows), V] float32, or None when there are no rows (deterministic drafts)."""
+def decode_distributions(rows: Sequence[wpb.SparseDistribution], vocab_size: int) -> SparseQ | None:
+    """q at len(rows) positions, still sparse; None when there are no rows (deterministic drafts)."""
     if not rows:
         return None
-    q = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
-    for i, row in enumerate(rows):
-        ids = torch.tensor(list(row.token_ids), dtype=torch.long)
-        if len(row.probs) != len(ids) or (len(ids) and int(ids.max()) >= vocab_size):
+    ids, probs = [], []
+    for row in rows:
+        if len(row.probs) != len(row.token_ids) or (len(row.token_ids) and max(row.token_ids) >= vocab_size):
             raise InvalidArgument("q", "a draft distribution has mismatched or out-of-vocabulary entries")
-        q[i, ids] = torch.tensor(list(row.probs), dtype=torch.float32)
-    return q
+        ids.append(torch.tensor(list(row.token_ids), dtype=torch.long))
+        probs.append(torch.tensor(list(row.probs), dtype=torch.float32))
+    return SparseQ.from_rows(ids, probs)
 
 
 def encode_prefill(items: Sequence[PrefillItem]) -> wpb.PrefillRequest:
@@ -197,7 +200,7 @@ def encode_verify(items: Sequence[VerifyItem]) -> wpb.VerifyRequest:
         )
         msg.sampling.CopyFrom(encode_token_sampling(item.shaping))
         if item.q is not None:
-            msg.q.extend(encode_distribution(row) for row in item.q)
+            msg.q.extend(encode_distributions(item.q))
         if item.uniform_accept is not None:
             msg.uniform_accept.extend(item.uniform_accept.tolist())
         if item.uniform_sample is not None:
@@ -273,7 +276,7 @@ def decode_propose_item(item: wpb.ProposeRequest.Item, token_ids: Sequence[int])
 def encode_proposal(proposal: Proposal) -> wpb.Proposal:
     msg = wpb.Proposal(token_ids=proposal.token_ids, draft_probs=proposal.draft_probs or (), label=proposal.label or "")
     if proposal.q is not None:
-        msg.q.extend(encode_distribution(row) for row in proposal.q)
+        msg.q.extend(encode_distributions(proposal.q))
     return msg
 
 

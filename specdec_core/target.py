@@ -21,6 +21,7 @@ from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.rejection import VerifyResult, greedy_accept, rejection_sample
 from specdec_core.runner import ModelRunner
 from specdec_core.sampling import processed_probs, sample_from, token_probs
+from specdec_core.sparse_q import SparseQ
 
 PREFILL_BATCH = 16  # prompts of one length prefilled together
 
@@ -38,7 +39,7 @@ class VerifyItem:
     seq_id: str
     last_token_id: int  # the last committed token (not yet in the target's cache)
     draft_token_ids: Sequence[int]  # 0..k drafts
-    q: torch.Tensor | None  # [len(draft_token_ids), V] draft probabilities; None: point masses
+    q: SparseQ | None  # at len(draft_token_ids) positions: the draft's probabilities; None: point masses
     shaping: TokenShaping
     uniform_accept: torch.Tensor | None  # [len(draft_token_ids)] float64 in [0, 1); None when greedy
     uniform_sample: float | None  # draws the recovered or bonus token; None when greedy
@@ -203,12 +204,7 @@ class LocalTarget:
         S, T, V = logits.shape
         K = T - 1
         p = _probs(logits.reshape(S * T, V), [item.shaping for item in items for _ in range(T)]).view(S, T, V)
-        q = None
-        if any(item.q is not None for item in items):
-            q = torch.zeros(S, K, V, dtype=p.dtype, device=p.device)  # [S, K, V]
-            for i, item in enumerate(items):
-                if item.q is not None:
-                    q[i, : item.q.shape[0]] = item.q.to(p.dtype)
+        q = _dense_q(items, K, p)  # [S, K, V] or None
         num_draft = torch.tensor([len(item.draft_token_ids) for item in items])  # [S]
         uniform_accept = torch.ones(S, K, dtype=torch.float64)  # [S, K]; padding positions are never accepted
         for i, item in enumerate(items):
@@ -225,6 +221,19 @@ class LocalTarget:
             uniform_accept.to(device, p.dtype),
             uniform_sample.to(device, p.dtype),
         )
+
+
+def _dense_q(items: Sequence[VerifyItem], K: int, p: torch.Tensor) -> torch.Tensor | None:  # [S, K, V]
+    """The rows' q as the sampler reads it (p's dtype and device), None when every row's drafts are point masses.
+    The one place q is dense: the sampler is a pure function over dense tensors, and only sampled rows get here."""
+    if all(item.q is None for item in items):
+        return None
+    S, _, V = p.shape
+    q = torch.zeros(S, K, V, dtype=p.dtype, device=p.device)  # [S, K, V]
+    for i, item in enumerate(items):
+        if item.q is not None:
+            q[i, : len(item.q)] = item.q.dense(V, p.device)  # [k, V]
+    return q
 
 
 def _draft_token_probs(items: Sequence[VerifyItem], logits: torch.Tensor) -> list[tuple[float, ...] | None]:

@@ -13,6 +13,7 @@ from typing import Protocol, Sequence
 import torch
 
 from specdec_core.config import TokenShaping
+from specdec_core.sparse_q import SparseQ
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class DraftRequest:
 @dataclass(frozen=True)
 class Proposal:
     token_ids: list[int]  # 0..k proposed tokens
-    q: torch.Tensor | None  # [len(token_ids), V] draft probabilities; None: deterministic (point masses)
+    q: SparseQ | None  # at len(token_ids) positions: the draft's probabilities; None: deterministic (point masses)
     # q of each proposed token, when the request asked (`DraftRequest.return_probs`): under the distribution it
     # was drawn from, or the plain softmax for greedy drafts; 1.0 for deterministic methods. None otherwise.
     draft_probs: tuple[float, ...] | None = None
@@ -45,7 +46,7 @@ class Proposal:
             return self
         return Proposal(
             self.token_ids[:n],
-            None if self.q is None else self.q[:n],
+            None if self.q is None else self.q.prefix(n),
             None if self.draft_probs is None else self.draft_probs[:n],
             self.label,
         )

@@ -76,8 +76,9 @@ def test_a_proposal_prefix_keeps_its_label_and_probabilities():
     import torch
 
     from specdec_core.drafters.base import Proposal
+    from specdec_core.sparse_q import SparseQ
 
     q = torch.eye(4)[[1, 2, 3]]  # [3, V]
-    cut = Proposal([1, 2, 3], q, (0.5, 0.25, 0.125), label="x").prefix(2)
-    assert cut.token_ids == [1, 2] and torch.equal(cut.q, q[:2])
+    cut = Proposal([1, 2, 3], SparseQ.from_dense(q), (0.5, 0.25, 0.125), label="x").prefix(2)
+    assert cut.token_ids == [1, 2] and torch.equal(cut.q.dense(4), q[:2])
     assert cut.draft_probs == (0.5, 0.25) and cut.label == "x"
