@@ -7,19 +7,22 @@ into INVALID_ARGUMENT. Nothing else in the service touches a message's fields.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 import torch
 
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import worker_pb2 as wpb
 from specdec_core.chat import ChatMessage
-from specdec_core.config import AUTO, SamplingParams
+from specdec_core.config import AUTO, SamplingParams, TokenShaping
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.engine import RequestOutput, SpecStats
 from specdec_core.errors import InvalidArgument
+from specdec_core.sparse_q import SparseQ
 from specdec_core.stopping import FinishReason
 from specdec_core.target import PrefillItem, VerifyItem, VerifyOutcome
+
+T = TypeVar("T")
 
 FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -81,10 +84,10 @@ def decode_messages(messages: Sequence[pb.ChatMessage]) -> tuple[ChatMessage, ..
     return tuple(ChatMessage(role=m.role, content=m.content) for m in messages)
 
 
-def _sampling(**values: Any) -> SamplingParams:
-    """SamplingParams whose validation errors name the request field (`sampling.<name>`)."""
+def _sampling(kind: type[T], **values: Any) -> T:
+    """`kind` (SamplingParams or TokenShaping) whose validation errors name the request field (`sampling.<name>`)."""
     try:
-        return SamplingParams(**values)
+        return kind(**values)
     except InvalidArgument as exc:
         raise InvalidArgument(f"sampling.{exc.field}", exc.message) from None
 
@@ -101,6 +104,7 @@ def in_request_terms(error: InvalidArgument) -> InvalidArgument:
 
 def decode_sampling(sampling: pb.SamplingParams, default_max_tokens: int) -> SamplingParams:
     return _sampling(
+        SamplingParams,
         temperature=float(sampling.temperature),
         top_p=float(sampling.top_p) if sampling.HasField("top_p") else 1.0,
         top_k=int(sampling.top_k),
@@ -149,38 +153,41 @@ def merge_chunks(request_id: str, outputs: Sequence[RequestOutput]) -> pb.Genera
 # -- internal: router <-> workers -------------------------------------------------------------------------------
 
 
-def encode_token_sampling(params: SamplingParams) -> wpb.TokenSampling:
-    return wpb.TokenSampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+def encode_token_sampling(shaping: TokenShaping) -> wpb.TokenSampling:
+    return wpb.TokenSampling(temperature=shaping.temperature, top_p=shaping.top_p, top_k=shaping.top_k)
 
 
-def decode_token_sampling(sampling: wpb.TokenSampling) -> SamplingParams:
-    """The shaping part of a request's settings (all a worker needs); the rest keeps its defaults."""
-    return _sampling(temperature=sampling.temperature, top_p=sampling.top_p or 1.0, top_k=sampling.top_k)
+def decode_token_sampling(sampling: wpb.TokenSampling) -> TokenShaping:
+    """The token shaping of a request's settings: all a worker needs. top_p 0 is proto3's unset: off (1)."""
+    return _sampling(TokenShaping, temperature=sampling.temperature, top_p=sampling.top_p or 1.0,
+                     top_k=sampling.top_k)
 
 
-def encode_distribution(q: torch.Tensor) -> wpb.SparseDistribution:  # q: [V]
-    ids = torch.nonzero(q).squeeze(-1)  # [nnz]
-    return wpb.SparseDistribution(token_ids=ids.tolist(), probs=q[ids].tolist())
+def encode_distributions(q: SparseQ) -> list[wpb.SparseDistribution]:
+    """One message per draft position, its padding (probability 0) left out."""
+    ids, probs = q.token_ids.cpu(), q.probs.cpu()  # [k, n]
+    kept = probs != 0  # [k, n]
+    return [wpb.SparseDistribution(token_ids=i[m].tolist(), probs=p[m].tolist()) for i, p, m in zip(ids, probs, kept)]
 
 
-def decode_distributions(rows: Sequence[wpb.SparseDistribution], vocab_size: int) -> torch.Tensor | None:
-    """[len(rows), V] float32, or None when there are no rows (deterministic drafts)."""
+def decode_distributions(rows: Sequence[wpb.SparseDistribution], vocab_size: int) -> SparseQ | None:
+    """q at len(rows) positions, still sparse; None when there are no rows (deterministic drafts)."""
     if not rows:
         return None
-    q = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
-    for i, row in enumerate(rows):
-        ids = torch.tensor(list(row.token_ids), dtype=torch.long)
-        if len(row.probs) != len(ids) or (len(ids) and int(ids.max()) >= vocab_size):
+    ids, probs = [], []
+    for row in rows:
+        if len(row.probs) != len(row.token_ids) or (len(row.token_ids) and max(row.token_ids) >= vocab_size):
             raise InvalidArgument("q", "a draft distribution has mismatched or out-of-vocabulary entries")
-        q[i, ids] = torch.tensor(list(row.probs), dtype=torch.float32)
-    return q
+        ids.append(torch.tensor(list(row.token_ids), dtype=torch.long))
+        probs.append(torch.tensor(list(row.probs), dtype=torch.float32))
+    return SparseQ.from_rows(ids, probs)
 
 
 def encode_prefill(items: Sequence[PrefillItem]) -> wpb.PrefillRequest:
     request = wpb.PrefillRequest()
     for item in items:
         msg = request.items.add(session_id=item.seq_id, prompt_token_ids=list(item.prompt_ids))
-        msg.sampling.CopyFrom(encode_token_sampling(item.params))
+        msg.sampling.CopyFrom(encode_token_sampling(item.shaping))
         if item.uniform is not None:
             msg.uniform = item.uniform
     return request
@@ -191,7 +198,7 @@ def decode_prefill(request: wpb.PrefillRequest) -> list[PrefillItem]:
         PrefillItem(
             seq_id=item.session_id,
             prompt_ids=list(item.prompt_token_ids),
-            params=decode_token_sampling(item.sampling),
+            shaping=decode_token_sampling(item.sampling),
             uniform=item.uniform if item.HasField("uniform") else None,
         )
         for item in request.items
@@ -204,9 +211,9 @@ def encode_verify(items: Sequence[VerifyItem]) -> wpb.VerifyRequest:
         msg = request.items.add(
             session_id=item.seq_id, last_token_id=item.last_token_id, draft_token_ids=list(item.draft_token_ids)
         )
-        msg.sampling.CopyFrom(encode_token_sampling(item.params))
+        msg.sampling.CopyFrom(encode_token_sampling(item.shaping))
         if item.q is not None:
-            msg.q.extend(encode_distribution(row) for row in item.q)
+            msg.q.extend(encode_distributions(item.q))
         if item.uniform_accept is not None:
             msg.uniform_accept.extend(item.uniform_accept.tolist())
         if item.uniform_sample is not None:
@@ -218,9 +225,9 @@ def encode_verify(items: Sequence[VerifyItem]) -> wpb.VerifyRequest:
 def decode_verify(request: wpb.VerifyRequest, vocab_size: int) -> list[VerifyItem]:
     items = []
     for item in request.items:
-        params = decode_token_sampling(item.sampling)
+        shaping = decode_token_sampling(item.sampling)
         n = len(item.draft_token_ids)
-        if not params.greedy and (len(item.uniform_accept) != n or not item.HasField("uniform_sample")):
+        if not shaping.greedy and (len(item.uniform_accept) != n or not item.HasField("uniform_sample")):
             raise InvalidArgument("uniform_accept", "a sampled row needs one uniform per draft and uniform_sample")
         if item.q and len(item.q) != n:
             raise InvalidArgument("q", f"{len(item.q)} distributions for {n} drafts")
@@ -230,8 +237,8 @@ def decode_verify(request: wpb.VerifyRequest, vocab_size: int) -> list[VerifyIte
                 last_token_id=item.last_token_id,
                 draft_token_ids=list(item.draft_token_ids),
                 q=decode_distributions(item.q, vocab_size),
-                params=params,
-                uniform_accept=None if params.greedy else torch.tensor(list(item.uniform_accept), dtype=torch.float64),
+                shaping=shaping,
+                uniform_accept=None if shaping.greedy else torch.tensor(list(item.uniform_accept), dtype=torch.float64),
                 uniform_sample=item.uniform_sample if item.HasField("uniform_sample") else None,
                 return_probs=item.return_probs,
             )
@@ -263,7 +270,7 @@ def encode_propose_item(request: DraftRequest, new_token_ids: Sequence[int]) -> 
         num_committed=len(request.token_ids),
         num_tokens=request.num_tokens,
     )
-    item.sampling.CopyFrom(encode_token_sampling(request.params))
+    item.sampling.CopyFrom(encode_token_sampling(request.shaping))
     if request.uniform is not None:
         item.uniform.extend(request.uniform.tolist())
     item.return_probs = request.return_probs
@@ -272,17 +279,17 @@ def encode_propose_item(request: DraftRequest, new_token_ids: Sequence[int]) -> 
 
 def decode_propose_item(item: wpb.ProposeRequest.Item, token_ids: Sequence[int]) -> DraftRequest:
     """`token_ids`: the session's committed tokens, which the draft worker keeps."""
-    params = decode_token_sampling(item.sampling)
-    if not params.greedy and len(item.uniform) != item.num_tokens:
+    shaping = decode_token_sampling(item.sampling)
+    if not shaping.greedy and len(item.uniform) != item.num_tokens:
         raise InvalidArgument("uniform", f"{len(item.uniform)} uniforms for {item.num_tokens} sampled drafts")
-    uniform = None if params.greedy else torch.tensor(list(item.uniform), dtype=torch.float64)
-    return DraftRequest(item.session_id, token_ids, item.num_tokens, params, uniform, item.return_probs)
+    uniform = None if shaping.greedy else torch.tensor(list(item.uniform), dtype=torch.float64)
+    return DraftRequest(item.session_id, token_ids, item.num_tokens, shaping, uniform, item.return_probs)
 
 
 def encode_proposal(proposal: Proposal) -> wpb.Proposal:
     msg = wpb.Proposal(token_ids=proposal.token_ids, draft_probs=proposal.draft_probs or (), label=proposal.label or "")
     if proposal.q is not None:
-        msg.q.extend(encode_distribution(row) for row in proposal.q)
+        msg.q.extend(encode_distributions(proposal.q))
     return msg
 
 

@@ -18,8 +18,25 @@ MIN_TEMPERATURE = 1e-3
 
 
 @dataclass(frozen=True)
+class TokenShaping:
+    """How a distribution is shaped before sampling from it (`sampling.processed_probs`): all that the workers
+    need of a request's settings. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        _check_shaping(self.temperature, self.top_p, self.top_k)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+    """How to pick tokens: the token shaping (see `TokenShaping`), then the request's seed and stopping rules."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -30,16 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _check_finite("temperature", self.temperature)
-        if self.temperature < 0:
-            raise InvalidArgument("temperature", f"must be >= 0, got {self.temperature}")
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise InvalidArgument("temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}")
-        _check_finite("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidArgument("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k}")
+        _check_shaping(self.temperature, self.top_p, self.top_k)
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise InvalidArgument("seed", f"must be in [0, 2**63 - 1], got {self.seed}")
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -57,6 +65,23 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def shaping(self) -> TokenShaping:
+        return TokenShaping(self.temperature, self.top_p, self.top_k)
+
+
+def _check_shaping(temperature: float, top_p: float, top_k: int) -> None:
+    _check_finite("temperature", temperature)
+    if temperature < 0:
+        raise InvalidArgument("temperature", f"must be >= 0, got {temperature}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise InvalidArgument("temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
+    _check_finite("top_p", top_p)
+    if not 0 < top_p <= 1:
+        raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise InvalidArgument("top_k", f"must be an integer >= 0 (0 = off), got {top_k}")
 
 
 def _check_finite(name: str, value: float) -> None:

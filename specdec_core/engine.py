@@ -239,7 +239,8 @@ class SpecEngine:
         if not admitted:
             return []
         items = [
-            PrefillItem(seq.request_id, seq.tokens, seq.params, None if seq.params.greedy else float(seq.uniform(1)))
+            PrefillItem(seq.request_id, seq.tokens, seq.params.shaping,
+                        None if seq.params.greedy else float(seq.uniform(1)))
             for seq in admitted
         ]
         try:
@@ -311,7 +312,7 @@ class SpecEngine:
             last_token_id=seq.tokens[-1],
             draft_token_ids=proposal.token_ids,
             q=proposal.q,
-            params=seq.params,
+            shaping=seq.params.shaping,
             uniform_accept=None if greedy else seq.uniform(n),
             uniform_sample=None if greedy else float(seq.uniform(1)),
             return_probs=seq.return_probs,
@@ -386,7 +387,7 @@ class SpecEngine:
                 seq_id=seqs[i].request_id,
                 token_ids=seqs[i].tokens,
                 num_tokens=ks[i],
-                params=seqs[i].params,
+                shaping=seqs[i].params.shaping,
                 uniform=None if seqs[i].params.greedy else seqs[i].uniform(ks[i]),
                 return_probs=seqs[i].return_probs,
             )

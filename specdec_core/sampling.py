@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from specdec_core.config import SamplingParams
+from specdec_core.config import TokenShaping
 
 
 def processed_probs(
@@ -42,13 +42,13 @@ def processed_probs(
 
 def token_probs(
     logits: torch.Tensor,  # [N, V]
-    params: Sequence[SamplingParams],  # [N]
+    shaping: Sequence[TokenShaping],  # [N]
     token_ids: torch.Tensor,  # [N] long
 ) -> torch.Tensor:  # [N]
     """The probability of each row's token under the row's processed distribution, as the proposal log reports
     it. A greedy row has no distribution to sample from: it reports the plain softmax (temperature 1)."""
-    shaping = [(1.0, 0, 1.0) if p.greedy else (p.temperature, p.top_k, p.top_p) for p in params]
-    temperature, top_k, top_p = zip(*shaping)
+    rows = [(1.0, 0, 1.0) if s.greedy else (s.temperature, s.top_k, s.top_p) for s in shaping]
+    temperature, top_k, top_p = zip(*rows)
     device = logits.device
     probs = processed_probs(
         logits.float(),

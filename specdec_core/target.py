@@ -16,11 +16,12 @@ from typing import Protocol, Sequence
 
 import torch
 
-from specdec_core.config import SamplingParams
+from specdec_core.config import TokenShaping
 from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.rejection import VerifyResult, greedy_accept, rejection_sample
 from specdec_core.runner import ModelRunner
 from specdec_core.sampling import processed_probs, sample_from, token_probs
+from specdec_core.sparse_q import SparseQ
 
 PREFILL_BATCH = 16  # prompts of one length prefilled together
 
@@ -29,7 +30,7 @@ PREFILL_BATCH = 16  # prompts of one length prefilled together
 class PrefillItem:
     seq_id: str
     prompt_ids: Sequence[int]
-    params: SamplingParams
+    shaping: TokenShaping
     uniform: float | None  # in [0, 1): draws the first token; None when greedy
 
 
@@ -38,8 +39,8 @@ class VerifyItem:
     seq_id: str
     last_token_id: int  # the last committed token (not yet in the target's cache)
     draft_token_ids: Sequence[int]  # 0..k drafts
-    q: torch.Tensor | None  # [len(draft_token_ids), V] draft probabilities; None: point masses
-    params: SamplingParams
+    q: SparseQ | None  # at len(draft_token_ids) positions: the draft's probabilities; None: point masses
+    shaping: TokenShaping
     uniform_accept: torch.Tensor | None  # [len(draft_token_ids)] float64 in [0, 1); None when greedy
     uniform_sample: float | None  # draws the recovered or bonus token; None when greedy
     return_probs: bool = False  # also report p of each draft token (`VerifyOutcome.target_probs`)
@@ -143,9 +144,9 @@ class LocalTarget:
 
     def _sample_first(self, logits: torch.Tensor, items: Sequence[PrefillItem]) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()
-        sampled = [i for i, item in enumerate(items) if not item.params.greedy]
+        sampled = [i for i, item in enumerate(items) if not item.shaping.greedy]
         if sampled:
-            probs = _probs(logits[sampled], [items[i].params for i in sampled])
+            probs = _probs(logits[sampled], [items[i].shaping for i in sampled])
             uniform = torch.tensor([items[i].uniform for i in sampled], dtype=torch.float64)
             for i, token in zip(sampled, sample_from(probs, uniform).tolist()):
                 tokens[i] = token
@@ -182,7 +183,7 @@ class LocalTarget:
         for b, item in enumerate(items):
             drafts[b, : len(item.draft_token_ids)] = torch.tensor(list(item.draft_token_ids), dtype=torch.long)
         num_draft = torch.tensor([len(item.draft_token_ids) for item in items])  # [B]
-        sampled = [b for b, item in enumerate(items) if not item.params.greedy]
+        sampled = [b for b, item in enumerate(items) if not item.shaping.greedy]
         if len(sampled) < B:
             result = greedy_accept(drafts, num_draft, logits.argmax(dim=-1).cpu())
             if not sampled:
@@ -202,13 +203,8 @@ class LocalTarget:
     ) -> VerifyResult:
         S, T, V = logits.shape
         K = T - 1
-        p = _probs(logits.reshape(S * T, V), [item.params for item in items for _ in range(T)]).view(S, T, V)
-        q = None
-        if any(item.q is not None for item in items):
-            q = torch.zeros(S, K, V, dtype=p.dtype, device=p.device)  # [S, K, V]
-            for i, item in enumerate(items):
-                if item.q is not None:
-                    q[i, : item.q.shape[0]] = item.q.to(p.dtype)
+        p = _probs(logits.reshape(S * T, V), [item.shaping for item in items for _ in range(T)]).view(S, T, V)
+        q = _dense_q(items, K, p)  # [S, K, V] or None
         num_draft = torch.tensor([len(item.draft_token_ids) for item in items])  # [S]
         uniform_accept = torch.ones(S, K, dtype=torch.float64)  # [S, K]; padding positions are never accepted
         for i, item in enumerate(items):
@@ -227,6 +223,19 @@ class LocalTarget:
         )
 
 
+def _dense_q(items: Sequence[VerifyItem], K: int, p: torch.Tensor) -> torch.Tensor | None:  # [S, K, V]
+    """The rows' q as the sampler reads it (p's dtype and device), None when every row's drafts are point masses.
+    The one place q is dense: the sampler is a pure function over dense tensors, and only sampled rows get here."""
+    if all(item.q is None for item in items):
+        return None
+    S, _, V = p.shape
+    q = torch.zeros(S, K, V, dtype=p.dtype, device=p.device)  # [S, K, V]
+    for i, item in enumerate(items):
+        if item.q is not None:
+            q[i, : len(item.q)] = item.q.dense(V, p.device)  # [k, V]
+    return q
+
+
 def _draft_token_probs(items: Sequence[VerifyItem], logits: torch.Tensor) -> list[tuple[float, ...] | None]:
     """p of every draft token, for the items that asked (None for the others). Position j of a row predicts its
     draft j, so a row's first len(drafts) logits are the ones read; rows that did not ask cost nothing."""
@@ -236,19 +245,19 @@ def _draft_token_probs(items: Sequence[VerifyItem], logits: torch.Tensor) -> lis
         return out
     counts = [len(items[b].draft_token_ids) for b in asked]
     rows = torch.cat([logits[b, :n] for b, n in zip(asked, counts)])  # [sum(counts), V]
-    params = [items[b].params for b, n in zip(asked, counts) for _ in range(n)]
+    shaping = [items[b].shaping for b, n in zip(asked, counts) for _ in range(n)]
     drafts = torch.tensor([t for b in asked for t in items[b].draft_token_ids], dtype=torch.long)  # [sum(counts)]
-    values = iter(token_probs(rows, params, drafts).tolist())
+    values = iter(token_probs(rows, shaping, drafts).tolist())
     for b, n in zip(asked, counts):
         out[b] = tuple(next(values) for _ in range(n))
     return out
 
 
-def _probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [N, V]
+def _probs(logits: torch.Tensor, shaping: Sequence[TokenShaping]) -> torch.Tensor:  # [N, V]
     device = logits.device
     return processed_probs(
         logits,
-        torch.tensor([p.temperature for p in params], device=device),
-        torch.tensor([p.top_k for p in params], device=device),
-        torch.tensor([p.top_p for p in params], device=device),
+        torch.tensor([s.temperature for s in shaping], device=device),
+        torch.tensor([s.top_k for s in shaping], device=device),
+        torch.tensor([s.top_p for s in shaping], device=device),
     )

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
-from specdec_core.config import SamplingParams
+from specdec_core.config import TokenShaping
+from specdec_core.sparse_q import SparseQ
 
 if TYPE_CHECKING:
     from specdec_core.runner import ModelRunner
@@ -28,7 +29,7 @@ class DraftRequest:
     seq_id: str
     token_ids: Sequence[int]  # every committed token: prompt and output so far (not copied; read only)
     num_tokens: int  # k: propose at most this many
-    params: SamplingParams  # the request's sampling settings; the draft samples from q processed alike
+    shaping: TokenShaping  # the request's token shaping; the draft samples from q shaped alike
     uniform: torch.Tensor | None  # [k] in [0, 1): randomness for sampling drafts; None when greedy
     return_probs: bool = False  # also report q of each proposed token (`Proposal.draft_probs`)
 
@@ -36,7 +37,7 @@ class DraftRequest:
 @dataclass(frozen=True)
 class Proposal:
     token_ids: list[int]  # 0..k proposed tokens
-    q: torch.Tensor | None  # [len(token_ids), V] draft probabilities; None: deterministic (point masses)
+    q: SparseQ | None  # at len(token_ids) positions: the draft's probabilities; None: deterministic (point masses)
     # q of each proposed token, when the request asked (`DraftRequest.return_probs`): under the distribution it
     # was drawn from, or the plain softmax for greedy drafts; 1.0 for deterministic methods. None otherwise.
     draft_probs: tuple[float, ...] | None = None
@@ -51,7 +52,7 @@ class Proposal:
             return self
         return Proposal(
             self.token_ids[:n],
-            None if self.q is None else self.q[:n],
+            None if self.q is None else self.q.prefix(n),
             None if self.draft_probs is None else self.draft_probs[:n],
             self.label,
         )

@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from specdec_core.config import TokenShaping
 from specdec_core.drafters.base import DraftContext, DraftMethod, DraftRequest, Proposal
 from specdec_core.errors import InvalidArgument
 from specdec_core.runner import ModelRunner
 from specdec_core.sampling import processed_probs, sample_from, token_probs
+from specdec_core.sparse_q import SparseQ
 
 
 # Sampled drafts come from the draft's processed distribution cut to its `Q_SUPPORT` most likely tokens. Any q
 # keeps verification exact as long as the drafts are drawn from the q the target sees; a short support keeps q
-# small on the wire (a few hundred bytes instead of the whole vocabulary) and costs almost no acceptance.
+# small on the wire (under a kilobyte per position instead of the whole vocabulary) and costs almost no
+# acceptance. q is kept sparse (`SparseQ`) from here to the verifier.
 Q_SUPPORT = 128
+
+
+@dataclass(frozen=True)
+class _Drawn:
+    """A sampled row at one draft position: the q it drew from (one `SparseQ` row) and q of the token drawn."""
+
+    token_ids: torch.Tensor  # [n] long, ascending
+    probs: torch.Tensor  # [n]
+    prob: float
 
 
 class DraftModelDrafter:
@@ -57,7 +70,7 @@ class DraftModelDrafter:
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         tokens: list[list[int]] = [[] for _ in requests]
-        qs: list[list[torch.Tensor]] = [[] for _ in requests]
+        qs: list[list[_Drawn]] = [[] for _ in requests]
         chosen: list[list[float]] = [[] for _ in requests]  # q of each picked token, for requests that asked
         rows = [i for i, r in enumerate(requests) if r.num_tokens > 0]
         feeds = {}  # row -> the committed tokens its slot has not read (a long backlog read first, alone)
@@ -69,19 +82,19 @@ class DraftModelDrafter:
             slots = [self._slots[requests[i].seq_id] for i in rows]
             logits = self._align(self.runner.extend(slots, [feeds[i] for i in rows]))  # [len(rows), V]
             batch = [requests[i] for i in rows]
-            picked, probs = self._pick(logits, batch, step)
-            picked_probs = _picked_probs(logits, batch, picked, probs)
+            picked, drawn = self._pick(logits, batch, step)
+            picked_probs = _picked_probs(logits, batch, picked, drawn)
             for j, i in enumerate(rows):
                 tokens[i].append(picked[j])
-                if probs is not None and probs[j] is not None:
-                    qs[i].append(probs[j])
+                if drawn[j] is not None:
+                    qs[i].append(drawn[j])
                 if picked_probs[j] is not None:
                     chosen[i].append(picked_probs[j])
                 feeds[i] = [picked[j]]
             step += 1
             rows = [i for i in rows if requests[i].num_tokens > step]
         return [
-            Proposal(token_ids=t, q=torch.stack(q) if q else None, draft_probs=tuple(c) if r.return_probs else None)
+            Proposal(token_ids=t, q=_stack(q), draft_probs=tuple(c) if r.return_probs else None)
             for t, q, c, r in zip(tokens, qs, chosen, requests)
         ]
 
@@ -111,28 +124,34 @@ class DraftModelDrafter:
 
     def _pick(
         self, logits: torch.Tensor, requests: Sequence[DraftRequest], step: int
-    ) -> tuple[list[int], list[torch.Tensor | None] | None]:
-        """Greedy rows take the argmax; sampled rows draw from their processed q and keep it for verification."""
+    ) -> tuple[list[int], list[_Drawn | None]]:
+        """Greedy rows take the argmax; sampled rows draw from their shaped q and keep it for verification."""
         picked = logits.argmax(dim=-1).tolist()
-        sampled = [j for j, r in enumerate(requests) if not r.params.greedy]
+        drawn: list[_Drawn | None] = [None] * len(requests)
+        sampled = [j for j, r in enumerate(requests) if not r.shaping.greedy]
         if not sampled:
-            return picked, None
-        sub = [requests[j] for j in sampled]
+            return picked, drawn
+        q = self._q(logits[sampled], [requests[j].shaping for j in sampled])  # [S, n]
+        uniform = torch.stack([requests[j].uniform[step] for j in sampled]).to(logits.device)  # [S]
+        at = sample_from(q.probs, uniform).unsqueeze(-1)  # [S, 1]: the entry each row drew
+        tokens = q.token_ids.gather(-1, at).squeeze(-1).tolist()
+        probs = q.probs.gather(-1, at).squeeze(-1).tolist()
+        for s, j in enumerate(sampled):
+            picked[j] = tokens[s]
+            drawn[j] = _Drawn(q.token_ids[s], q.probs[s], probs[s])
+        return picked, drawn
+
+    def _q(self, logits: torch.Tensor, shaping: Sequence[TokenShaping]) -> SparseQ:  # [S, V] -> [S, n]
+        """The shaped distribution, cut to its `q_support` most likely tokens."""
         q = processed_probs(
-            logits[sampled],
-            torch.tensor([r.params.temperature for r in sub], device=logits.device),
-            torch.tensor([r.params.top_k for r in sub], device=logits.device),
-            torch.tensor([r.params.top_p for r in sub], device=logits.device),
+            logits,
+            torch.tensor([s.temperature for s in shaping], device=logits.device),
+            torch.tensor([s.top_k for s in shaping], device=logits.device),
+            torch.tensor([s.top_p for s in shaping], device=logits.device),
         )  # [S, V]
-        if self.q_support is not None and self.q_support < q.shape[-1]:
-            q = _truncate(q, self.q_support)
-        uniform = torch.stack([r.uniform[step] for r in sub]).to(logits.device)  # [S]
-        drawn = sample_from(q, uniform).tolist()
-        probs: list[torch.Tensor | None] = [None] * len(requests)
-        for j, token, row in zip(sampled, drawn, q):
-            picked[j] = token
-            probs[j] = row
-        return picked, probs
+        if self.q_support is None or self.q_support >= q.shape[-1]:
+            return SparseQ.from_dense(q)
+        return _truncate(q, self.q_support)
 
 
 def _build(context: DraftContext) -> DraftModelDrafter:
@@ -148,7 +167,7 @@ def _picked_probs(
     logits: torch.Tensor,  # [B, V]
     requests: Sequence[DraftRequest],
     picked: list[int],
-    q: list[torch.Tensor | None] | None,  # per row, the [V] distribution a sampled row drew from
+    drawn: list[_Drawn | None],
 ) -> list[float | None]:
     """q of each row's picked token, for the rows that asked (None for the others): from the distribution a
     sampled row drew from (its support cut included), else the plain softmax. No row asked: nothing computed."""
@@ -157,18 +176,29 @@ def _picked_probs(
     for j, r in enumerate(requests):
         if not r.return_probs:
             continue
-        if q is not None and q[j] is not None:
-            out[j] = float(q[j][picked[j]])
+        if drawn[j] is not None:
+            out[j] = drawn[j].prob
         else:
             greedy.append(j)
     if greedy:
         chosen = torch.tensor([picked[j] for j in greedy])  # [G]
-        values = token_probs(logits[greedy], [requests[j].params for j in greedy], chosen)  # [G]
+        values = token_probs(logits[greedy], [requests[j].shaping for j in greedy], chosen)  # [G]
         for j, value in zip(greedy, values.tolist()):
             out[j] = value
     return out
 
 
-def _truncate(q: torch.Tensor, support: int) -> torch.Tensor:  # [S, V] -> [S, V], `support` nonzeros per row
+def _truncate(q: torch.Tensor, support: int) -> SparseQ:  # [S, V] -> [S, support]
+    """q's `support` most likely tokens, renormalised; ids ascending, so that the cdf a row is sampled by runs in
+    the order of the dense row (the same uniform draws the same token)."""
     top, index = q.topk(support, dim=-1)  # [S, support]
-    return torch.zeros_like(q).scatter_(-1, index, top / top.sum(dim=-1, keepdim=True))
+    probs = top / top.sum(dim=-1, keepdim=True)  # [S, support]
+    ids, order = index.sort(dim=-1)  # [S, support]
+    return SparseQ(ids, probs.gather(-1, order))
+
+
+def _stack(drawn: list[_Drawn]) -> SparseQ | None:
+    """A proposal's q: one row per sampled position; None when no position was sampled."""
+    if not drawn:
+        return None
+    return SparseQ.from_rows([d.token_ids for d in drawn], [d.probs for d in drawn])

@@ -7,22 +7,65 @@ import torch
 
 from deployments import codec
 from specdec.v1 import generation_pb2 as pb
-from specdec_core.config import AUTO, MIN_TEMPERATURE, SamplingParams
+from specdec.v1 import worker_pb2 as wpb
+from specdec_core.config import AUTO, MIN_TEMPERATURE, SamplingParams, TokenShaping
 from specdec_core.errors import InvalidArgument
+from specdec_core.sparse_q import SparseQ
 from specdec_core.target import VerifyItem
 
 
-def test_draft_distributions_cross_the_wire_exactly():
-    torch.manual_seed(0)
-    q = torch.softmax(torch.randn(3, 50), dim=-1)
-    q[:, 10:] = 0  # sparse, as the drafter sends them
-    q = q / q.sum(-1, keepdim=True)
-    item = VerifyItem("s", 4, [1, 2, 3], q, SamplingParams(temperature=0.7, top_k=5), torch.rand(3, dtype=torch.float64), 0.25)
-    back = codec.decode_verify(codec.encode_verify([item]), vocab_size=50)[0]
-    assert torch.equal(back.q, q)
+def _sparse_q(k: int, vocab: int, support: int, seed: int = 0) -> SparseQ:
+    """A drafter's q: `support` ids per position, ascending, one row padded (probability 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:support].sort().values for _ in range(k)])  # [k, n]
+    probs = torch.softmax(torch.randn(k, support, generator=gen), dim=-1)  # [k, n]
+    probs[-1, -2:] = 0  # the last position has two entries fewer: padding
+    return SparseQ(ids, probs)
+
+
+def test_draft_distributions_cross_the_wire_exactly_and_stay_sparse():
+    q = _sparse_q(3, 50, 10)
+    item = VerifyItem("s", 4, [1, 2, 3], q, TokenShaping(temperature=0.7, top_k=5), torch.rand(3, dtype=torch.float64), 0.25)
+    message = codec.encode_verify([item])
+    assert [len(row.token_ids) for row in message.items[0].q] == [10, 10, 8]  # padding is not sent
+    back = codec.decode_verify(message, vocab_size=50)[0]
+    assert isinstance(back.q, SparseQ) and back.q.token_ids.shape == (3, 10)  # not [3, V]
+    assert torch.equal(back.q.dense(50), q.dense(50))
     assert torch.equal(back.uniform_accept, item.uniform_accept) and back.uniform_sample == 0.25
-    assert (back.params.temperature, back.params.top_k) == (pytest.approx(0.7), 5)
+    assert (back.shaping.temperature, back.shaping.top_k) == (pytest.approx(0.7), 5)
     assert back.draft_token_ids == [1, 2, 3] and back.last_token_id == 4
+
+
+def test_the_router_passes_q_on_as_it_came():
+    """Draft worker -> router (decode_proposal) -> target worker (encode_verify): the same bytes, never dense."""
+    from specdec_core.drafters.base import Proposal
+
+    sent = codec.encode_proposal(Proposal([5, 6, 7], _sparse_q(3, 1000, 16), None))
+    proposal = codec.decode_proposal(sent, vocab_size=1000, return_probs=False)
+    assert proposal.q.token_ids.shape == (3, 16)
+    item = VerifyItem("s", 4, proposal.token_ids, proposal.q, TokenShaping(temperature=1.0), torch.rand(3), 0.5)
+    assert list(codec.encode_verify([item]).items[0].q) == list(sent.q)
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        wpb.SparseDistribution(token_ids=[1, 2], probs=[1.0]),  # mismatched
+        wpb.SparseDistribution(token_ids=[1, 50], probs=[0.5, 0.5]),  # outside the vocabulary
+    ],
+)
+def test_bad_draft_distributions_are_refused_naming_q(row):
+    message = wpb.VerifyRequest()
+    item = message.items.add(session_id="s", last_token_id=1, draft_token_ids=[1], uniform_accept=[0.5],
+                             uniform_sample=0.5)
+    item.sampling.temperature = 1.0
+    item.q.append(row)
+    with pytest.raises(InvalidArgument) as err:
+        codec.decode_verify(message, vocab_size=50)
+    assert err.value.field == "q"
+    with pytest.raises(InvalidArgument) as err:
+        codec.decode_proposal(wpb.Proposal(token_ids=[1], q=[row]), vocab_size=50, return_probs=False)
+    assert err.value.field == "q"
 
 
 def test_proposal_labels_cross_the_wire():
@@ -58,8 +101,18 @@ def test_the_smallest_temperature_survives_both_float32_hops():
     """Client -> router and router -> worker each carry temperature as a float32: MIN_TEMPERATURE passes both."""
     message = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(temperature=MIN_TEMPERATURE))
     call = codec.decode_generate(message, default_max_tokens=16)
-    worker = codec.decode_token_sampling(codec.encode_token_sampling(call.params))
+    worker = codec.decode_token_sampling(codec.encode_token_sampling(call.params.shaping))
     assert worker.temperature == call.params.temperature >= MIN_TEMPERATURE
+
+
+def test_workers_get_the_token_shaping_only():
+    """What a worker decodes is a TokenShaping (no made-up max_tokens or seed); proto3's unset top_p is off."""
+    shaping = TokenShaping(temperature=0.5, top_p=0.75, top_k=7)
+    assert codec.decode_token_sampling(codec.encode_token_sampling(shaping)) == shaping
+    assert codec.decode_token_sampling(codec.encode_token_sampling(TokenShaping())) == TokenShaping()
+    with pytest.raises(InvalidArgument) as err:
+        codec.decode_token_sampling(wpb.TokenSampling(temperature=-1.0))
+    assert err.value.field == "sampling.temperature"
 
 
 def test_defaults_and_speculation_options():

@@ -1,13 +1,15 @@
-"""The draft-model drafter: a sequence that fell behind catches up without disturbing the rest of its batch."""
+"""The draft-model drafter: a sequence that fell behind catches up without disturbing the rest of its batch; q
+stays sparse and changes no draw."""
 
 from __future__ import annotations
 
 import torch
 
-from specdec_core.config import SamplingParams
+from specdec_core.config import TokenShaping
 from specdec_core.drafters.base import DraftRequest
-from specdec_core.drafters.draft_model import DraftModelDrafter
+from specdec_core.drafters.draft_model import Q_SUPPORT, DraftModelDrafter, _truncate
 from specdec_core.runner import ModelRunner, RunnerConfig
+from specdec_core.sampling import sample_from
 
 MAX_SEQ_LEN = 128
 
@@ -18,7 +20,7 @@ def _drafter(model) -> DraftModelDrafter:
 
 
 def _request(seq_id: str, tokens: list[int], k: int = 3) -> DraftRequest:
-    return DraftRequest(seq_id=seq_id, token_ids=tokens, num_tokens=k, params=SamplingParams(), uniform=None)
+    return DraftRequest(seq_id=seq_id, token_ids=tokens, num_tokens=k, shaping=TokenShaping(), uniform=None)
 
 
 def test_a_stale_row_beside_a_long_one_drafts_as_each_would_alone(tiny_target):
@@ -39,3 +41,26 @@ def test_a_stale_row_beside_a_long_one_drafts_as_each_would_alone(tiny_target):
         (alone,) = fresh.propose([_request(seq_id, tokens)])
         assert proposal.token_ids == alone.token_ids, seq_id
     assert drafter.runner.length(drafter._slots["stale"]) == len(stale) + 2  # read it all, plus two drafts
+
+
+def test_a_sparse_row_draws_what_its_dense_row_draws():
+    """The drafter samples from q's sparse rows: ids ascending, the same uniform draws the same token as the dense
+    row would, so q's sparseness changes no output."""
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.softmax(torch.randn(64, 400, generator=gen) * 3, dim=-1)  # [S, V]
+    q = _truncate(dense, 16)  # [S, 16]
+    uniform = torch.rand(64, generator=gen, dtype=torch.float64)
+    at = sample_from(q.probs, uniform).unsqueeze(-1)  # [S, 1]
+    assert torch.equal(q.token_ids.gather(-1, at).squeeze(-1), sample_from(q.dense(400), uniform))
+
+
+def test_sampled_proposals_carry_a_sparse_q_the_drafts_come_from(tiny_target):
+    vocab = tiny_target.model.vocab_size
+    drafter = _drafter(tiny_target.model)
+    drafter.start("s", [5, 6, 7])
+    request = DraftRequest("s", [5, 6, 7], 4, TokenShaping(temperature=1.0), torch.rand(4, dtype=torch.float64))
+    (proposal,) = drafter.propose([request])
+    assert proposal.q.token_ids.shape == (4, Q_SUPPORT) < (4, vocab)
+    dense = proposal.q.dense(vocab)  # [k, V]
+    assert torch.allclose(dense.sum(dim=-1), torch.ones(4))
+    assert all(dense[i, t] > 0 for i, t in enumerate(proposal.token_ids))

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from specdec_core.config import SamplingParams
+from specdec_core.config import TokenShaping
 from specdec_core.drafters.base import DraftRequest
 from specdec_core.drafters.ngram import NgramDrafter
 
 
 def _propose(drafter: NgramDrafter, tokens: list[int], k: int, seq: str = "s") -> list[int]:
-    request = DraftRequest(seq_id=seq, token_ids=tokens, num_tokens=k, params=SamplingParams(), uniform=None)
+    request = DraftRequest(seq_id=seq, token_ids=tokens, num_tokens=k, shaping=TokenShaping(), uniform=None)
     (proposal,) = drafter.propose([request])
     assert proposal.q is None  # deterministic proposals
     return proposal.token_ids
@@ -54,8 +54,8 @@ def test_probabilities_when_asked_are_point_masses():
     d = NgramDrafter(max_n=2, min_n=1)
     tokens = [1, 2, 3, 4, 5, 6, 1, 2]
     d.start("s", tokens)
-    asked = DraftRequest("s", tokens, 3, SamplingParams(), None, return_probs=True)
-    not_asked = DraftRequest("s", tokens, 3, SamplingParams(), None)
+    asked = DraftRequest("s", tokens, 3, TokenShaping(), None, return_probs=True)
+    not_asked = DraftRequest("s", tokens, 3, TokenShaping(), None)
     (proposal,), (plain,) = d.propose([asked]), d.propose([not_asked])
     assert proposal.token_ids == [3, 4, 5] and proposal.draft_probs == (1.0, 1.0, 1.0)
     assert plain.draft_probs is None
@@ -65,10 +65,10 @@ def test_proposals_are_labelled_by_match_length():
     d = NgramDrafter(max_n=3, min_n=1)
     tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
     d.start("s", tokens)
-    (long,) = d.propose([DraftRequest("s", tokens, 2, SamplingParams(), None)])
+    (long,) = d.propose([DraftRequest("s", tokens, 2, TokenShaping(), None)])
     assert long.label == "ngram-3"
     tokens = tokens + [6]
-    (short,) = d.propose([DraftRequest("s", tokens, 2, SamplingParams(), None)])
+    (short,) = d.propose([DraftRequest("s", tokens, 2, TokenShaping(), None)])
     assert short.token_ids == [] and short.label is None  # 6 never occurred before
 
 
@@ -76,8 +76,9 @@ def test_a_proposal_prefix_keeps_its_label_and_probabilities():
     import torch
 
     from specdec_core.drafters.base import Proposal
+    from specdec_core.sparse_q import SparseQ
 
     q = torch.eye(4)[[1, 2, 3]]  # [3, V]
-    cut = Proposal([1, 2, 3], q, (0.5, 0.25, 0.125), label="x").prefix(2)
-    assert cut.token_ids == [1, 2] and torch.equal(cut.q, q[:2])
+    cut = Proposal([1, 2, 3], SparseQ.from_dense(q), (0.5, 0.25, 0.125), label="x").prefix(2)
+    assert cut.token_ids == [1, 2] and torch.equal(cut.q.dense(4), q[:2])
     assert cut.draft_probs == (0.5, 0.25) and cut.label == "x"
