@@ -186,7 +186,7 @@ def decode_distributions(rows: Sequence[wpb.SparseDistribution], vocab_size: int
 def encode_prefill(items: Sequence[PrefillItem]) -> wpb.PrefillRequest:
     request = wpb.PrefillRequest()
     for item in items:
-        msg = request.items.add(session_id=item.seq_id, prompt_token_ids=list(item.prompt_ids))
+        msg = request.items.add(seq_id=item.seq_id, prompt_token_ids=list(item.prompt_ids))
         msg.sampling.CopyFrom(encode_token_sampling(item.shaping))
         if item.uniform is not None:
             msg.uniform = item.uniform
@@ -196,7 +196,7 @@ def encode_prefill(items: Sequence[PrefillItem]) -> wpb.PrefillRequest:
 def decode_prefill(request: wpb.PrefillRequest) -> list[PrefillItem]:
     return [
         PrefillItem(
-            seq_id=item.session_id,
+            seq_id=item.seq_id,
             prompt_ids=list(item.prompt_token_ids),
             shaping=decode_token_sampling(item.sampling),
             uniform=item.uniform if item.HasField("uniform") else None,
@@ -209,7 +209,7 @@ def encode_verify(items: Sequence[VerifyItem]) -> wpb.VerifyRequest:
     request = wpb.VerifyRequest()
     for item in items:
         msg = request.items.add(
-            session_id=item.seq_id, last_token_id=item.last_token_id, draft_token_ids=list(item.draft_token_ids)
+            seq_id=item.seq_id, last_token_id=item.last_token_id, draft_token_ids=list(item.draft_token_ids)
         )
         msg.sampling.CopyFrom(encode_token_sampling(item.shaping))
         if item.q is not None:
@@ -233,7 +233,7 @@ def decode_verify(request: wpb.VerifyRequest, vocab_size: int) -> list[VerifyIte
             raise InvalidArgument("q", f"{len(item.q)} distributions for {n} drafts")
         items.append(
             VerifyItem(
-                seq_id=item.session_id,
+                seq_id=item.seq_id,
                 last_token_id=item.last_token_id,
                 draft_token_ids=list(item.draft_token_ids),
                 q=decode_distributions(item.q, vocab_size),
@@ -265,7 +265,7 @@ def decode_outcomes(response: wpb.VerifyResponse, return_probs: Sequence[bool]) 
 
 def encode_propose_item(request: DraftRequest, new_token_ids: Sequence[int]) -> wpb.ProposeRequest.Item:
     item = wpb.ProposeRequest.Item(
-        session_id=request.seq_id,
+        seq_id=request.seq_id,
         new_token_ids=list(new_token_ids),
         num_committed=len(request.token_ids),
         num_tokens=request.num_tokens,
@@ -283,7 +283,7 @@ def decode_propose_item(item: wpb.ProposeRequest.Item, token_ids: Sequence[int])
     if not shaping.greedy and len(item.uniform) != item.num_tokens:
         raise InvalidArgument("uniform", f"{len(item.uniform)} uniforms for {item.num_tokens} sampled drafts")
     uniform = None if shaping.greedy else torch.tensor(list(item.uniform), dtype=torch.float64)
-    return DraftRequest(item.session_id, token_ids, item.num_tokens, shaping, uniform, item.return_probs)
+    return DraftRequest(item.seq_id, token_ids, item.num_tokens, shaping, uniform, item.return_probs)
 
 
 def encode_proposal(proposal: Proposal) -> wpb.Proposal:

@@ -47,16 +47,16 @@ class ProposalLog:
         self._logger.addHandler(logging.handlers.QueueHandler(self._queue))
         self._sampled: dict[str, tuple[str, int]] = {}  # session -> (request id, rounds logged)
 
-    def start(self, session_id: str, request_id: str) -> bool:
+    def start(self, seq_id: str, request_id: str) -> bool:
         """Sample a new request. True when its rounds must carry probabilities (sampled, and include_probs)."""
         if random.random() >= self.sample_rate:
             return False
-        self._sampled[session_id] = (request_id, 0)
+        self._sampled[seq_id] = (request_id, 0)
         return self.include_probs
 
-    def observe(self, session_id: str, output: RequestOutput) -> None:
+    def observe(self, seq_id: str, output: RequestOutput) -> None:
         """Called on the engine thread for each output: queue a record for a sampled request's round."""
-        entry = self._sampled.get(session_id)
+        entry = self._sampled.get(seq_id)
         if entry is None:
             return
         request_id, index = entry
@@ -76,9 +76,9 @@ class ProposalLog:
                 **_probs("p", info.target_probs),
             }
             self._logger.info(json.dumps(record, separators=(",", ":")))
-            self._sampled[session_id] = (request_id, index + 1)
+            self._sampled[seq_id] = (request_id, index + 1)
         if output.finished:
-            self._sampled.pop(session_id, None)
+            self._sampled.pop(seq_id, None)
 
     def close(self) -> None:
         self._listener.stop()  # writes what is queued

@@ -116,8 +116,8 @@ class ReplicaPool:
                 return []
             replica.failed = True
             lost = sorted(replica.sessions)
-            for session_id in lost:
-                self._pinned.pop(session_id, None)
+            for seq_id in lost:
+                self._pinned.pop(seq_id, None)
             replica.sessions.clear()
         self.failure.set()
         log.warning("%s worker at %s failed; %d sessions lost there", self.kind, address, len(lost))
@@ -139,7 +139,7 @@ class ReplicaPool:
     def free_slots(self) -> int:
         return sum(max(0, r.stats.num_slots - len(r.sessions)) for r in self.replicas if r.usable)
 
-    def pin(self, session_id: str) -> Replica:
+    def pin(self, seq_id: str) -> Replica:
         """The replica for a new session: the least loaded (fewest of our sessions for its slots)."""
         with self._lock:
             self._tick += 1
@@ -148,21 +148,21 @@ class ReplicaPool:
                 raise WorkerUnavailable(f"no {self.kind} worker is available")
             replica = min(live, key=lambda r: (len(r.sessions) - r.stats.num_slots, r.last_pinned))
             replica.last_pinned = self._tick
-            replica.sessions.add(session_id)
-            self._pinned[session_id] = replica
+            replica.sessions.add(seq_id)
+            self._pinned[seq_id] = replica
             return replica
 
-    def replica_of(self, session_id: str) -> Replica:
-        replica = self._pinned.get(session_id)
+    def replica_of(self, seq_id: str) -> Replica:
+        replica = self._pinned.get(seq_id)
         if replica is None:
-            raise InvalidArgument("session_id", f"no {self.kind} session {session_id!r}")
+            raise InvalidArgument("seq_id", f"no {self.kind} session {seq_id!r}")
         return replica
 
-    def unpin(self, session_id: str) -> Replica | None:
+    def unpin(self, seq_id: str) -> Replica | None:
         with self._lock:
-            replica = self._pinned.pop(session_id, None)
+            replica = self._pinned.pop(seq_id, None)
             if replica is not None:
-                replica.sessions.discard(session_id)
+                replica.sessions.discard(seq_id)
             return replica
 
     def fan_out(self, groups: dict[str, tuple[Replica, object]], method: str,
@@ -189,14 +189,14 @@ class ReplicaPool:
                     self.mark_failed(address)
         return responses, failures
 
-    def release(self, session_id: str) -> None:
-        replica = self.unpin(session_id)
+    def release(self, seq_id: str) -> None:
+        replica = self.unpin(seq_id)
         if replica is None:
             return
         try:
-            replica.stub.Release(wpb.ReleaseRequest(session_ids=[session_id]), timeout=min(self.timeout_s, 10.0))
+            replica.stub.Release(wpb.ReleaseRequest(seq_ids=[seq_id]), timeout=min(self.timeout_s, 10.0))
         except grpc.RpcError as exc:  # the worker's idle timeout frees it in the end
-            log.warning("could not release %s session %s on %s: %s", self.kind, session_id, replica.address, exc.code())
+            log.warning("could not release %s session %s on %s: %s", self.kind, seq_id, replica.address, exc.code())
 
     def close(self) -> None:
         for replica in self._replicas.values():
@@ -352,7 +352,7 @@ class RemoteDrafter:
             replica = self.pool.pin(seq_id)
         except WorkerUnavailable:
             return False
-        request = wpb.StartRequest(items=[wpb.StartRequest.Item(session_id=seq_id, prompt_token_ids=list(token_ids))])
+        request = wpb.StartRequest(items=[wpb.StartRequest.Item(seq_id=seq_id, prompt_token_ids=list(token_ids))])
         metadata = {}
         if self.tracer is not None:
             metadata = {replica.address: carrier_metadata(self.tracer.spans([seq_id], rounds=False))}

@@ -149,24 +149,24 @@ class Router:
             raise ResourceExhausted("requests", "the router is at max_ongoing_requests; retry later")
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
-        session_id = f"{self._tag}-{uuid.uuid4().hex[:16]}"  # unique across routers: workers key caches by it
+        seq_id = f"{self._tag}-{uuid.uuid4().hex[:16]}"  # unique across routers: workers key caches by it
         parent, _ = context_from_metadata(metadata)  # a client's traceparent
-        self.tracer.start_request(session_id, call.params, parent, request_id)
+        self.tracer.start_request(seq_id, call.params, parent, request_id)
         # Only requests whose records carry probabilities make the workers compute them.
-        return_probs = self.proposals is not None and self.proposals.start(session_id, request_id)
+        return_probs = self.proposals is not None and self.proposals.start(seq_id, request_id)
         times = [time.monotonic(), None]  # start, first token
 
         def deliver(item: Any) -> None:  # on the engine thread
             if isinstance(item, Exception):
-                self.tracer.abandon(session_id, item)
+                self.tracer.abandon(seq_id, item)
             else:
-                self.tracer.observe(session_id, item)
+                self.tracer.observe(seq_id, item)
                 self._measure(item, times)
                 if self.proposals is not None:
-                    self.proposals.observe(session_id, item)
+                    self.proposals.observe(seq_id, item)
             loop.call_soon_threadsafe(inbox.put_nowait, item)
 
-        self.scheduler.submit(session_id, prompt_ids, call.params, call.num_speculative_tokens, deliver, return_probs)
+        self.scheduler.submit(seq_id, prompt_ids, call.params, call.num_speculative_tokens, deliver, return_probs)
         finished = False
         try:
             while not finished:
@@ -181,7 +181,7 @@ class Router:
                 yield item
         finally:
             if not finished:
-                self.scheduler.cancel(session_id)
+                self.scheduler.cancel(seq_id)
 
     def _measure(self, output: RequestOutput, times: list) -> None:
         if times[1] is None and output.new_token_ids:

@@ -26,7 +26,7 @@ Sink = Callable[[Union[RequestOutput, Exception]], None]
 
 @dataclass(frozen=True)
 class _Submit:
-    request_id: str
+    seq_id: str
     prompt_ids: Sequence[int]
     params: SamplingParams
     num_speculative_tokens: int | str | None
@@ -37,7 +37,7 @@ class _Submit:
 
 @dataclass(frozen=True)
 class _Cancel:
-    request_id: str
+    seq_id: str
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Scheduler:
 
     def submit(
         self,
-        request_id: str,
+        seq_id: str,
         prompt_ids: Sequence[int],
         params: SamplingParams,
         num_speculative_tokens: int | str | None,
@@ -88,10 +88,10 @@ class Scheduler:
         `timeout_s`: the request ends with `DeadlineExceeded` after this long (the admission's limit applies too)."""
         limits = [t for t in (timeout_s, self.admission.request_timeout_s) if t is not None]
         deadline = time.monotonic() + min(limits) if limits else None
-        self._inbox.put(_Submit(request_id, prompt_ids, params, num_speculative_tokens, sink, return_probs, deadline))
+        self._inbox.put(_Submit(seq_id, prompt_ids, params, num_speculative_tokens, sink, return_probs, deadline))
 
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(_Cancel(request_id))
+    def cancel(self, seq_id: str) -> None:
+        self._inbox.put(_Cancel(seq_id))
 
     @property
     def closed(self) -> bool:
@@ -118,8 +118,8 @@ class Scheduler:
                     self._deliver(self.engine.step())
             except Exception:  # the engine turns model failures into outputs: this is a bug, keep serving
                 log.exception("engine loop error")
-        for request_id in list(self._sinks):
-            self._deliver([out] if (out := self.engine.abort(request_id)) else [])
+        for seq_id in list(self._sinks):
+            self._deliver([out] if (out := self.engine.abort(seq_id)) else [])
 
     def _apply_commands(self, block: bool, timeout: float = 1.0) -> None:
         while True:
@@ -131,7 +131,7 @@ class Scheduler:
             if isinstance(command, _Submit):
                 self._admit(command)
             elif isinstance(command, _Cancel):
-                output = self.engine.abort(command.request_id)
+                output = self.engine.abort(command.seq_id)
                 self._deliver([output] if output is not None else [])
 
     def _admit(self, command: _Submit) -> None:
@@ -142,47 +142,47 @@ class Scheduler:
             return
         try:
             self.engine.add_request(
-                command.request_id, command.prompt_ids, command.params, command.num_speculative_tokens,
+                command.seq_id, command.prompt_ids, command.params, command.num_speculative_tokens,
                 command.return_probs,
             )
         except Exception as exc:  # refused before any work: the caller reports it
             command.sink(exc)
             return
-        self._sinks[command.request_id] = command.sink
-        self._queued_at[command.request_id] = time.monotonic()
+        self._sinks[command.seq_id] = command.sink
+        self._queued_at[command.seq_id] = time.monotonic()
         if command.deadline is not None:
-            self._deadlines[command.request_id] = command.deadline
+            self._deadlines[command.seq_id] = command.deadline
 
     def _expire(self) -> None:
         """End requests past their deadline, and waiting ones past the queue timeout, before the next round:
         either stops within one round, and `abort` frees their caches."""
         now = time.monotonic()
         waiting = set(self.engine.waiting_request_ids)
-        for request_id in [r for r in self._queued_at if r not in waiting]:
-            del self._queued_at[request_id]  # admitted (or gone)
+        for seq_id in [r for r in self._queued_at if r not in waiting]:
+            del self._queued_at[seq_id]  # admitted (or gone)
         late = {r: self.why_waiting() for r, t in self._queued_at.items() if now - t >= self.admission.queue_timeout_s}
         late.update((r, DeadlineExceeded("the request ran past its deadline")) for r, d in self._deadlines.items()
                     if now >= d)
-        for request_id, error in late.items():
-            self._end(request_id, error)
+        for seq_id, error in late.items():
+            self._end(seq_id, error)
 
-    def _end(self, request_id: str, error: Exception) -> None:
-        self.engine.abort(request_id)
-        self._queued_at.pop(request_id, None)
-        self._deadlines.pop(request_id, None)
-        sink = self._sinks.pop(request_id, None)
+    def _end(self, seq_id: str, error: Exception) -> None:
+        self.engine.abort(seq_id)
+        self._queued_at.pop(seq_id, None)
+        self._deadlines.pop(seq_id, None)
+        sink = self._sinks.pop(seq_id, None)
         if sink is not None:
             sink(error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            sink = self._sinks.get(output.request_id)
+            sink = self._sinks.get(output.seq_id)
             if output.finished:
-                self._sinks.pop(output.request_id, None)
-                self._queued_at.pop(output.request_id, None)
-                self._deadlines.pop(output.request_id, None)
+                self._sinks.pop(output.seq_id, None)
+                self._queued_at.pop(output.seq_id, None)
+                self._deadlines.pop(output.seq_id, None)
             if sink is not None:
                 try:
                     sink(output)
                 except Exception:
-                    log.exception("delivering an output of %s failed", output.request_id)
+                    log.exception("delivering an output of %s failed", output.seq_id)

@@ -100,37 +100,37 @@ class _SessionWorker:
         self._reaper.start()
 
     # Subclasses free a session's state here.
-    def _free(self, session_id: str) -> None:
+    def _free(self, seq_id: str) -> None:
         raise NotImplementedError
 
-    def _touch(self, session_ids: Iterable[str]) -> None:
+    def _touch(self, seq_ids: Iterable[str]) -> None:
         now = time.monotonic()
-        for sid in session_ids:
+        for sid in seq_ids:
             if sid not in self._last_used:
-                raise UnknownSession(f"session_id: no active session {sid!r} on this worker")
+                raise UnknownSession(f"seq_id: no active session {sid!r} on this worker")
             self._last_used[sid] = now
 
-    def _started(self, session_ids: Iterable[str]) -> None:
+    def _started(self, seq_ids: Iterable[str]) -> None:
         now = time.monotonic()
-        for sid in session_ids:
+        for sid in seq_ids:
             self._last_used[sid] = now
             self.sessions_started += 1
 
-    def release(self, session_ids: Iterable[str]) -> int:
+    def release(self, seq_ids: Iterable[str]) -> int:
         released = 0
         with self._lock:
-            for sid in session_ids:
+            for sid in seq_ids:
                 if self._last_used.pop(sid, None) is not None:
                     self._free(sid)
                     released += 1
         return released
 
     def Release(self, request: wpb.ReleaseRequest, context: grpc.ServicerContext) -> wpb.ReleaseResponse:
-        return wpb.ReleaseResponse(released=self.release(request.session_ids))
+        return wpb.ReleaseResponse(released=self.release(request.seq_ids))
 
     def _release_after_error(self, request: Any) -> None:
         items = getattr(request, "items", [])
-        self.release([item.session_id for item in items])
+        self.release([item.seq_id for item in items])
 
     def _reap(self) -> None:
         while not self._stop.wait(min(5.0, self.idle_timeout_s / 2)):
@@ -171,8 +171,8 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
         super().__init__(model_name, idle_timeout_s)
         self.target = target
 
-    def _free(self, session_id: str) -> None:
-        self.target.release(session_id)
+    def _free(self, seq_id: str) -> None:
+        self.target.release(seq_id)
 
     @rpc
     def Prefill(self, request: wpb.PrefillRequest) -> wpb.PrefillResponse:
@@ -188,7 +188,7 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
 
     @rpc
     def Verify(self, request: wpb.VerifyRequest) -> wpb.VerifyResponse:
-        self._touch(item.session_id for item in request.items)
+        self._touch(item.seq_id for item in request.items)
         items = codec.decode_verify(request, self.target.vocab_size)
         return codec.encode_outcomes(self.target.verify(items))
 
@@ -207,9 +207,9 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
         self.drafter = drafter
         self._tokens: dict[str, list[int]] = {}
 
-    def _free(self, session_id: str) -> None:
-        self._tokens.pop(session_id, None)
-        self.drafter.release(session_id)
+    def _free(self, seq_id: str) -> None:
+        self._tokens.pop(seq_id, None)
+        self.drafter.release(seq_id)
 
     @rpc
     def Start(self, request: wpb.StartRequest) -> wpb.StartResponse:
@@ -217,29 +217,29 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
         if len(request.items) > runner.cache.free_slots:
             raise ResourceExhausted("sessions", f"{len(request.items)} new sessions, {runner.cache.free_slots} free")
         for item in request.items:
-            if item.session_id in self._tokens:
-                raise InvalidArgument("session_id", f"session {item.session_id!r} is already active")
+            if item.seq_id in self._tokens:
+                raise InvalidArgument("seq_id", f"session {item.seq_id!r} is already active")
             if not item.prompt_token_ids or len(item.prompt_token_ids) >= runner.max_seq_len:
                 raise InvalidArgument("prompt_token_ids", "empty, or longer than the draft's context")
         for item in request.items:
             prompt = list(item.prompt_token_ids)
-            self.drafter.start(item.session_id, prompt)
-            self._tokens[item.session_id] = prompt
-            self._started([item.session_id])
+            self.drafter.start(item.seq_id, prompt)
+            self._tokens[item.seq_id] = prompt
+            self._started([item.seq_id])
         return wpb.StartResponse()
 
     @rpc
     def Propose(self, request: wpb.ProposeRequest) -> wpb.ProposeResponse:
-        self._touch(item.session_id for item in request.items)
+        self._touch(item.seq_id for item in request.items)
         requests = []
         for item in request.items:
-            tokens = self._tokens[item.session_id]
+            tokens = self._tokens[item.seq_id]
             tokens.extend(item.new_token_ids)
             if len(tokens) != item.num_committed:
                 raise InvalidArgument(
-                    "num_committed", f"session {item.session_id!r} has {len(tokens)} tokens, router says {item.num_committed}"
+                    "num_committed", f"session {item.seq_id!r} has {len(tokens)} tokens, router says {item.num_committed}"
                 )
-            self.drafter.observe(item.session_id, len(tokens))
+            self.drafter.observe(item.seq_id, len(tokens))
             requests.append(codec.decode_propose_item(item, tokens))
         proposals = self.drafter.propose(requests)
         return wpb.ProposeResponse(proposals=[codec.encode_proposal(p) for p in proposals])

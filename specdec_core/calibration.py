@@ -87,8 +87,8 @@ def calibrate(engine: SpecEngine, max_batch: int | None = None, context: int = 6
                 break
             done.append(size)
     finally:
-        for request_id in ids:
-            engine.abort(request_id)
+        for seq_id in ids:
+            engine.abort(seq_id)
         engine.acceptance, engine.acceptance_by_label = saved
     return Calibration(tuple(done), len(done) * (up_to + 1) * samples, time.perf_counter() - start)
 

@@ -70,7 +70,7 @@ class RoundInfo:
 class RequestOutput:
     """One sequence's progress after a step: the tokens committed in it and, at the end, why it stopped."""
 
-    request_id: str
+    seq_id: str
     new_token_ids: tuple[int, ...]
     new_text: str
     finish_reason: FinishReason | None
@@ -89,7 +89,7 @@ class RequestOutput:
 class _Sequence:
     """Mutable per-request state, private to the engine."""
 
-    request_id: str
+    seq_id: str
     tokens: list[int]  # prompt + committed output
     num_prompt: int
     params: SamplingParams
@@ -137,7 +137,7 @@ class SpecEngine:
 
     def add_request(
         self,
-        request_id: str,
+        seq_id: str,
         prompt_ids: Sequence[int],
         params: SamplingParams,
         num_speculative_tokens: int | str | None = None,
@@ -145,8 +145,8 @@ class SpecEngine:
     ) -> None:
         """Validate and queue a request; it is prefilled at the next `step`. Raises before any work on bad input.
         `return_probs`: each round's `RoundInfo` carries q and p of the proposed tokens (a softmax per row more)."""
-        if request_id in self._running or any(s.request_id == request_id for s in self._waiting):
-            raise InvalidArgument("request_id", f"request {request_id!r} is already running")
+        if seq_id in self._running or any(s.seq_id == seq_id for s in self._waiting):
+            raise InvalidArgument("seq_id", f"request {seq_id!r} is already running")
         prompt = self._check_prompt(prompt_ids, params)
         k = self._k_setting(num_speculative_tokens)
         generator = torch.Generator()
@@ -158,7 +158,7 @@ class SpecEngine:
             max_total_tokens=self.target.max_seq_len,
             num_prompt_tokens=len(prompt),
         )
-        seq = _Sequence(request_id, list(prompt), len(prompt), params, k, generator, stopper, return_probs)
+        seq = _Sequence(seq_id, list(prompt), len(prompt), params, k, generator, stopper, return_probs)
         seq.estimate = AcceptanceEstimate.starting_from(self.acceptance, self.config.max_speculative_tokens)
         self._waiting.append(seq)
 
@@ -180,22 +180,22 @@ class SpecEngine:
             )
         return prompt
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, seq_id: str) -> RequestOutput | None:
         """Cancel a request: its caches are freed at once. Returns its final output, or None if unknown."""
         for i, seq in enumerate(self._waiting):
-            if seq.request_id == request_id:
+            if seq.seq_id == seq_id:
                 del self._waiting[i]
                 return self._final(seq, FinishReason.CANCELLED)
-        seq = self._running.get(request_id)
+        seq = self._running.get(seq_id)
         if seq is None:
             return None
         self._free(seq)
         return self._final(seq, FinishReason.CANCELLED)
 
-    def set_speculation(self, request_id: str, num_speculative_tokens: int | str) -> bool:
+    def set_speculation(self, seq_id: str, num_speculative_tokens: int | str) -> bool:
         """From its next round on, a queued or running request speculates as `num_speculative_tokens` says (a k,
         or `auto`). False when there is no such request."""
-        seq = self._running.get(request_id) or next((s for s in self._waiting if s.request_id == request_id), None)
+        seq = self._running.get(seq_id) or next((s for s in self._waiting if s.seq_id == seq_id), None)
         if seq is None:
             return False
         seq.k_setting = self._k_setting(num_speculative_tokens)
@@ -223,7 +223,7 @@ class SpecEngine:
     @property
     def waiting_request_ids(self) -> list[str]:
         """Requests not yet admitted (waiting for a free slot), oldest first."""
-        return [seq.request_id for seq in self._waiting]
+        return [seq.seq_id for seq in self._waiting]
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
@@ -239,7 +239,7 @@ class SpecEngine:
         if not admitted:
             return []
         items = [
-            PrefillItem(seq.request_id, seq.tokens, seq.params.shaping,
+            PrefillItem(seq.seq_id, seq.tokens, seq.params.shaping,
                         None if seq.params.greedy else float(seq.uniform(1)))
             for seq in admitted
         ]
@@ -253,7 +253,7 @@ class SpecEngine:
             # The drafter starts the sequence the first time it drafts: under load `auto` may keep it at k = 0
             # for its whole life, and then the drafter never reads its context.
             seq.started = True
-            self._running[seq.request_id] = seq
+            self._running[seq.seq_id] = seq
             outputs.append(self._commit(seq, [token], None))
         return outputs
 
@@ -308,7 +308,7 @@ class SpecEngine:
         n = len(proposal.token_ids)
         greedy = seq.params.greedy
         return VerifyItem(
-            seq_id=seq.request_id,
+            seq_id=seq.seq_id,
             last_token_id=seq.tokens[-1],
             draft_token_ids=proposal.token_ids,
             q=proposal.q,
@@ -364,9 +364,9 @@ class SpecEngine:
                 continue
             t0 = time.perf_counter()
             try:
-                self.drafter.start(seq.request_id, seq.tokens)
+                self.drafter.start(seq.seq_id, seq.tokens)
             except Exception as exc:
-                log.warning("drafter could not start %s, it decodes without drafts: %s", seq.request_id, exc)
+                log.warning("drafter could not start %s, it decodes without drafts: %s", seq.seq_id, exc)
                 seq.draft_failed = True
                 out[i] = 0
                 continue
@@ -384,7 +384,7 @@ class SpecEngine:
         stale = sum(self._unread(seqs[i]) for i in rows)
         requests = [
             DraftRequest(
-                seq_id=seqs[i].request_id,
+                seq_id=seqs[i].seq_id,
                 token_ids=seqs[i].tokens,
                 num_tokens=ks[i],
                 shaping=seqs[i].params.shaping,
@@ -428,13 +428,13 @@ class SpecEngine:
         reason = seq.stopper.finish_reason
         if reason is None:
             if seq.drafting:
-                self.drafter.observe(seq.request_id, len(seq.tokens))
+                self.drafter.observe(seq.seq_id, len(seq.tokens))
         else:
             self._free(seq)
         text = seq.stopper.stable_text
         new_text, seq.emitted_text = text[seq.emitted_text :], len(text)
         return RequestOutput(
-            request_id=seq.request_id,
+            seq_id=seq.seq_id,
             new_token_ids=tuple(committed),
             new_text=new_text,
             finish_reason=reason,
@@ -445,15 +445,15 @@ class SpecEngine:
         )
 
     def _free(self, seq: _Sequence) -> None:
-        self._running.pop(seq.request_id, None)
+        self._running.pop(seq.seq_id, None)
         if seq.started:
             seq.started = False
-            self.target.release(seq.request_id)
+            self.target.release(seq.seq_id)
         if seq.drafting:
             seq.drafting = False
-            self.drafter.release(seq.request_id)
+            self.drafter.release(seq.seq_id)
 
     def _final(self, seq: _Sequence, reason: FinishReason, error: Exception | None = None) -> RequestOutput:
         return RequestOutput(
-            seq.request_id, (), "", reason, seq.num_prompt, seq.stopper.num_output, seq.stats, error=error
+            seq.seq_id, (), "", reason, seq.num_prompt, seq.stopper.num_output, seq.stats, error=error
         )

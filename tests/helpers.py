@@ -67,8 +67,8 @@ def run_to_completion(engine, requests):
     results = {r[0]: ([], "", None) for r in requests}
     while engine.has_work:
         for out in engine.step():
-            tokens, text, _ = results[out.request_id]
-            results[out.request_id] = (tokens + list(out.new_token_ids), text + out.new_text, out)
+            tokens, text, _ = results[out.seq_id]
+            results[out.seq_id] = (tokens + list(out.new_token_ids), text + out.new_text, out)
     return results
 
 

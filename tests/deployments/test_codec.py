@@ -56,7 +56,7 @@ def test_the_router_passes_q_on_as_it_came():
 )
 def test_bad_draft_distributions_are_refused_naming_q(row):
     message = wpb.VerifyRequest()
-    item = message.items.add(session_id="s", last_token_id=1, draft_token_ids=[1], uniform_accept=[0.5],
+    item = message.items.add(seq_id="s", last_token_id=1, draft_token_ids=[1], uniform_accept=[0.5],
                              uniform_sample=0.5)
     item.sampling.temperature = 1.0
     item.q.append(row)

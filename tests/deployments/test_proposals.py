@@ -29,10 +29,10 @@ def test_the_log_round_trips_through_proposals_stats(tmp_path, tiny_dir, near_dr
         engine.add_request(sid, list(range(10 + i, 30 + i)), SamplingParams(max_tokens=15, ignore_eos=True), 3)
     while engine.has_work:
         for out in engine.step():
-            log.observe(out.request_id, out)
+            log.observe(out.seq_id, out)
             drafted_rounds += out.round is not None and out.round.k > 0  # rounds with nothing to propose: no record
             if out.finished:
-                finals[out.request_id] = out
+                finals[out.seq_id] = out
     log.close()
     records = list(read_records([tmp_path / "proposals.jsonl"]))
     assert len(records) == drafted_rounds > 0

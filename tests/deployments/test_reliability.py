@@ -98,7 +98,7 @@ def test_the_internal_services_refuse_calls_from_outside(rel):
     address = ray.get(registry.registry().addresses.remote(APP, "target"))[0]
     with grpc.insecure_channel(address) as channel:
         stub = wpb_grpc.TargetServiceStub(channel)
-        item = wpb.PrefillRequest.Item(session_id="intruder", prompt_token_ids=[5, 6, 7])
+        item = wpb.PrefillRequest.Item(seq_id="intruder", prompt_token_ids=[5, 6, 7])
         code, _ = code_of(lambda: stub.Prefill(wpb.PrefillRequest(items=[item]), timeout=10))
         assert code == grpc.StatusCode.UNAUTHENTICATED
         assert stub.GetStats(wpb.GetStatsRequest(), timeout=10).active_sessions == 0

@@ -156,7 +156,7 @@ def test_a_dead_target_replica_fails_only_its_own_requests(two_targets):
     while engine.has_work:
         for out in engine.step():
             if out.finished:
-                finished[out.request_id] = out
+                finished[out.seq_id] = out
     assert {r for r, o in finished.items() if o.finish_reason == FinishReason.ERROR} == on_first
     assert all(o.finish_reason == FinishReason.LENGTH for r, o in finished.items() if r not in on_first)
     assert second.active_sessions == 0  # the survivors released their caches at the end
@@ -180,7 +180,7 @@ def test_the_internal_services_refuse_callers_without_the_secret(pair):
         from specdec.v1 import worker_pb2 as wpb
 
         stub = wpb_grpc.TargetServiceStub(grpc.insecure_channel(address))
-        item = wpb.PrefillRequest.Item(session_id="x", prompt_token_ids=[5, 6, 7])
+        item = wpb.PrefillRequest.Item(seq_id="x", prompt_token_ids=[5, 6, 7])
         for metadata in (None, [("specdec-internal-token", "wrong")]):
             with pytest.raises(grpc.RpcError) as err:
                 stub.Prefill(wpb.PrefillRequest(items=[item]), timeout=10, metadata=metadata)

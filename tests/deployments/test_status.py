@@ -26,7 +26,7 @@ Code = grpc.StatusCode
         (ResourceExhausted("kv_cache", "full"), Code.RESOURCE_EXHAUSTED, 429, "rate_limit_exceeded", "kv_cache: full"),
         (Unauthenticated("no token"), Code.UNAUTHENTICATED, 401, "authentication_error", "no token"),
         (DeadlineExceeded("late"), Code.DEADLINE_EXCEEDED, 504, "server_error", "late"),
-        (UnknownSession("session_id: none"), Code.NOT_FOUND, 404, "invalid_request_error", "session_id: none"),
+        (UnknownSession("seq_id: none"), Code.NOT_FOUND, 404, "invalid_request_error", "seq_id: none"),
         (Unavailable("target", "rank died"), Code.UNAVAILABLE, 503, "server_error", "target: rank died"),
         (WorkerUnavailable("gone"), Code.UNAVAILABLE, 503, "server_error", "gone"),
         (WorkerUnavailable("bug there", code=Code.INTERNAL), Code.INTERNAL, 500, "server_error", "bug there"),
@@ -60,7 +60,7 @@ def test_the_former_homes_of_the_errors_name_the_same_classes():
         (Code.UNAVAILABLE, "connection refused", WorkerUnavailable, None, Code.UNAVAILABLE),
         (Code.DEADLINE_EXCEEDED, "", WorkerUnavailable, None, Code.UNAVAILABLE),
         (Code.INTERNAL, "Verify failed: KeyError", WorkerUnavailable, None, Code.INTERNAL),
-        (Code.NOT_FOUND, "session_id: gone", WorkerUnavailable, None, Code.INTERNAL),
+        (Code.NOT_FOUND, "seq_id: gone", WorkerUnavailable, None, Code.INTERNAL),
     ],
 )
 def test_a_workers_status_comes_back_as_the_routers_error(code, details, kind, field, worker_code):

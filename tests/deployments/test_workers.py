@@ -77,9 +77,9 @@ def test_worker_errors_are_statuses_naming_the_field(servers):
     _, address = servers["target"]
     stub = wpb_grpc.TargetServiceStub(grpc.insecure_channel(address))
     with pytest.raises(grpc.RpcError) as err:
-        stub.Verify(wpb.VerifyRequest(items=[wpb.VerifyRequest.Item(session_id="nope", last_token_id=1)]), timeout=10)
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "session_id" in err.value.details()
-    bad = wpb.PrefillRequest(items=[wpb.PrefillRequest.Item(session_id="s", prompt_token_ids=[1, 10**6])])
+        stub.Verify(wpb.VerifyRequest(items=[wpb.VerifyRequest.Item(seq_id="nope", last_token_id=1)]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "seq_id" in err.value.details()
+    bad = wpb.PrefillRequest(items=[wpb.PrefillRequest.Item(seq_id="s", prompt_token_ids=[1, 10**6])])
     with pytest.raises(grpc.RpcError) as err:
         stub.Prefill(bad, timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_token_ids" in err.value.details()
@@ -115,7 +115,7 @@ def test_idle_sessions_are_released(pair):
     server, port = start_server(servicer, "127.0.0.1")
     try:
         stub = wpb_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-        item = wpb.PrefillRequest.Item(session_id="forgotten", prompt_token_ids=[5, 6, 7])
+        item = wpb.PrefillRequest.Item(seq_id="forgotten", prompt_token_ids=[5, 6, 7])
         stub.Prefill(wpb.PrefillRequest(items=[item]), timeout=10)
         assert servicer.active_sessions == 1
         deadline = time.monotonic() + 10

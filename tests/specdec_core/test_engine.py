@@ -388,8 +388,8 @@ def test_return_probs_reports_the_models_probabilities_of_the_proposals(tiny_tar
     while engine.has_work:
         for out in engine.step():
             if out.round is not None:
-                rounds[out.request_id].append((len(outputs[out.request_id]), out.round))
-            outputs[out.request_id] += out.new_token_ids
+                rounds[out.seq_id].append((len(outputs[out.seq_id]), out.round))
+            outputs[out.seq_id] += out.new_token_ids
     assert outputs["off"] == outputs["sampled"]  # asking changes nothing that is drawn
     assert all(info.draft_probs is None and info.target_probs is None for _, info in rounds["off"])
     checked = {"accepted": 0, "rejected": 0}

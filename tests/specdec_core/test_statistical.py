@@ -53,7 +53,7 @@ def _sample(loaded, draft) -> tuple[dict[tuple[int, ...], int], float]:
     proposed = accepted = 0
     while engine.has_work:
         for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            outputs.setdefault(out.seq_id, []).extend(out.new_token_ids)
             if out.finished:
                 proposed, accepted = proposed + out.stats.proposed, accepted + out.stats.accepted
     counts: dict[tuple[int, ...], int] = {}

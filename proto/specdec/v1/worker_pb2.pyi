@@ -27,12 +27,12 @@ class SparseDistribution(_message.Message):
 class StartRequest(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("session_id", "prompt_token_ids")
-        SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+        __slots__ = ("seq_id", "prompt_token_ids")
+        SEQ_ID_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-        session_id: str
+        seq_id: str
         prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-        def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+        def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[StartRequest.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[StartRequest.Item, _Mapping]]] = ...) -> None: ...
@@ -44,22 +44,22 @@ class StartResponse(_message.Message):
 class ProposeRequest(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("session_id", "new_token_ids", "num_committed", "num_tokens", "sampling", "uniform", "return_probs")
-        SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+        __slots__ = ("seq_id", "new_token_ids", "num_committed", "num_tokens", "sampling", "uniform", "return_probs")
+        SEQ_ID_FIELD_NUMBER: _ClassVar[int]
         NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
         NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
         UNIFORM_FIELD_NUMBER: _ClassVar[int]
         RETURN_PROBS_FIELD_NUMBER: _ClassVar[int]
-        session_id: str
+        seq_id: str
         new_token_ids: _containers.RepeatedScalarFieldContainer[int]
         num_committed: int
         num_tokens: int
         sampling: TokenSampling
         uniform: _containers.RepeatedScalarFieldContainer[float]
         return_probs: bool
-        def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[_Iterable[float]] = ..., return_probs: _Optional[bool] = ...) -> None: ...
+        def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[_Iterable[float]] = ..., return_probs: _Optional[bool] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ProposeRequest.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest.Item, _Mapping]]] = ...) -> None: ...
@@ -85,16 +85,16 @@ class ProposeResponse(_message.Message):
 class PrefillRequest(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("session_id", "prompt_token_ids", "sampling", "uniform")
-        SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+        __slots__ = ("seq_id", "prompt_token_ids", "sampling", "uniform")
+        SEQ_ID_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
         UNIFORM_FIELD_NUMBER: _ClassVar[int]
-        session_id: str
+        seq_id: str
         prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
         sampling: TokenSampling
         uniform: float
-        def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[float] = ...) -> None: ...
+        def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[float] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[PrefillRequest.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[PrefillRequest.Item, _Mapping]]] = ...) -> None: ...
@@ -108,8 +108,8 @@ class PrefillResponse(_message.Message):
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("session_id", "last_token_id", "draft_token_ids", "q", "sampling", "uniform_accept", "uniform_sample", "return_probs")
-        SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+        __slots__ = ("seq_id", "last_token_id", "draft_token_ids", "q", "sampling", "uniform_accept", "uniform_sample", "return_probs")
+        SEQ_ID_FIELD_NUMBER: _ClassVar[int]
         LAST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
         DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         Q_FIELD_NUMBER: _ClassVar[int]
@@ -117,7 +117,7 @@ class VerifyRequest(_message.Message):
         UNIFORM_ACCEPT_FIELD_NUMBER: _ClassVar[int]
         UNIFORM_SAMPLE_FIELD_NUMBER: _ClassVar[int]
         RETURN_PROBS_FIELD_NUMBER: _ClassVar[int]
-        session_id: str
+        seq_id: str
         last_token_id: int
         draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
         q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
@@ -125,7 +125,7 @@ class VerifyRequest(_message.Message):
         uniform_accept: _containers.RepeatedScalarFieldContainer[float]
         uniform_sample: float
         return_probs: bool
-        def __init__(self, session_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform_accept: _Optional[_Iterable[float]] = ..., uniform_sample: _Optional[float] = ..., return_probs: _Optional[bool] = ...) -> None: ...
+        def __init__(self, seq_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform_accept: _Optional[_Iterable[float]] = ..., uniform_sample: _Optional[float] = ..., return_probs: _Optional[bool] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[VerifyRequest.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyRequest.Item, _Mapping]]] = ...) -> None: ...
@@ -147,10 +147,10 @@ class VerifyResponse(_message.Message):
     def __init__(self, outcomes: _Optional[_Iterable[_Union[VerifyOutcome, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("session_ids",)
-    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
-    session_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
