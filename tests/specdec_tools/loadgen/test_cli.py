@@ -142,3 +142,29 @@ def test_load_points_against_the_served_stack_speculation_on_and_off(served, pro
         assert off["proposed"] == 0 and off["accepted"] == 0 and off["rounds"] > 0
         assert off["mean_tokens_per_round"] == pytest.approx(1.0)
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_same_load_over_the_openai_http_api(served, prompts, tmp_path):
+    _, config = served
+    address = f"127.0.0.1:{config.http_port}"
+    out = tmp_path / "report.json"
+    assert bench_serve(address, prompts, out, "--protocol", "openai", "--concurrency", "2", "--compare-off",
+                       "--ignore-eos", "--warmup", "1") == 0
+    report = json.loads(out.read_text())
+    assert report["protocol"] == "openai" and report["server"]["id"] == config.served_name
+    (point,) = report["points"]
+    for mode in ("speculative", "off"):
+        figures = point[mode]
+        assert figures["completed"] == 2 and figures["errors"] == {}
+        assert figures["total_output_tokens"] == 10 + 8  # token counts per chunk are exact (return_token_ids)
+        assert 0 < figures["median_ttft_ms"] <= figures["median_e2el_ms"]
+    assert point["speculative"]["proposed"] > 0 and point["off"]["proposed"] == 0
+    assert point["off"]["mean_tokens_per_round"] == pytest.approx(1.0)
+
+
+def test_an_unreachable_http_server_is_exit_code_1(prompts, tmp_path, capsys):
+    from deployments.ports import free_port
+
+    code = bench_serve(f"127.0.0.1:{free_port()}", prompts, tmp_path / "out.json", "--protocol", "openai",
+                       "--concurrency", "1")
+    assert code == 1 and "/v1/models" in capsys.readouterr().err
