@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SPECDEC := $(VENV)/bin/specdec
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean proto
+.PHONY: setup test demo bench bench-guidellm clean proto
 
 setup: $(STAMP)
 
@@ -38,6 +38,23 @@ bench: setup
 	$(SPECDEC) bench offline --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
 		--prompts benchmarks/prompts/demo.jsonl --max-new-tokens 96 --temperature 0 --dtype bfloat16 \
 		--num-speculative-tokens auto --draft-quantization int8 --json out/demo.json
+
+# guidellm (an outside load generator) next to `specdec bench serve`, on the demo pair's HTTP API, speculation on and
+# off (scripts/bench_guidellm.sh; reports in $(GUIDELLM_OUT)). guidellm gets its own venv: it pins its own torch and
+# transformers. torch first and pinned, as in setup: the CPU build, never a CUDA download.
+GUIDELLM_VENV ?= .venv-guidellm
+GUIDELLM_CONFIG ?= deployments/configs/demo_cpu.yaml
+GUIDELLM_OUT ?= out/guidellm
+
+$(GUIDELLM_VENV)/bin/guidellm:
+	$(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(GUIDELLM_VENV)/bin/pip install --quiet guidellm==0.8.1
+
+bench-guidellm: setup $(GUIDELLM_VENV)/bin/guidellm
+	$(SPECDEC) models pull qwen2.5-coder-1.5b-instruct
+	$(SPECDEC) models pull qwen2.5-coder-0.5b-instruct
+	GUIDELLM=$(GUIDELLM_VENV)/bin/guidellm SPECDEC=$(SPECDEC) scripts/bench_guidellm.sh $(GUIDELLM_CONFIG) $(GUIDELLM_OUT)
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -72,7 +72,12 @@ def build_http_app(backend: Backend) -> Starlette:
         except Exception as exc:  # every failure answers in OpenAI's error format
             return error_response(exc)
 
+    async def health(request: Request) -> Response:
+        # vLLM's liveness route, which load harnesses (guidellm) probe before they start; no token needed.
+        return Response(status_code=200)
+
     return Starlette(routes=[
+        Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),

@@ -166,3 +166,9 @@ def test_malformed_json_and_an_unknown_model(api):
     assert status == 404 and error["error"]["param"] == "model" and error["error"]["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError):
         api[0].models.retrieve("no-such-model")
+
+
+def test_health_answers_without_a_body(api):
+    _, _, base = api
+    with urllib.request.urlopen(base.removesuffix("/v1") + "/health", timeout=30) as response:
+        assert response.status == 200 and response.read() == b""
