@@ -54,6 +54,7 @@ class GenerateCall:
     prompt: Prompt
     params: SamplingParams
     num_speculative_tokens: int | str | None  # None: the server's default
+    cache_salt: str | None = None  # prefix caching: share cached prefixes only within this salt
 
 
 def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> GenerateCall:
@@ -77,7 +78,18 @@ def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> Gen
         prompt=prompt,
         params=decode_sampling(request.sampling, default_max_tokens),
         num_speculative_tokens=decode_speculation(request.speculation),
+        cache_salt=decode_cache_salt(request.cache_salt),
     )
+
+
+MAX_CACHE_SALT = 256
+
+
+def decode_cache_salt(salt: str) -> str | None:
+    """The request's prefix-cache namespace; the empty string (the field unset) is the shared one."""
+    if len(salt) > MAX_CACHE_SALT:
+        raise InvalidArgument("cache_salt", f"at most {MAX_CACHE_SALT} characters, got {len(salt)}")
+    return salt or None
 
 
 def decode_messages(messages: Sequence[pb.ChatMessage]) -> tuple[ChatMessage, ...]:
@@ -128,11 +140,16 @@ def encode_stats(stats: SpecStats) -> pb.SpeculationStats:
     return pb.SpeculationStats(rounds=stats.rounds, proposed=stats.proposed, accepted=stats.accepted)
 
 
+def encode_usage(output: RequestOutput) -> pb.Usage:
+    return pb.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
+                    cached_tokens=output.num_cached_tokens)
+
+
 def encode_chunk(request_id: str, output: RequestOutput) -> pb.GenerateStreamResponse:
     chunk = pb.GenerateStreamResponse(request_id=request_id, text=output.new_text, token_ids=output.new_token_ids)
     if output.finished:
         chunk.finish_reason = FINISH_REASONS[output.finish_reason]
-        chunk.usage.CopyFrom(pb.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens))
+        chunk.usage.CopyFrom(encode_usage(output))
         chunk.speculation.CopyFrom(encode_stats(output.stats))
     return chunk
 
@@ -145,7 +162,7 @@ def merge_chunks(request_id: str, outputs: Sequence[RequestOutput]) -> pb.Genera
         text="".join(o.new_text for o in outputs),
         token_ids=[t for o in outputs for t in o.new_token_ids],
         finish_reason=FINISH_REASONS[last.finish_reason] if last.finished else pb.FINISH_REASON_UNSPECIFIED,
-        usage=pb.Usage(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens),
+        usage=encode_usage(last),
         speculation=encode_stats(last.stats),
     )
 

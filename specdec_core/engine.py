@@ -77,6 +77,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     stats: SpecStats
+    num_cached_tokens: int = 0  # of the prompt, the tokens the target read from its prefix cache
     round: RoundInfo | None = None
     error: Exception | None = None  # why a request ended with FinishReason.ERROR
 

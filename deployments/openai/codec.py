@@ -67,7 +67,7 @@ def _call(body: Any, prompt: Prompt, max_tokens: int, chat: bool) -> Call:
     options = body.stream_options
     return Call(
         generate=GenerateCall(request_id="", prompt=prompt, params=params,
-                              num_speculative_tokens=body.num_speculative_tokens),
+                              num_speculative_tokens=body.num_speculative_tokens, cache_salt=body.cache_salt),
         chat=chat,
         model=body.model,
         stream=body.stream,
@@ -98,7 +98,8 @@ def new_id(call: Call) -> str:
 
 def usage(last: RequestOutput) -> dict[str, Any]:
     return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens,
-            "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
+            "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens}}
 
 
 def speculation(last: RequestOutput) -> dict[str, int]:

@@ -44,7 +44,7 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "min_tokens": (0,),
 }
 
-MAX_SALT_LENGTH = 256
+MAX_SALT_LENGTH = 256  # as the gRPC API's (deployments.codec.MAX_CACHE_SALT)
 
 
 def _unsupported(field: str, value: Any) -> InvalidArgument:
