@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 import grpc
 
 from deployments import codec, status
+from deployments.affinity import Candidate, PrefixAffinity
 from deployments.auth import internal_channel
 from deployments.status import WorkerUnavailable
 from deployments.telemetry import RequestTracer, carrier_metadata
@@ -61,6 +62,7 @@ class ReplicaPool:
         self._stub_type = stub_type
         self._replicas: dict[str, Replica] = {}
         self._pinned: dict[str, Replica] = {}
+        self.affinity = PrefixAffinity()
         self._tick = 0
         self._lock = threading.Lock()
         self.update(addresses)
@@ -106,6 +108,7 @@ class ReplicaPool:
 
     def _drop(self, address: str) -> None:
         self._replicas.pop(address).channel.close()
+        self.affinity.forget(address)
 
     def mark_failed(self, address: str) -> list[str]:
         """A call to `address` failed: it takes no new sessions, and the sessions pinned to it are unpinned
@@ -115,6 +118,7 @@ class ReplicaPool:
             if replica is None:
                 return []
             replica.failed = True
+            self.affinity.forget(address)  # its cache is lost or in doubt
             lost = sorted(replica.sessions)
             for seq_id in lost:
                 self._pinned.pop(seq_id, None)
@@ -139,14 +143,20 @@ class ReplicaPool:
     def free_slots(self) -> int:
         return sum(max(0, r.stats.num_slots - len(r.sessions)) for r in self.replicas if r.usable)
 
-    def pin(self, seq_id: str) -> Replica:
-        """The replica for a new session: the least loaded (fewest of our sessions for its slots)."""
+    def pin(self, seq_id: str, token_ids: Sequence[int] = (), salt: str | None = None) -> Replica:
+        """The replica for a new session: the one that most likely holds a long prefix of `token_ids` in its
+        prefix cache (under `salt`) while it has room and is not much busier (`affinity`), else the least loaded
+        (fewest of our sessions for its slots)."""
         with self._lock:
             self._tick += 1
             live = [r for r in self._replicas.values() if r.usable]
             if not live:
                 raise WorkerUnavailable(f"no {self.kind} worker is available")
-            replica = min(live, key=lambda r: (len(r.sessions) - r.stats.num_slots, r.last_pinned))
+            candidates = [Candidate(r.address, len(r.sessions), len(r.sessions) < r.stats.num_slots) for r in live]
+            preferred = self.affinity.choose(candidates, salt, token_ids)
+            replica = self._replicas[preferred] if preferred is not None else \
+                min(live, key=lambda r: (len(r.sessions) - r.stats.num_slots, r.last_pinned))
+            self.affinity.record(replica.address, salt, token_ids)
             replica.last_pinned = self._tick
             replica.sessions.add(seq_id)
             self._pinned[seq_id] = replica
@@ -270,7 +280,7 @@ class RemoteTarget:
     def _prefill_once(self, items: Sequence[PrefillItem]) -> tuple[list[int], list[int]]:
         """First tokens (0 where failed) and the indices of items whose replica could not be reached."""
         for item in items:
-            self.pool.pin(item.seq_id)
+            self.pool.pin(item.seq_id, item.prompt_ids)
         groups = _group(self.pool, items, lambda item: item.seq_id)
         requests = {
             address: (self.pool.replica_of(items[idx[0]].seq_id), codec.encode_prefill([items[i] for i in idx]))
@@ -349,7 +359,7 @@ class RemoteDrafter:
     def _place(self, seq_id: str, token_ids: Sequence[int]) -> bool:
         """Start the session on the least-loaded usable replica; False if none took it."""
         try:
-            replica = self.pool.pin(seq_id)
+            replica = self.pool.pin(seq_id, token_ids)
         except WorkerUnavailable:
             return False
         request = wpb.StartRequest(items=[wpb.StartRequest.Item(seq_id=seq_id, prompt_token_ids=list(token_ids))])
