@@ -1,7 +1,7 @@
 """What every client in specdec_tools sends: prompts read from JSONL, and the GenerateRequest built from them.
 
 The one place that turns a speculation setting (a fixed k, "auto", or the server's default) into the proto's
-`speculation` oneof, and the one reader of prompt files.
+`speculation` oneof, and the one reader of prompt and session files.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 from specdec.v1 import generation_pb2 as pb
 from specdec_core.config import AUTO
@@ -27,19 +27,24 @@ class Prompt:
     max_tokens: int
 
 
-def read_prompts(path: Path, max_new_tokens: int, flag: str = "--prompts") -> tuple[Prompt, ...]:
-    """Each `{"prompt": "...", "max_tokens": N (optional)}` line of a JSONL file; `max_new_tokens` where a line
-    gives none. Errors name `flag`, the option that gave the path."""
+def _jsonl_objects(path: Path, flag: str) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON or None where the line is not JSON) for each non-blank line of a JSONL file."""
     if not path.is_file():
         raise InvalidArgument(flag, f"{str(path)!r} is not a file")
-    prompts = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
+            yield number, json.loads(line)
         except json.JSONDecodeError:
-            item = None
+            yield number, None
+
+
+def read_prompts(path: Path, max_new_tokens: int, flag: str = "--prompts") -> tuple[Prompt, ...]:
+    """Each `{"prompt": "...", "max_tokens": N (optional)}` line of a JSONL file; `max_new_tokens` where a line
+    gives none. Errors name `flag`, the option that gave the path."""
+    prompts = []
+    for number, item in _jsonl_objects(path, flag):
         if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
             raise InvalidArgument(flag, f"{path}:{number}: expected a JSON object with a non-empty \"prompt\"")
         max_tokens = item.get("max_tokens", max_new_tokens)
@@ -49,6 +54,45 @@ def read_prompts(path: Path, max_new_tokens: int, flag: str = "--prompts") -> tu
     if not prompts:
         raise InvalidArgument(flag, f"{path} holds no prompts")
     return tuple(prompts)
+
+
+@dataclass(frozen=True)
+class Session:
+    """A conversation to replay: a system prompt, then user turns, each sent after the answers to the ones before."""
+
+    id: str
+    system: str
+    turns: tuple[str, ...]
+
+
+SESSION_KEYS = ("id", "system", "turns")
+
+
+def read_sessions(path: Path, flag: str = "--sessions") -> tuple[Session, ...]:
+    """Each `{"system": "...", "turns": ["...", ...], "id": "..." (optional)}` line of a JSONL file; a session
+    without an id is named by its line number. Errors name `flag`."""
+    sessions: list[Session] = []
+    for number, item in _jsonl_objects(path, flag):
+        where = f"{path}:{number}"
+        if not isinstance(item, dict):
+            raise InvalidArgument(flag, f"{where}: expected a JSON object {{\"system\": ..., \"turns\": [...]}}")
+        unknown = sorted(set(item) - set(SESSION_KEYS))
+        if unknown:
+            raise InvalidArgument(flag, f"{where}: unknown key(s) {', '.join(unknown)} "
+                                        f"(known: {', '.join(SESSION_KEYS)})")
+        system, turns, session_id = item.get("system"), item.get("turns"), item.get("id", f"line-{number}")
+        if not isinstance(system, str) or not system:
+            raise InvalidArgument(flag, f"{where}: \"system\" must be a non-empty string")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise InvalidArgument(flag, f"{where}: \"turns\" must be a non-empty list of non-empty strings")
+        if not isinstance(session_id, str) or not session_id:
+            raise InvalidArgument(flag, f"{where}: \"id\" must be a non-empty string")
+        if any(s.id == session_id for s in sessions):
+            raise InvalidArgument(flag, f"{where}: the id {session_id!r} is taken by an earlier session")
+        sessions.append(Session(session_id, system, tuple(turns)))
+    if not sessions:
+        raise InvalidArgument(flag, f"{path} holds no sessions")
+    return tuple(sessions)
 
 
 def read_prompt_texts(path: Path, flag: str = "--prompts") -> list[str]:
@@ -94,9 +138,11 @@ def generate_request(
     ignore_eos: bool = False,
     speculation: Speculation = None,
     request_id: str = "",
+    cache_salt: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest; unset optional fields stay unset, so the server's defaults apply."""
-    request = pb.GenerateRequest(request_id=request_id, raw_prompt=raw, prompt_token_ids=list(token_ids))
+    request = pb.GenerateRequest(request_id=request_id, raw_prompt=raw, prompt_token_ids=list(token_ids),
+                                 cache_salt=cache_salt)
     if prompt is not None:
         request.prompt = prompt
     for role, content in messages:

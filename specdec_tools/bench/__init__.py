@@ -1,5 +1,6 @@
-"""`specdec bench offline` (one process, offline.py), `stack`, `tp` and `tracing` (the served stack, stack.py) and
-`specdec bench serve`, the load generator (specdec_tools.loadgen)."""
+"""`specdec bench offline` (one process, offline.py), `stack`, `tp` and `tracing` (the served stack, stack.py),
+`specdec bench serve`, the load generator (specdec_tools.loadgen), and `specdec bench sessions`, multi-turn
+conversations with prefix caching on vs off (sessions.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec_tools.bench import stack
+from specdec_tools.bench import sessions, stack
 from specdec_tools.loadgen import cli as loadgen
 
 
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--json", required=True, type=Path, help="where to write the report")
     offline.set_defaults(func=_offline)
     loadgen.register(modes)
+    sessions.register(modes)
     stack.register_stack(modes)
     stack.register_tp(modes)
     stack.register_tracing(modes)

@@ -11,8 +11,6 @@ A B ..., so that a machine whose speed drifts within a point (a shared host) sti
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import math
 import sys
 import time
@@ -20,16 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 from tqdm import tqdm
 
 from specdec_core.errors import InvalidArgument
-from specdec_tools.loadgen.client import LOADS, Concurrency, Load, RequestRate, Sampling, build_request, stream_one
+from specdec_tools.loadgen.client import LOADS, Concurrency, Load, RequestRate, Sampling
 from specdec_tools.loadgen.metrics import SLO_KEYS, RequestRecord, summarize
+from specdec_tools.loadgen.command import (add_server_command, non_negative_float, non_negative_int, positive,
+                                          run_to_report)
+from specdec_tools.loadgen.transport import connect
 from specdec_tools.requests import Prompt, Speculation, parse_speculation, read_prompts
 
 OFF = 0  # num_speculative_tokens of the speculation-off mode
-PROTOCOLS = ("grpc", "openai")
 
 
 @dataclass(frozen=True)
@@ -66,10 +65,6 @@ class LoadConfig:
         return {"speculative": self.speculation, "off": OFF} if self.compare_off else {"speculative": self.speculation}
 
 
-class Unreachable(Exception):
-    """The server did not answer GetModelInfo."""
-
-
 # -- flags ---------------------------------------------------------------------------------------------------------
 
 
@@ -91,34 +86,6 @@ def _positive_rates(text: str) -> list[float]:
     if not values or any(not v > 0 for v in values):
         raise argparse.ArgumentTypeError(f"values must be positive numbers (or inf) separated by commas, got {text!r}")
     return values
-
-
-def positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not value > 0 or (kind is float and math.isinf(value)):
-            raise argparse.ArgumentTypeError(f"must be a positive {'integer' if kind is int else 'number'}, got {text!r}")
-        return value
-    return parse
-
-
-def _non_negative_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return int(text)
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
-    return value
 
 
 def _speculation(text: str) -> Speculation:
@@ -146,13 +113,9 @@ def _slo(text: str) -> tuple[str, float]:
 
 
 def register(modes: Any) -> None:
-    parser = modes.add_parser(
-        "serve", help="load generator for a running server's gRPC API: latency percentiles, throughput, goodput",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--address", required=True,
-                        help="HOST:PORT of the server's gRPC endpoint, or of its HTTP API with --protocol openai")
-    parser.add_argument("--protocol", choices=PROTOCOLS, default="grpc",
-                        help="grpc: GenerateStream; openai: streamed /v1/chat/completions (one user turn a prompt)")
+    parser = add_server_command(
+        modes, "serve", "load generator for a running server's gRPC API: latency percentiles, throughput, goodput",
+        __doc__)
     parser.add_argument("--prompts", required=True, type=Path,
                         help='JSONL, one {"prompt": "...", "max_tokens": N (optional)} per line, cycled as needed')
     parser.add_argument("--max-new-tokens", required=True, type=positive(int),
@@ -172,17 +135,15 @@ def register(modes: Any) -> None:
     parser.add_argument("--blocks", type=positive(int), default=1,
                         help="split each point's requests (or duration) per mode into this many blocks, run "
                              "interleaved A B B A ... so that drift in the machine's speed cancels in the ratio")
-    parser.add_argument("--warmup", type=_non_negative_int, default=2, help="warm-up requests per mode, not measured")
-    parser.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
-    parser.add_argument("--seed", type=_non_negative_int, default=0, help="request i is sampled with seed + i")
+    parser.add_argument("--warmup", type=non_negative_int, default=2, help="warm-up requests per mode, not measured")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="request i is sampled with seed + i")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate exactly max_tokens per request, past the end-of-sequence token")
     parser.add_argument("--num-speculative-tokens", type=_speculation, default=None,
                         help="K or auto: what speculative requests ask (default: the server's setting)")
     parser.add_argument("--goodput", nargs="+", type=_slo, default=[], metavar="KEY:MS",
                         help="SLOs in milliseconds, keys ttft, tpot, e2el: goodput counts requests meeting all")
-    parser.add_argument("--timeout", type=positive(float), default=600.0, help="seconds per request")
-    parser.add_argument("--auth-token", default=None, help="sent as `authorization: Bearer TOKEN` metadata")
     parser.add_argument("--json", required=True, type=Path, help="where to write the report")
     parser.add_argument("--plot", type=Path, default=None, help="the PNG (default: the --json path with .png)")
     parser.set_defaults(func=main)
@@ -222,15 +183,10 @@ def _check_blocks_hold_concurrency(num_requests: int | None, blocks: int, concur
 
 def main(args: argparse.Namespace) -> int:
     from specdec_tools.loadgen.plot import plot_report
-    from specdec_tools.reports import write_report
 
-    config = config_from_args(args)
-    try:
-        report = asyncio.run(run(config))
-    except Unreachable as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    report = run_to_report(run(config_from_args(args)), args.json)
+    if report is None:
         return 1
-    write_report(report, args.json)
     plot_path = args.plot or args.json.with_suffix(".png")
     plot_report(report, plot_path)
     print(format_summary(report))
@@ -243,57 +199,16 @@ def main(args: argparse.Namespace) -> int:
 
 async def run(config: LoadConfig) -> dict[str, Any]:
     """Every load point in each mode against the server at config.address; the report as a dict."""
-    transport = _openai if config.protocol == "openai" else _grpc
-    return await transport(config)
-
-
-async def _grpc(config: LoadConfig) -> dict[str, Any]:
-    from google.protobuf import json_format
-
-    from specdec.v1 import generation_pb2 as pb
-    from specdec.v1 import generation_pb2_grpc as pb_grpc
-    from specdec_tools.requests import GRPC_OPTIONS
-
-    metadata = [("authorization", f"Bearer {config.auth_token}")] if config.auth_token else None
-    # One channel: every stream is multiplexed over one HTTP/2 connection, as a client library would do.
-    async with grpc.aio.insecure_channel(config.address, options=GRPC_OPTIONS) as channel:
-        stub = pb_grpc.GenerationServiceStub(channel)
-        try:
-            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=min(config.timeout_s, 30.0),
-                                           metadata=metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise Unreachable(f"--address {config.address}: GetModelInfo failed ({exc.code().name}: "
-                              f"{exc.details()})") from None
+    async with connect(config.protocol, config.address, config.auth_token, config.timeout_s) as (server, send):
 
         def sender(speculation: Speculation) -> Any:
-            async def send(index: int) -> RequestRecord:
+            async def send_index(index: int) -> RequestRecord:
                 prompt = config.prompts[index % len(config.prompts)]
-                request = build_request(prompt, index, config.sampling, speculation)
-                return await stream_one(stub, request, config.timeout_s, metadata)
-            return send
+                return await send(prompt, index, config.sampling, speculation)
+            return send_index
 
         points = await run_points(config, sender)
-    return {**report_header(config, json_format.MessageToDict(info, preserving_proto_field_name=True)),
-            "points": points}
-
-
-async def _openai(config: LoadConfig) -> dict[str, Any]:
-    from specdec_tools.loadgen.openai_http import OpenAIClient, chat_body
-
-    async with OpenAIClient(config.address, config.auth_token, config.timeout_s) as client:
-        try:
-            info = await client.model_info()
-        except Exception as exc:
-            raise Unreachable(f"--address {config.address}: GET /v1/models failed ({exc})") from None
-
-        def sender(speculation: Speculation) -> Any:
-            async def send(index: int) -> RequestRecord:
-                prompt = config.prompts[index % len(config.prompts)]
-                return await client.stream_one(chat_body(client.model, prompt, index, config.sampling, speculation))
-            return send
-
-        points = await run_points(config, sender)
-    return {**report_header(config, info), "points": points}
+    return {**report_header(config, server), "points": points}
 
 
 async def run_points(config: LoadConfig, sender: Any) -> list[dict[str, Any]]:

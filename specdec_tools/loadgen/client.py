@@ -27,9 +27,14 @@ class Sampling:
     ignore_eos: bool
 
 
-def build_request(prompt: Prompt, index: int, sampling: Sampling, speculation: Speculation) -> pb.GenerateRequest:
-    return generate_request(prompt.text, temperature=sampling.temperature, seed=sampling.seed + index,
-                            max_tokens=prompt.max_tokens, ignore_eos=sampling.ignore_eos, speculation=speculation)
+def build_request(prompt: Prompt, index: int, sampling: Sampling, speculation: Speculation, *,
+                  history: Sequence[tuple[str, str]] = (), cache_salt: str = "") -> pb.GenerateRequest:
+    """Request `index`: the prompt as one user turn, after the (role, content) messages of `history` when there
+    are any (then sent as `messages`; either way the server applies the chat template)."""
+    text, messages = (None, [*history, ("user", prompt.text)]) if history else (prompt.text, ())
+    return generate_request(text, messages=messages, temperature=sampling.temperature, seed=sampling.seed + index,
+                            max_tokens=prompt.max_tokens, ignore_eos=sampling.ignore_eos, speculation=speculation,
+                            cache_salt=cache_salt)
 
 
 async def stream_one(stub: Any, request: pb.GenerateRequest, timeout_s: float,
@@ -38,12 +43,14 @@ async def stream_one(stub: Any, request: pb.GenerateRequest, timeout_s: float,
     start = time.perf_counter()
     times: list[float] = []
     tokens: list[int] = []
+    text: list[str] = []
     last = None
     try:
         async for chunk in stub.GenerateStream(request, timeout=timeout_s, metadata=metadata):
             if chunk.token_ids:
                 times.append(time.perf_counter() - start)
                 tokens.append(len(chunk.token_ids))
+            text.append(chunk.text)
             last = chunk
     except grpc.aio.AioRpcError as exc:
         return RequestRecord(e2el=time.perf_counter() - start, error=exc.code().name)
@@ -52,8 +59,8 @@ async def stream_one(stub: Any, request: pb.GenerateRequest, timeout_s: float,
         return RequestRecord(e2el=e2el, error="FINISH_REASON_ERROR" if last is not None else "EMPTY_STREAM")
     stats = last.speculation
     return RequestRecord(chunk_times=tuple(times), chunk_tokens=tuple(tokens), e2el=e2el,
-                         prompt_tokens=last.usage.prompt_tokens, rounds=stats.rounds, proposed=stats.proposed,
-                         accepted=stats.accepted)
+                         prompt_tokens=last.usage.prompt_tokens, cached_tokens=last.usage.cached_tokens,
+                         text="".join(text), rounds=stats.rounds, proposed=stats.proposed, accepted=stats.accepted)
 
 
 def inter_arrival_times(rate: float, burstiness: float, seed: int) -> Iterator[float]:

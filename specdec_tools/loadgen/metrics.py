@@ -35,6 +35,8 @@ class RequestRecord:
     chunk_tokens: tuple[int, ...] = ()  # how many tokens each of those chunks carried
     e2el: float = 0.0  # the end of the stream
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those the server read from its prefix cache
+    text: str = ""  # the completion's text, every chunk's joined
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0

@@ -1,15 +1,16 @@
 """The load generator's other transport: the OpenAI-compatible HTTP API (`--protocol openai`).
 
-Each prompt is sent as one user turn to `/v1/chat/completions` with `stream: true` (the server applies the chat
-template, as gRPC does to a `prompt`), asking for `return_token_ids` so that every chunk's token count is exact
-and `stream_options.include_usage` for the final usage and speculation figures.
+Each prompt is sent as one user turn (after the conversation so far, for `bench sessions`) to `/v1/chat/completions`
+with `stream: true` (the server applies the chat template, as gRPC does to a `prompt`), asking for
+`return_token_ids` so that every chunk's token count is exact and `stream_options.include_usage` for the final usage
+(cached prompt tokens included) and speculation figures.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import aiohttp
 
@@ -25,10 +26,13 @@ def base_url(address: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
-def chat_body(model: str, prompt: Prompt, index: int, sampling: Sampling, speculation: Speculation) -> dict[str, Any]:
+def chat_body(model: str, prompt: Prompt, index: int, sampling: Sampling, speculation: Speculation, *,
+              history: Sequence[tuple[str, str]] = (), cache_salt: str = "") -> dict[str, Any]:
+    """Request `index` as a streamed chat completion: the (role, content) messages of `history`, then the prompt as
+    a user turn; the same request as loadgen.client.build_request over gRPC."""
     body: dict[str, Any] = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt.text}],
+        "messages": [{"role": role, "content": content} for role, content in [*history, ("user", prompt.text)]],
         "max_tokens": prompt.max_tokens,
         "temperature": sampling.temperature,
         "seed": sampling.seed + index,
@@ -39,6 +43,8 @@ def chat_body(model: str, prompt: Prompt, index: int, sampling: Sampling, specul
     }
     if speculation is not None:
         body["num_speculative_tokens"] = speculation
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     return body
 
 
@@ -78,6 +84,7 @@ class OpenAIClient:
         start = time.perf_counter()
         times: list[float] = []
         tokens: list[int] = []
+        text: list[str] = []
         final: dict[str, Any] | None = None
         try:
             async with self.session.post(f"{self.base}/chat/completions", json=body) as response:
@@ -90,7 +97,9 @@ class OpenAIClient:
                     event = json.loads(line[len("data: "):])
                     if "error" in event:
                         return RequestRecord(e2el=time.perf_counter() - start, error=event["error"].get("type", "error"))
-                    ids = [t for choice in event.get("choices", []) for t in choice.get("token_ids", ())]
+                    choices = event.get("choices", [])
+                    ids = [t for choice in choices for t in choice.get("token_ids", ())]
+                    text.extend(choice.get("delta", {}).get("content") or "" for choice in choices)
                     if ids:
                         times.append(time.perf_counter() - start)
                         tokens.append(len(ids))
@@ -101,7 +110,9 @@ class OpenAIClient:
         e2el = time.perf_counter() - start
         if final is None:
             return RequestRecord(e2el=e2el, error="NO_USAGE_CHUNK")
-        spec = final.get("speculation", {})
+        spec, usage = final.get("speculation", {}), final["usage"]
         return RequestRecord(chunk_times=tuple(times), chunk_tokens=tuple(tokens), e2el=e2el,
-                             prompt_tokens=final["usage"]["prompt_tokens"], rounds=spec.get("rounds", 0),
-                             proposed=spec.get("proposed", 0), accepted=spec.get("accepted", 0))
+                             prompt_tokens=usage["prompt_tokens"],
+                             cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+                             text="".join(text), rounds=spec.get("rounds", 0), proposed=spec.get("proposed", 0),
+                             accepted=spec.get("accepted", 0))

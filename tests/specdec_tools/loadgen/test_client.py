@@ -88,3 +88,21 @@ def test_requests_carry_the_prompt_the_seed_and_the_speculation_asked():
     off = build_request(prompt, 0, sampling, 0).speculation
     assert off.WhichOneof("length") == "num_speculative_tokens" and off.num_speculative_tokens == 0
     assert build_request(prompt, 0, sampling, 4).speculation.num_speculative_tokens == 4
+
+
+def test_a_turn_after_a_history_goes_as_messages_with_its_salt_over_both_apis():
+    from specdec_tools.loadgen.openai_http import chat_body
+
+    prompt, sampling = Prompt("and now?", 8), Sampling(temperature=0.0, seed=5, ignore_eos=False)
+    history = (("system", "be brief"), ("user", "hi"), ("assistant", "hello"))
+    request = build_request(prompt, 2, sampling, None, history=history, cache_salt="s1")
+    assert request.prompt == ""  # exactly one of prompt and messages
+    assert [(m.role, m.content) for m in request.messages] == [*history, ("user", "and now?")]
+    assert request.cache_salt == "s1" and request.sampling.seed == 7 and request.sampling.max_tokens == 8
+    body = chat_body("m", prompt, 2, sampling, None, history=history, cache_salt="s1")
+    assert [(m["role"], m["content"]) for m in body["messages"]] == [*history, ("user", "and now?")]
+    assert body["cache_salt"] == "s1" and body["seed"] == 7 and body["max_tokens"] == 8
+    # without them, the requests are as before: a lone prompt, no salt
+    lone = build_request(prompt, 0, sampling, None)
+    assert lone.prompt == "and now?" and not lone.messages and lone.cache_salt == ""
+    assert "cache_salt" not in chat_body("m", prompt, 0, sampling, None)
