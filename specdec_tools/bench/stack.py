@@ -327,6 +327,8 @@ def run_tracing_bench(config_path: Path, prompts_path: Path, max_new_tokens: int
     config = load_config(config_path)
     texts = read_prompt_texts(prompts_path)
     receiver = _SpanCounter()
+    # Written, not read: the deployments take OpenTelemetry's standard variables from this process's environment
+    # (`app._actor_options` hands them on), so this is how the benchmark points them at its span counter.
     os.environ.update({
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
