@@ -11,7 +11,8 @@ round code: at batch sizes 1, 2, 4, ... up to the target's free slots, plain rou
 k = 1 .. explore_up_to, `samples` times each. The costs it records are the ones traffic would teach (gRPC
 included when the workers are remote), and live rounds keep refining them. The sequences are cancelled at the
 end, freeing their caches; the acceptance the rounds saw is forgotten (synthetic text says nothing about real
-requests' acceptance).
+requests' acceptance). Each sequence has a prefix-cache salt of its own: its starts read their whole context, as
+a new request's would, and no request ever shares its synthetic text (the entries it leaves are evicted first).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def calibrate(engine: SpecEngine, max_batch: int | None = None, context: int = 6
         for size in sizes:
             while len(ids) < size:
                 ids.append(f"calibration-{tag}-{len(ids)}")
-                engine.add_request(ids[-1], prompt, params, num_speculative_tokens=0)
+                # A salt of its own: with prefix caching, every start reads its whole context, as a new one would.
+                engine.add_request(ids[-1], prompt, params, num_speculative_tokens=0, cache_salt=ids[-1])
             engine.step()  # prefills the new sequences (and runs a round for the others)
             if not _measure(engine, ids, up_to, samples):
                 log.warning("calibration stopped at batch size %d: a sequence ended", size)

@@ -98,6 +98,8 @@ class _Sequence:
     generator: torch.Generator
     stopper: StopChecker
     return_probs: bool = False  # report q and p of the proposals in each RoundInfo
+    cache_salt: str | None = None  # prefix caching: shares cached prefixes only with sequences of this salt
+    num_cached: int = 0  # prompt tokens the target read from its prefix cache
     started: bool = False  # prefilled: the target holds state for it
     drafting: bool = False  # the drafter holds state for it (started the first time the sequence drafts)
     draft_failed: bool = False  # the drafter could not start it: it decodes plainly
@@ -143,9 +145,12 @@ class SpecEngine:
         params: SamplingParams,
         num_speculative_tokens: int | str | None = None,
         return_probs: bool = False,
+        cache_salt: str | None = None,
     ) -> None:
         """Validate and queue a request; it is prefilled at the next `step`. Raises before any work on bad input.
-        `return_probs`: each round's `RoundInfo` carries q and p of the proposed tokens (a softmax per row more)."""
+        `return_probs`: each round's `RoundInfo` carries q and p of the proposed tokens (a softmax per row more).
+        `cache_salt`: the target and the drafter share cached prefixes only among requests of the same salt (None:
+        the shared namespace of requests without one)."""
         if seq_id in self._running or any(s.seq_id == seq_id for s in self._waiting):
             raise InvalidArgument("seq_id", f"request {seq_id!r} is already running")
         prompt = self._check_prompt(prompt_ids, params)
@@ -159,7 +164,7 @@ class SpecEngine:
             max_total_tokens=self.target.max_seq_len,
             num_prompt_tokens=len(prompt),
         )
-        seq = _Sequence(seq_id, list(prompt), len(prompt), params, k, generator, stopper, return_probs)
+        seq = _Sequence(seq_id, list(prompt), len(prompt), params, k, generator, stopper, return_probs, cache_salt)
         seq.estimate = AcceptanceEstimate.starting_from(self.acceptance, self.config.max_speculative_tokens)
         self._waiting.append(seq)
 
@@ -241,7 +246,7 @@ class SpecEngine:
             return []
         items = [
             PrefillItem(seq.seq_id, seq.tokens, seq.params.shaping,
-                        None if seq.params.greedy else float(seq.uniform(1)))
+                        None if seq.params.greedy else float(seq.uniform(1)), seq.cache_salt)
             for seq in admitted
         ]
         try:
@@ -250,12 +255,12 @@ class SpecEngine:
             log.warning("prefill of %d requests failed: %s", len(admitted), exc, exc_info=True)
             return [self._final(seq, FinishReason.ERROR, exc) for seq in admitted]
         outputs = []
-        for seq, token in zip(admitted, first):
+        for seq, done in zip(admitted, first):
             # The drafter starts the sequence the first time it drafts: under load `auto` may keep it at k = 0
             # for its whole life, and then the drafter never reads its context.
-            seq.started = True
+            seq.started, seq.num_cached = True, done.num_cached_tokens
             self._running[seq.seq_id] = seq
-            outputs.append(self._commit(seq, [token], None))
+            outputs.append(self._commit(seq, [done.first_token_id], None))
         return outputs
 
     def _round(self, seqs: list[_Sequence]) -> list[RequestOutput]:
@@ -365,13 +370,16 @@ class SpecEngine:
                 continue
             t0 = time.perf_counter()
             try:
-                self.drafter.start(seq.seq_id, seq.tokens)
+                cached = self.drafter.start(seq.seq_id, seq.tokens, seq.cache_salt)
             except Exception as exc:
                 log.warning("drafter could not start %s, it decodes without drafts: %s", seq.seq_id, exc)
                 seq.draft_failed = True
                 out[i] = 0
                 continue
-            self.costs.observe_catch_up(len(seq.tokens), time.perf_counter() - t0)
+            # A start that found its context cached says nothing about what reading a context costs (its time is
+            # mostly the call's fixed part): only full reads teach the price.
+            if not cached:
+                self.costs.observe_catch_up(len(seq.tokens), time.perf_counter() - t0)
             seq.drafting, seq.drafted_upto = True, len(seq.tokens)
         return out
 
@@ -442,6 +450,7 @@ class SpecEngine:
             num_prompt_tokens=seq.num_prompt,
             num_output_tokens=seq.stopper.num_output,
             stats=seq.stats,
+            num_cached_tokens=seq.num_cached,
             round=info,
         )
 
@@ -456,5 +465,5 @@ class SpecEngine:
 
     def _final(self, seq: _Sequence, reason: FinishReason, error: Exception | None = None) -> RequestOutput:
         return RequestOutput(
-            seq.seq_id, (), "", reason, seq.num_prompt, seq.stopper.num_output, seq.stats, error=error
+            seq.seq_id, (), "", reason, seq.num_prompt, seq.stopper.num_output, seq.stats, seq.num_cached, error=error
         )

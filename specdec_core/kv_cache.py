@@ -5,6 +5,9 @@ values of its new tokens at their absolute positions; the slot's `length` says h
 Rolling back rejected draft tokens is `set_length`: the stale entries beyond the length are simply overwritten
 by the next forward and never read before that (the attention mask only admits keys at positions <= the query's).
 Nothing is ever copied or recomputed to roll back.
+
+Prefix caching (`prefix_cache.py`) starts a new sequence from positions another slot holds: `copy_prefix` copies
+them, once, when the sequence starts; rollback stays a length.
 """
 
 from __future__ import annotations
@@ -46,10 +49,19 @@ class KVCache:
     def slots_in_use(self) -> int:
         return self.num_slots - len(self._free)
 
-    def allocate(self) -> int:
+    @property
+    def free_slot_ids(self) -> tuple[int, ...]:
+        """The free slots, the next one `allocate()` hands out last."""
+        return tuple(self._free)
+
+    def allocate(self, slot: int | None = None) -> int:
+        """A free slot (this one, when given), of length 0."""
         if not self._free:
             raise ResourceExhausted("kv_slots", f"all {self.num_slots} KV cache slots are in use")
-        slot = self._free.pop()
+        if slot is None:
+            slot = self._free.pop()
+        else:
+            self._free.remove(slot)
         self.lengths[slot] = 0
         return slot
 
@@ -64,6 +76,19 @@ class KVCache:
         if not 0 <= length <= self.capacity:
             raise ValueError(f"length {length} outside [0, {self.capacity}]")
         self.lengths[slot] = length
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Copy the first `length` positions of every layer from slot `source` into `slot` (its length is the
+        caller's to set)."""
+        for kc, vc in zip(self.keys, self.values):  # [slots, Hkv, capacity, hd] each
+            kc[slot, :, :length] = kc[source, :, :length]
+            vc[slot, :, :length] = vc[source, :, :length]
+
+    @property
+    def bytes_per_position(self) -> int:
+        """Keys and values of one position in every layer."""
+        k = self.keys[0]
+        return 2 * len(self.keys) * k.shape[1] * k.shape[3] * k.element_size()
 
     # -- the forward's view -----------------------------------------------------------------------------------
 

@@ -7,11 +7,14 @@ their keys/values at the next positions) and returns logits; `truncate(slot, n)`
 - prefill: the prompt, logits of its last position (the distribution of the first new token);
 - decode:  one token, its logits;
 - verify:  the last committed token plus k draft tokens, logits at all k+1 positions.
+
+With prefix caching (`RunnerConfig.prefix_caching`), `allocate(reuse, salt)` starts a slot with the longest prefix
+of `reuse` cached for `salt` (`prefix_cache.py`), and `release` keeps the slot's contents as a cache entry.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -19,6 +22,7 @@ import torch
 from specdec_core.errors import ResourceExhausted
 from specdec_core.kv_cache import KVCache
 from specdec_core.models.transformer import Transformer
+from specdec_core.prefix_cache import PrefixCacheStats, PrefixIndex
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,10 @@ class RunnerConfig:
     # A KV cache budget: fewer slots than num_slots when that many would not fit. The cache is allocated whole
     # at start, so memory never grows with traffic: requests wait for a free slot instead.
     max_cache_bytes: int | None = None
+    # Keep released slots as prefix-cache entries, and start new sequences from the longest cached prefix of their
+    # tokens (`prefix_cache.py`). Off here, so that an in-process engine (benchmarks) computes every prompt; the
+    # service turns it on (`prefix_caching` in its config, on by default).
+    prefix_caching: bool = False
 
 
 def slots_within_budget(config: RunnerConfig, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int,
@@ -69,16 +77,40 @@ class ModelRunner:
             dtype=param.dtype,
             device=self.device,
         )
+        self.prefix = PrefixIndex(num_slots) if config.prefix_caching else None
+        self.computed_tokens = 0  # positions written by forwards: what the model computed, cache hits excluded
 
     @property
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
-    def allocate(self) -> int:
-        return self.cache.allocate()
+    def allocate(self, reuse: Sequence[int] = (), salt: str | None = None) -> int:
+        """A free slot for a new sequence. With prefix caching it starts with the longest prefix of `reuse` that
+        the cache holds for `salt` (its `length`: those tokens need no computing), possibly evicting the least
+        recently used cache entry; without, it is empty."""
+        if self.prefix is None or not self.cache.free_slots:
+            return self.cache.allocate()
+        reuse = list(reuse)
+        plan = self.prefix.plan(reuse, salt, self.cache.free_slot_ids)
+        slot = self.cache.allocate(plan.slot)
+        if plan.source is not None and plan.source != slot:
+            self.cache.copy_prefix(plan.source, slot, plan.length)
+        self.prefix.claim(plan, salt, len(reuse))
+        self.cache.set_length(slot, plan.length)
+        return slot
 
     def release(self, slot: int) -> None:
+        """The slot's sequence ended. With prefix caching its contents stay as a cache entry (still a free slot)."""
+        if self.prefix is not None:
+            self.prefix.release(slot)
         self.cache.release(slot)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Counters of the prefix cache (all zero without one)."""
+        if self.prefix is None:
+            return PrefixCacheStats()
+        stats = self.prefix.stats()
+        return replace(stats, bytes=stats.positions * self.cache.bytes_per_position)
 
     def length(self, slot: int) -> int:
         return self.cache.lengths[slot]
@@ -88,6 +120,8 @@ class ModelRunner:
         if length > self.cache.lengths[slot]:
             raise ValueError(f"cannot truncate slot {slot} of length {self.cache.lengths[slot]} to {length}")
         self.cache.set_length(slot, length)
+        if self.prefix is not None:
+            self.prefix.truncated(slot, length)
 
     @torch.inference_mode()
     def extend(
@@ -100,7 +134,7 @@ class ModelRunner:
 
         Returns [B, T, V] float32 when `all_logits` (row b valid in its first len(token_lists[b]) positions),
         else [B, V]: the logits after each row's last token. Mutates the cache: lengths advance by the tokens
-        appended.
+        appended (only once the forward has succeeded: a failed one leaves every slot's valid prefix as it was).
         """
         counts = [len(t) for t in token_lists]
         starts = [self.cache.lengths[s] for s in slots]
@@ -130,6 +164,9 @@ class ModelRunner:
             single,
             None if index is None else index.to(self.device),
         )  # [B, T or 1, V]
-        for slot, start, n in zip(slots, starts, counts):
+        for slot, start, n, row in zip(slots, starts, counts, token_lists):
             self.cache.set_length(slot, start + n)
+            if self.prefix is not None:
+                self.prefix.wrote(slot, start, row)
+        self.computed_tokens += sum(counts)
         return logits if all_logits else logits[:, 0]

@@ -7,6 +7,9 @@ protocol.
 
 Per sequence the target's cache holds every committed token but the last, which the next `verify` reads
 together with the drafts; after acceptance the cache is rolled back to that invariant by moving its length.
+
+With prefix caching a prefill starts each prompt from the longest prefix its salt has cached (all of the prompt but
+its last token at most: the last is computed for the first token's logits) and computes only the rest.
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ class PrefillItem:
     prompt_ids: Sequence[int]
     shaping: TokenShaping
     uniform: float | None  # in [0, 1): draws the first token; None when greedy
+    cache_salt: str | None = None  # prefix caching: share cached prefixes only with sequences of this salt
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    first_token_id: int
+    num_cached_tokens: int  # prompt tokens read from the prefix cache, not computed
 
 
 @dataclass(frozen=True)
@@ -73,8 +83,8 @@ class Target(Protocol):
     @property
     def free_slots(self) -> int: ...
 
-    def prefill(self, items: Sequence[PrefillItem]) -> list[int]:
-        """Start each sequence: read its prompt and return its first token."""
+    def prefill(self, items: Sequence[PrefillItem]) -> list[Prefilled]:
+        """Start each sequence: read its prompt (what its prefix cache lacks) and return its first token."""
 
     def verify(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome]:
         """One batched forward over every row's last token plus drafts; accept and roll back per row. May raise
@@ -111,33 +121,38 @@ class LocalTarget:
 
     # -- prefill -------------------------------------------------------------------------------------------------
 
-    def prefill(self, items: Sequence[PrefillItem]) -> list[int]:
+    def prefill(self, items: Sequence[PrefillItem]) -> list[Prefilled]:
         if len(items) > self.free_slots:
             raise ResourceExhausted("sequences", f"{len(items)} new sequences, {self.free_slots} free cache slots")
         for item in items:
             if item.seq_id in self._slots:
                 raise InvalidArgument("session_id", f"sequence {item.seq_id!r} is already active")
-        for item in items:
-            self._slots[item.seq_id] = self.runner.allocate()
+        cached = []
         try:
-            logits = self._prefill_logits(items)  # [A, V]
+            for item in items:
+                prompt = list(item.prompt_ids)
+                slot = self._slots[item.seq_id] = self.runner.allocate(prompt[:-1], item.cache_salt)
+                cached.append(self.runner.length(slot))
+            logits = self._prefill_logits(items, cached)  # [A, V]
         except Exception:
             for item in items:
                 self.release(item.seq_id)
             raise
-        return self._sample_first(logits, items)
+        first = self._sample_first(logits, items)
+        return [Prefilled(token, n) for token, n in zip(first, cached)]
 
-    def _prefill_logits(self, items: Sequence[PrefillItem]) -> torch.Tensor:  # [A, V]
-        """Prefill prompts in batches of equal length (no padding wasted); logits of each prompt's last token."""
+    def _prefill_logits(self, items: Sequence[PrefillItem], cached: Sequence[int]) -> torch.Tensor:  # [A, V]
+        """Prefill what each prompt's cache lacks, in batches of equal length (no padding wasted); logits of each
+        prompt's last token."""
         by_length: dict[int, list[int]] = {}
         for i, item in enumerate(items):
-            by_length.setdefault(len(item.prompt_ids), []).append(i)
+            by_length.setdefault(len(item.prompt_ids) - cached[i], []).append(i)
         rows: list[torch.Tensor | None] = [None] * len(items)
         for members in by_length.values():
             for start in range(0, len(members), PREFILL_BATCH):
                 chunk = members[start : start + PREFILL_BATCH]
                 slots = [self._slots[items[i].seq_id] for i in chunk]
-                logits = self.runner.extend(slots, [list(items[i].prompt_ids) for i in chunk])
+                logits = self.runner.extend(slots, [list(items[i].prompt_ids[cached[i] :]) for i in chunk])
                 for i, row in zip(chunk, logits):
                     rows[i] = row
         return torch.stack(rows)  # type: ignore[arg-type]

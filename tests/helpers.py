@@ -24,15 +24,17 @@ def contrarian(model: torch.nn.Module) -> torch.nn.Module:
     return clone
 
 
-def make_engine(loaded, draft=None, *, num_slots: int = 8, max_seq_len: int = 256, **config):
-    """An engine over `loaded` (a LoadedModel). `draft`: None, "ngram", or a Transformer to draft with."""
+def make_engine(loaded, draft=None, *, num_slots: int = 8, max_seq_len: int = 256, prefix_caching: bool = False,
+                **config):
+    """An engine over `loaded` (a LoadedModel). `draft`: None, "ngram", or a Transformer to draft with.
+    `prefix_caching`: in the target's runner and the draft model's."""
     from specdec_core.drafters.draft_model import DraftModelDrafter
     from specdec_core.drafters.ngram import NgramDrafter
     from specdec_core.engine import EngineConfig, SpecEngine
     from specdec_core.runner import ModelRunner, RunnerConfig
     from specdec_core.target import LocalTarget
 
-    runner_config = RunnerConfig(num_slots=num_slots, max_seq_len=max_seq_len)
+    runner_config = RunnerConfig(num_slots=num_slots, max_seq_len=max_seq_len, prefix_caching=prefix_caching)
     target = ModelRunner(loaded.model, runner_config)
     drafter = None
     if draft == "ngram":
@@ -61,9 +63,10 @@ def reference_prob(logits, token, params):  # logits [V]
 
 
 def run_to_completion(engine, requests):
-    """Add (request_id, prompt_ids, params, k) tuples, step until done; return {id: (tokens, text, last output)}."""
-    for request_id, prompt, params, k in requests:
-        engine.add_request(request_id, prompt, params, k)
+    """Add (request_id, prompt_ids, params, k[, cache_salt]) tuples, step until done; return {id: (tokens, text,
+    last output)}."""
+    for request_id, prompt, params, k, *salt in requests:
+        engine.add_request(request_id, prompt, params, k, cache_salt=salt[0] if salt else None)
     results = {r[0]: ([], "", None) for r in requests}
     while engine.has_work:
         for out in engine.step():

@@ -63,9 +63,11 @@ class Drafter(Protocol):
 
     name: str
 
-    def start(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
+    def start(self, seq_id: str, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Begin a sequence (a draft model prefills here). The engine calls it the first time the sequence drafts,
-        with every token committed so far (the prompt, and the output of its rounds without drafts)."""
+        with every token committed so far (the prompt, and the output of its rounds without drafts). Returns how
+        many of those tokens came from a prefix cache (shared only among sequences of one `cache_salt`) instead
+        of being read: 0 for a drafter without one."""
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         """Up to `num_tokens` tokens per request, in one batched pass where the method allows."""

@@ -36,7 +36,8 @@ class DraftModelDrafter:
 
     The draft cache holds every committed token the draft has read. Each round first feeds the committed tokens
     it has not read yet (usually the last round's recovered or bonus token, plus the last accepted draft), then
-    one token per step; `observe` truncates it back to the committed prefix.
+    one token per step; `observe` truncates it back to the committed prefix. With prefix caching on the runner,
+    `start` reads only what the cache lacks of the context, exactly as the target's prefill does.
     """
 
     name = "draft_model"
@@ -47,12 +48,19 @@ class DraftModelDrafter:
         self.q_support = q_support
         self._slots: dict[str, int] = {}
 
-    def start(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
-        slot = self.runner.allocate()
+    def start(self, seq_id: str, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        # The last prompt token is read with the first propose, whose logits we need anyway.
+        context = self._readable(prompt_ids[:-1])
+        slot = self.runner.allocate(context, cache_salt)  # holding the longest cached prefix of the context
+        cached = self.runner.length(slot)
+        try:
+            if len(context) > cached:
+                self.runner.extend([slot], [context[cached:]])
+        except Exception:
+            self.runner.release(slot)
+            raise
         self._slots[seq_id] = slot
-        if len(prompt_ids) > 1:
-            # The last prompt token is read with the first propose, whose logits we need anyway.
-            self.runner.extend([slot], [self._readable(prompt_ids[:-1])])
+        return cached
 
     def release(self, seq_id: str) -> None:
         slot = self._slots.pop(seq_id, None)

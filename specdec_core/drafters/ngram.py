@@ -32,8 +32,9 @@ class NgramDrafter:
         self.max_n, self.min_n = max_n, min_n
         self._index: dict[str, _Index] = {}
 
-    def start(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
+    def start(self, seq_id: str, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
         self._index[seq_id] = _Index(grams={n: {} for n in range(self.min_n, self.max_n + 1)})
+        return 0
 
     def release(self, seq_id: str) -> None:
         self._index.pop(seq_id, None)

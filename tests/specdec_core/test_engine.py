@@ -62,8 +62,8 @@ class _LabelledOracle:
         self.prompt, self.continuation, self.vocab = prompt, continuation, vocab
         self.round = 0
 
-    def start(self, seq_id, prompt_ids):
-        pass
+    def start(self, seq_id, prompt_ids, cache_salt=None):
+        return 0
 
     def observe(self, seq_id, num_committed):
         pass
@@ -187,11 +187,11 @@ class _Recording:
         self.inner, self.refuse, self.started = inner, refuse, []
         self.name = inner.name
 
-    def start(self, seq_id, prompt_ids):
+    def start(self, seq_id, prompt_ids, cache_salt=None):
         if self.refuse:
             raise RuntimeError("no room for drafts")
         self.started.append((seq_id, len(prompt_ids)))
-        self.inner.start(seq_id, prompt_ids)
+        return self.inner.start(seq_id, prompt_ids, cache_salt)
 
     def propose(self, requests):
         assert all(r.num_tokens > 0 for r in requests)  # rows at k = 0 are not the drafter's business
@@ -405,3 +405,106 @@ def test_return_probs_reports_the_models_probabilities_of_the_proposals(tiny_tar
                 assert abs(info.draft_probs[i] - reference_prob(draft_logits[row], token, params)) < 1e-4
                 checked["accepted" if i < info.num_accepted else "rejected"] += 1
     assert checked["accepted"] > 0 and checked["rejected"] > 0
+
+
+# -- prefix caching ---------------------------------------------------------------------------------------------
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=12, ignore_eos=True)
+
+
+def _uncached(loaded, draft, prompt, params, k):
+    """The tokens of an engine without a prefix cache."""
+    return run_to_completion(make_engine(loaded, draft), [("r", prompt, params, k)])["r"][0]
+
+
+def test_a_conversations_second_turn_computes_only_its_new_tokens(tiny_target):
+    engine = make_engine(tiny_target, prefix_caching=True)
+    runner = engine.target.runner
+    first = _ids(tiny_target, PROMPTS[0])
+    reply = run_to_completion(engine, [("t1", first, GREEDY, 0)])["t1"][0]
+    new = [40, 41, 42, 43]
+    second = first + reply + new
+    before = runner.computed_tokens
+    engine.add_request("t2", second, GREEDY, 0)
+    (out,) = engine.step()  # the prefill alone: nothing else runs
+    # The target held turn one's prompt and every reply token but the last (sampled, never read): that one and
+    # the new tokens are computed, nothing else.
+    assert runner.computed_tokens - before == len(new) + 1
+    assert out.num_cached_tokens == len(second) - len(new) - 1
+    tokens, last = list(out.new_token_ids), out
+    while engine.has_work:
+        for last in engine.step():
+            tokens += last.new_token_ids
+    assert last.finished and last.num_cached_tokens == out.num_cached_tokens
+    assert tokens == _uncached(tiny_target, None, second, GREEDY, 0)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_cache_hits_change_no_token(tiny_target, params, k):
+    draft = perturbed(tiny_target.model, 0.2, seed=3)
+    engine = make_engine(tiny_target, draft, prefix_caching=True)
+    prompt = _ids(tiny_target, PROMPTS[2])
+    reply = run_to_completion(engine, [("first", prompt, params, k)])["first"][0]
+    assert reply == _uncached(tiny_target, draft, prompt, params, k)
+    cases = {  # name: (prompt, fewest tokens cached)
+        "same": (prompt, len(prompt) - 1),
+        "partial": (prompt[:6] + [399, 398, 397], 6),
+        "next turn": (prompt + reply + [11, 12], len(prompt) + len(reply) - 1),
+    }
+    for name, (tokens, cached) in cases.items():
+        got, _, last = run_to_completion(engine, [(name, tokens, params, k)])[name]
+        assert last.num_cached_tokens >= cached, name
+        assert got == _uncached(tiny_target, draft, tokens, params, k), name
+
+
+def test_the_draft_model_reuses_its_cache_too(tiny_target):
+    draft = tiny_target.model  # a draft that always agrees: a draft cache that went wrong would show as rejections
+    engine = make_engine(tiny_target, draft, prefix_caching=True)
+    prompt = _ids(tiny_target, PROMPTS[1])
+    reply = run_to_completion(engine, [("t1", prompt, GREEDY, 3)])["t1"][0]
+    hits = engine.drafter.runner.prefix_cache_stats().hit_tokens
+    second = prompt + reply + [40, 41, 42]
+    tokens, _, last = run_to_completion(engine, [("t2", second, GREEDY, 3)])["t2"]
+    # The draft held turn one's committed tokens but those of its last round (at most k + 1), which it had not
+    # read yet when the turn ended.
+    assert engine.drafter.runner.prefix_cache_stats().hit_tokens - hits >= len(prompt) + len(reply) - 4
+    assert last.stats.accepted == last.stats.proposed > 0
+    assert tokens == _uncached(tiny_target, draft, second, GREEDY, 3)
+
+
+def test_salts_share_cached_prefixes_only_within_themselves(tiny_target):
+    engine = make_engine(tiny_target, prefix_caching=True)
+    prompt = _ids(tiny_target, PROMPTS[0])
+    runs = [("alice", "alice", 0), ("bob", "bob", 0), ("anonymous", None, 0), ("alice again", "alice", len(prompt) - 1),
+            ("anonymous again", None, len(prompt) - 1)]
+    outputs = []
+    for request_id, salt, cached in runs:
+        tokens, _, last = run_to_completion(engine, [(request_id, prompt, GREEDY, 0, salt)])[request_id]
+        assert last.num_cached_tokens == cached, request_id
+        outputs.append(tokens)
+    assert all(tokens == outputs[0] for tokens in outputs)
+
+
+def test_a_cancelled_request_leaves_a_usable_cache_entry(tiny_target):
+    draft = perturbed(tiny_target.model, 0.2, seed=3)
+    engine = make_engine(tiny_target, draft, prefix_caching=True)
+    prompt = _ids(tiny_target, PROMPTS[2])
+    engine.add_request("cut", prompt, SamplingParams(max_tokens=60, ignore_eos=True), 3)
+    partial = []
+    for _ in range(4):
+        for out in engine.step():
+            partial += out.new_token_ids
+    assert engine.abort("cut").finish_reason is FinishReason.CANCELLED
+    tokens = prompt + partial + [21, 22]
+    got, _, last = run_to_completion(engine, [("next", tokens, GREEDY, 3)])["next"]
+    assert last.num_cached_tokens == len(prompt) + len(partial) - 1  # the target held all it had committed
+    assert got == _uncached(tiny_target, draft, tokens, GREEDY, 3)
+
+
+def test_without_prefix_caching_nothing_is_cached(tiny_target):
+    engine = make_engine(tiny_target)
+    prompt = _ids(tiny_target, PROMPTS[0])
+    for request_id in ("a", "b"):
+        assert run_to_completion(engine, [(request_id, prompt, GREEDY, 0)])[request_id][2].num_cached_tokens == 0

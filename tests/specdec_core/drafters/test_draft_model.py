@@ -14,8 +14,8 @@ from specdec_core.sampling import sample_from
 MAX_SEQ_LEN = 128
 
 
-def _drafter(model) -> DraftModelDrafter:
-    runner = ModelRunner(model, RunnerConfig(num_slots=4, max_seq_len=MAX_SEQ_LEN))
+def _drafter(model, prefix_caching: bool = False) -> DraftModelDrafter:
+    runner = ModelRunner(model, RunnerConfig(num_slots=4, max_seq_len=MAX_SEQ_LEN, prefix_caching=prefix_caching))
     return DraftModelDrafter(runner, runner.vocab_size)
 
 
@@ -64,3 +64,20 @@ def test_sampled_proposals_carry_a_sparse_q_the_drafts_come_from(tiny_target):
     dense = proposal.q.dense(vocab)  # [k, V]
     assert torch.allclose(dense.sum(dim=-1), torch.ones(4))
     assert all(dense[i, t] > 0 for i, t in enumerate(proposal.token_ids))
+
+
+def test_a_start_reads_only_what_its_prefix_cache_lacks_and_drafts_the_same(tiny_target):
+    tokens = list(range(5, 45))
+    drafter = _drafter(tiny_target.model, prefix_caching=True)
+    assert drafter.start("a", tokens[:30]) == 0
+    drafter.release("a")  # its 29 tokens stay cached (the last one is read by a propose)
+    assert drafter.start("b", tokens, cache_salt="other") == 0
+    drafter.release("b")
+    before = drafter.runner.computed_tokens
+    assert drafter.start("c", tokens) == 29
+    assert drafter.runner.computed_tokens - before == len(tokens) - 1 - 29
+    (got,) = drafter.propose([_request("c", tokens, k=4)])
+    fresh = _drafter(tiny_target.model)
+    assert fresh.start("c", tokens) == 0
+    (want,) = fresh.propose([_request("c", tokens, k=4)])
+    assert got.token_ids == want.token_ids

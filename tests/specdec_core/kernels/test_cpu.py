@@ -145,6 +145,28 @@ def test_verify_reproduces_decode_bit_for_bit(bf16_pair):
         assert torch.equal(row, verified[i]), i
 
 
+def test_a_prefill_from_cached_positions_gives_a_full_prefills_logits_bit_for_bit(bf16_pair):
+    """The property that makes prefix caching exact in bf16: keys written by a prefill, a verify and decode steps,
+    then copied into another slot (or taken over in place), give the rest of a prompt the very logits a full
+    prefill gives it."""
+    fast, _ = bf16_pair
+    prompt, rest = [5, 9, 31, 77, 2, 140, 12, 240], [8, 99, 3, 17]
+    reference = ModelRunner(fast.model, RunnerConfig(num_slots=1, max_seq_len=64))
+    want = reference.extend([reference.allocate()], [prompt + rest], all_logits=True)[0, len(prompt) :]  # [4, V]
+    for running in (True, False):  # copied from a running sequence's slot; taken over from an ended one's entry
+        runner = ModelRunner(fast.model, RunnerConfig(num_slots=3, max_seq_len=64, prefix_caching=True))
+        source = runner.allocate()
+        runner.extend([source], [prompt[:3]])  # a prefill
+        runner.extend([source], [prompt[3:6]], all_logits=True)  # a verify of three rows
+        for token in prompt[6:]:  # decode steps
+            runner.extend([source], [[token]])
+        if not running:
+            runner.release(source)
+        slot = runner.allocate(prompt + rest[:-1])
+        assert runner.length(slot) == len(prompt) and (slot == source) is not running
+        assert torch.equal(runner.extend([slot], [rest], all_logits=True)[0], want)
+
+
 def test_greedy_speculation_with_an_int8_draft_is_exact_in_bf16(tiny_dir):
     from specdec_core.build import DraftSpec, build_engine, load_pair
     from specdec_core.config import SamplingParams
