@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from typing import Any
 
 import ray
@@ -22,7 +23,7 @@ from deployments import registry
 from deployments.auth import ENV_TOKEN, BearerAuth, load_public_token
 from deployments.config import Placement, ServeConfig, TargetConfig, parse_config
 from deployments.discovery import WorkerFollower, wait_for_workers
-from deployments.metrics import ServingMetrics
+from deployments.metrics import ServingMetrics, WorkerMetrics
 from deployments.proposals import ProposalLog
 from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool
 from deployments.router import RouterDeployment, RouterParts
@@ -65,6 +66,7 @@ def _runner_config(config: ServeConfig, placement: Placement) -> RunnerConfig:
         max_seq_len=config.router.max_seq_len,
         max_extend=config.draft.max_speculative_tokens + 1,
         max_cache_bytes=placement.kv_cache_max_bytes,
+        prefix_caching=config.prefix_caching,
     )
 
 
@@ -73,14 +75,18 @@ def _use_cpus(num_cpus: float) -> None:
     torch.set_num_threads(max(1, int(num_cpus)))
 
 
+METRICS_INTERVAL_S = 5.0  # how often a worker exports its prefix cache's counters
+
+
 class _Worker:
-    """Common to both workers: serve the internal gRPC service and register its address."""
+    """Common to both workers: serve the internal gRPC service, register its address, export its metrics."""
 
     kind = ""
 
     def _serve(self, config: ServeConfig, servicer: Any) -> None:
         setup_tracing(f"{config.app_name}-{self.kind}")
         self.servicer = servicer
+        self._stop_metrics = threading.Event()
         secret = ray.get(registry.registry().secret.remote(config.app_name))
         self.server, port = start_server(servicer, port=config.worker_grpc_port, secret=secret)
         self.address = f"{ray.util.get_node_ip_address()}:{port}"
@@ -88,6 +94,16 @@ class _Worker:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         ray.get(registry.registry().register.remote(self.app, self.kind, self.replica_id, self.address))
         log.info("%s worker %s serving on %s", self.kind, self.replica_id, self.address)
+        self._metrics = WorkerMetrics(self.kind, servicer.model_name)
+        threading.Thread(target=self._export_metrics, name="worker-metrics", daemon=True).start()
+
+    def _export_metrics(self) -> None:
+        """Follow the servicer's counters (the same numbers GetStats reports) into Prometheus."""
+        while not self._stop_metrics.wait(METRICS_INTERVAL_S):
+            try:
+                self._metrics.update(self.servicer.GetStats(None, None))
+            except Exception:  # metrics must never take the worker down
+                log.warning("exporting worker metrics failed", exc_info=True)
 
     def get_address(self) -> str:
         return self.address
@@ -104,6 +120,7 @@ class _Worker:
             ray.get(registry.registry().unregister.remote(self.app, self.kind, self.replica_id), timeout=5)
         except Exception:  # the cluster may be going down
             pass
+        self._stop_metrics.set()
         self.servicer.close()
         server.stop(grace=2)
 

@@ -20,7 +20,7 @@ from specdec_core.engine import RequestOutput, SpecStats
 from specdec_core.errors import InvalidArgument
 from specdec_core.sparse_q import SparseQ
 from specdec_core.stopping import FinishReason
-from specdec_core.target import PrefillItem, VerifyItem, VerifyOutcome
+from specdec_core.target import Prefilled, PrefillItem, VerifyItem, VerifyOutcome
 
 T = TypeVar("T")
 
@@ -207,6 +207,7 @@ def encode_prefill(items: Sequence[PrefillItem]) -> wpb.PrefillRequest:
         msg.sampling.CopyFrom(encode_token_sampling(item.shaping))
         if item.uniform is not None:
             msg.uniform = item.uniform
+        msg.cache_salt = item.cache_salt or ""
     return request
 
 
@@ -217,9 +218,45 @@ def decode_prefill(request: wpb.PrefillRequest) -> list[PrefillItem]:
             prompt_ids=list(item.prompt_token_ids),
             shaping=decode_token_sampling(item.sampling),
             uniform=item.uniform if item.HasField("uniform") else None,
+            cache_salt=decode_cache_salt(item.cache_salt),
         )
         for item in request.items
     ]
+
+
+def encode_prefilled(results: Sequence[Prefilled]) -> wpb.PrefillResponse:
+    return wpb.PrefillResponse(first_token_ids=[r.first_token_id for r in results],
+                               cached_tokens=[r.num_cached_tokens for r in results])
+
+
+def decode_prefilled(response: wpb.PrefillResponse) -> list[Prefilled]:
+    """One result per item (a worker that reports no cached_tokens found none in its cache)."""
+    cached = list(response.cached_tokens) or [0] * len(response.first_token_ids)
+    return [Prefilled(token, n) for token, n in zip(response.first_token_ids, cached)]
+
+
+@dataclass(frozen=True)
+class StartItem:
+    """A decoded StartRequest.Item: a draft session to begin."""
+
+    seq_id: str
+    token_ids: list[int]
+    cache_salt: str | None
+
+
+def encode_start(seq_id: str, token_ids: Sequence[int], cache_salt: str | None) -> wpb.StartRequest:
+    return wpb.StartRequest(items=[wpb.StartRequest.Item(seq_id=seq_id, prompt_token_ids=list(token_ids),
+                                                         cache_salt=cache_salt or "")])
+
+
+def decode_start(request: wpb.StartRequest) -> list[StartItem]:
+    return [StartItem(item.seq_id, list(item.prompt_token_ids), decode_cache_salt(item.cache_salt))
+            for item in request.items]
+
+
+def decode_started(response: wpb.StartResponse, num_items: int) -> list[int]:
+    """Cached tokens per item (0 for each when the worker reports none)."""
+    return list(response.cached_tokens) or [0] * num_items
 
 
 def encode_verify(items: Sequence[VerifyItem]) -> wpb.VerifyRequest:

@@ -167,6 +167,11 @@ class ServeConfig(_Strict):
     # Bearer-token auth on the public API: a file holding the token (SPECDEC_AUTH_TOKEN in the router's
     # environment takes precedence). Neither set: no auth.
     auth_token_file: str | None = None
+    # Prefix caching in the target and draft workers (every rank): the KV of ended sessions stays, within the KV
+    # budget, as cache entries (least recently used evicted first), and a new session computes only what the
+    # longest cached prefix of its tokens lacks; requests share prefixes only within one `cache_salt`. The tokens
+    # are those a full computation gives. false: every session computes its whole prompt, slots freed at release.
+    prefix_caching: bool = True
     target: TargetConfig
     draft: DraftConfig = DraftConfig(method="none")
     router: RouterConfig = RouterConfig()

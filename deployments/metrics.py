@@ -4,6 +4,8 @@ Latency histograms are named after OpenTelemetry's gen_ai.server.* metrics; what
 decoding is under specdec_*. Every series carries the model pair (`target`, `draft`) so that pairs compare.
 The draft and verify latencies are observed by the remote drafter and target (`deployments.remote`), once per
 batched call, with the same measurement the round spans carry as draft_ms / verify_ms.
+
+The workers export their prefix caches' counters (`WorkerMetrics`), read from their runners every few seconds.
 """
 
 from __future__ import annotations
@@ -72,3 +74,35 @@ class ServingMetrics:
 
     def slots_in_use(self, worker: str, count: int) -> None:
         self.slots.set(count, tags={"worker": worker})
+
+
+class WorkerMetrics:
+    """A worker replica's prefix cache, tagged by `worker` (target or draft) and `model`. The counters follow the
+    worker's own (`WorkerStats`): `update` adds what they gained since the last call."""
+
+    def __init__(self, worker: str, model: str) -> None:
+        tags = ("worker", "model")
+        self.queried = Counter("specdec_prefix_cache_queried_tokens",
+                               "Prompt tokens looked up in the prefix cache (all a cache could have supplied).",
+                               tag_keys=tags)
+        self.hits = Counter("specdec_prefix_cache_hit_tokens",
+                            "Prompt tokens found in the prefix cache: reused, not computed.", tag_keys=tags)
+        self.evictions = Counter("specdec_prefix_cache_evictions",
+                                 "Prefix-cache entries evicted to make room for new sequences.", tag_keys=tags)
+        self.bytes = Gauge("specdec_prefix_cache_bytes", "KV bytes held by prefix-cache entries (ended sequences).",
+                           tag_keys=tags)
+        self.entries = Gauge("specdec_prefix_cache_entries", "Prefix-cache entries held (ended sequences).",
+                             tag_keys=tags)
+        for metric in (self.queried, self.hits, self.evictions, self.bytes, self.entries):
+            metric.set_default_tags({"worker": worker, "model": model})
+        self._last = (0, 0, 0)
+
+    def update(self, stats: Any) -> None:
+        """`stats`: the worker's `WorkerStats`."""
+        now = (stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens, stats.prefix_cache_evictions)
+        for counter, new, old in zip((self.queried, self.hits, self.evictions), now, self._last):
+            if new > old:  # a Ray counter takes only positive increments
+                counter.inc(new - old)
+        self._last = now
+        self.bytes.set(stats.prefix_cache_bytes)
+        self.entries.set(stats.prefix_cache_entries)

@@ -24,7 +24,7 @@ from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.errors import InvalidArgument
-from specdec_core.target import PartialVerifyFailure, PrefillItem, VerifyItem, VerifyOutcome
+from specdec_core.target import PartialVerifyFailure, Prefilled, PrefillItem, VerifyItem, VerifyOutcome
 
 if TYPE_CHECKING:
     from deployments.metrics import ServingMetrics
@@ -259,15 +259,15 @@ class RemoteTarget:
     def free_slots(self) -> int:
         return self.pool.free_slots
 
-    def prefill(self, items: Sequence[PrefillItem]) -> list[int]:
+    def prefill(self, items: Sequence[PrefillItem]) -> list[Prefilled]:
         """Start sessions on the least-loaded replicas. Items whose replica turned out dead are tried once more on
         another: they have produced nothing yet, so a retry is invisible to the client."""
         try:
             first, failed = self._prefill_once(items)
             if failed and self.pool.has_usable:
                 retried, still = self._prefill_once([items[i] for i in failed])
-                for i, token in zip(failed, retried):
-                    first[i] = token
+                for i, result in zip(failed, retried):
+                    first[i] = result
                 failed = [failed[j] for j in still]
             if failed:
                 raise WorkerUnavailable(f"no target worker could prefill {len(failed)} of {len(items)} requests")
@@ -275,10 +275,10 @@ class RemoteTarget:
             for item in items:
                 self.pool.release(item.seq_id)
             raise
-        return first
+        return first  # type: ignore[return-value]
 
-    def _prefill_once(self, items: Sequence[PrefillItem]) -> tuple[list[int], list[int]]:
-        """First tokens (0 where failed) and the indices of items whose replica could not be reached."""
+    def _prefill_once(self, items: Sequence[PrefillItem]) -> tuple[list[Prefilled | None], list[int]]:
+        """Results (None where failed) and the indices of items whose replica could not be reached."""
         for item in items:
             self.pool.pin(item.seq_id, item.prompt_ids)
         groups = _group(self.pool, items, lambda item: item.seq_id)
@@ -290,10 +290,10 @@ class RemoteTarget:
         responses, failures = self.pool.fan_out(requests, "Prefill", metadata)
         if any(not _lost(error) for error in failures.values()):
             raise next(error for error in failures.values() if not _lost(error))
-        first = [0] * len(items)
-        for address, idx in groups.items():
-            for i, token in zip(idx, getattr(responses.get(address), "first_token_ids", ())):
-                first[i] = token
+        first: list[Prefilled | None] = [None] * len(items)
+        for address, response in responses.items():
+            for i, result in zip(groups[address], codec.decode_prefilled(response)):
+                first[i] = result
         return first, sorted(i for address in failures for i in groups[address])
 
     def verify(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome]:
@@ -349,31 +349,36 @@ class RemoteDrafter:
         self.retry_s = retry_s
         self._sent: dict[str, int] = {}  # sessions held by a draft worker: committed tokens it has been told about
         self._homeless: dict[str, float] = {}  # sessions no draft worker holds: when to try to place them again
+        self._salts: dict[str, str | None] = {}  # every session's cache salt, for placing it again
 
-    def start(self, seq_id: str, prompt_ids: Sequence[int]) -> None:
+    def start(self, seq_id: str, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Place the session on a draft replica, which prefills it (the engine starts a session the first time it
-        drafts); where none takes it, it drafts nothing until a later placement succeeds."""
-        if not self.pool.has_usable or not self._place(seq_id, prompt_ids):
+        drafts); where none takes it, it drafts nothing until a later placement succeeds. Returns the tokens the
+        replica found in its prefix cache."""
+        self._salts[seq_id] = cache_salt
+        cached = self._place(seq_id, prompt_ids) if self.pool.has_usable else None
+        if cached is None:
             self._homeless[seq_id] = time.monotonic() + self.retry_s
+        return cached or 0
 
-    def _place(self, seq_id: str, token_ids: Sequence[int]) -> bool:
-        """Start the session on the least-loaded usable replica; False if none took it."""
+    def _place(self, seq_id: str, token_ids: Sequence[int]) -> int | None:
+        """Start the session on the least-loaded usable replica: the tokens it found cached; None if none took it."""
         try:
             replica = self.pool.pin(seq_id, token_ids)
         except WorkerUnavailable:
-            return False
-        request = wpb.StartRequest(items=[wpb.StartRequest.Item(seq_id=seq_id, prompt_token_ids=list(token_ids))])
+            return None
+        request = codec.encode_start(seq_id, token_ids, self._salts.get(seq_id))
         metadata = {}
         if self.tracer is not None:
             metadata = {replica.address: carrier_metadata(self.tracer.spans([seq_id], rounds=False))}
-        _, failures = self.pool.fan_out({replica.address: (replica, request)}, "Start", metadata,
+        responses, failures = self.pool.fan_out({replica.address: (replica, request)}, "Start", metadata,
                                                 self.timeout_s)
         if failures:
             self.pool.unpin(seq_id)
             log.warning("draft session %s not started: %s", seq_id, failures[replica.address])
-            return False
+            return None
         self._sent[seq_id] = len(token_ids)
-        return True
+        return codec.decode_started(responses[replica.address], 1)[0]
 
     def observe(self, seq_id: str, num_committed: int) -> None:
         pass  # sent with the next Propose
@@ -424,7 +429,7 @@ class RemoteDrafter:
             due = self._homeless.get(r.seq_id)
             if due is None or now < due or r.num_tokens == 0 or not self.pool.has_usable:
                 continue
-            if self._place(r.seq_id, r.token_ids):
+            if self._place(r.seq_id, r.token_ids) is not None:
                 del self._homeless[r.seq_id]
             else:
                 self._homeless[r.seq_id] = now + self.retry_s
@@ -438,6 +443,7 @@ class RemoteDrafter:
     def release(self, seq_id: str) -> None:
         self._sent.pop(seq_id, None)
         self._homeless.pop(seq_id, None)
+        self._salts.pop(seq_id, None)
         self.pool.release(seq_id)
 
     @property

@@ -166,7 +166,8 @@ class Router:
                     self.proposals.observe(seq_id, item)
             loop.call_soon_threadsafe(inbox.put_nowait, item)
 
-        self.scheduler.submit(seq_id, prompt_ids, call.params, call.num_speculative_tokens, deliver, return_probs)
+        self.scheduler.submit(seq_id, prompt_ids, call.params, call.num_speculative_tokens, deliver, return_probs,
+                              cache_salt=call.cache_salt)
         finished = False
         try:
             while not finished:

@@ -218,6 +218,7 @@ class RequestTracer:
         span.set_attributes({
             "gen_ai.usage.input_tokens": output.num_prompt_tokens,
             "gen_ai.usage.output_tokens": output.num_output_tokens,
+            "gen_ai.usage.cache_read.input_tokens": output.num_cached_tokens,  # included in input_tokens
             "gen_ai.response.finish_reasons": [output.finish_reason.value],
             "specdec.rounds": output.stats.rounds,
             "specdec.proposed": output.stats.proposed,

@@ -7,8 +7,11 @@ All ranks join one torch.distributed process group (gloo on CPU, NCCL on CUDA) a
 
 Each call (prefill, verify, release) goes to every rank with the same arguments: the ranks run the same forward,
 meeting in its all-reduces, and then the same acceptance on the same (replicated) logits with the same uniforms,
-so their caches advance and roll back together with no further messages. Rank 0 returns its result and checks
-that the others agree. A rank that dies or stops answering fails the call with `Unavailable` and marks the
+so their caches advance and roll back together with no further messages. Prefix caching decides alike too: each
+rank's index sees the same calls in the same order (releases included: an actor runs a caller's calls in order)
+and breaks ties by that order alone, never by time, so every rank reuses the same prefix, evicts the same entry
+and copies its own shard of the same positions. Rank 0 returns its result and checks that the others agree
+(the cached counts included). A rank that dies or stops answering fails the call with `Unavailable` and marks the
 replica unhealthy, so Serve replaces it (and the actors it owns) instead of letting requests hang.
 """
 
@@ -28,7 +31,7 @@ from deployments.ports import free_port
 from specdec_core.errors import Unavailable
 from specdec_core.build import prepare_model
 from specdec_core.runner import ModelRunner, RunnerConfig
-from specdec_core.target import LocalTarget, PrefillItem, VerifyItem, VerifyOutcome
+from specdec_core.target import LocalTarget, Prefilled, PrefillItem, VerifyItem, VerifyOutcome
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ class TargetRank:
     def ready(self) -> bool:
         return True
 
-    def prefill(self, items: Sequence[PrefillItem]) -> list[int]:
+    def prefill(self, items: Sequence[PrefillItem]) -> list[Prefilled]:
         return self.target.prefill(items)
 
     def verify(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome]:
@@ -107,7 +110,7 @@ class TensorParallelTarget:
     def free_slots(self) -> int:
         return self.local.free_slots
 
-    def prefill(self, items: Sequence[PrefillItem]) -> list[int]:
+    def prefill(self, items: Sequence[PrefillItem]) -> list[Prefilled]:
         return self._everywhere("prefill", items)
 
     def verify(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome]:

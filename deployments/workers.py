@@ -6,7 +6,8 @@ one lock: a worker runs one forward at a time, batching is the router's job.
 
 These servicers are plain gRPC: the Serve deployments in `deployments.app` host them, and tests run them
 alone. A failed call releases the sessions it touched, so an error never leaks a cache; sessions that stop
-being used (a router that died) are released after `idle_timeout_s`.
+being used (a router that died) are released after `idle_timeout_s`. With prefix caching on the worker's runner, a
+released session's cache stays as a prefix-cache entry, in the same slots (`specdec_core.prefix_cache`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.runner import ModelRunner
 from specdec_core.target import LocalTarget
 
 log = logging.getLogger(__name__)
@@ -148,7 +150,13 @@ class _SessionWorker:
     def active_sessions(self) -> int:
         return len(self._last_used)
 
+    # Subclasses: the runner whose cache holds the sessions (rank 0's, with tensor parallelism).
+    @property
+    def runner(self) -> ModelRunner:
+        raise NotImplementedError
+
     def _stats(self, free_slots: int, num_slots: int, vocab_size: int, max_seq_len: int) -> wpb.WorkerStats:
+        prefix = self.runner.prefix_cache_stats()
         return wpb.WorkerStats(
             model=self.model_name,
             active_sessions=self.active_sessions,
@@ -162,6 +170,13 @@ class _SessionWorker:
             busy_seconds=self.busy_seconds,
             bytes_received=self.bytes_received,
             bytes_sent=self.bytes_sent,
+            computed_tokens=self.runner.computed_tokens,
+            prefix_cache_queried_tokens=prefix.queried_tokens,
+            prefix_cache_hit_tokens=prefix.hit_tokens,
+            prefix_cache_evictions=prefix.evictions,
+            prefix_cache_entries=prefix.entries,
+            prefix_cache_positions=prefix.positions,
+            prefix_cache_bytes=prefix.bytes,
         )
 
 
@@ -174,6 +189,10 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
     def _free(self, seq_id: str) -> None:
         self.target.release(seq_id)
 
+    @property
+    def runner(self) -> ModelRunner:
+        return self.target.runner
+
     @rpc
     def Prefill(self, request: wpb.PrefillRequest) -> wpb.PrefillResponse:
         items = codec.decode_prefill(request)
@@ -182,9 +201,9 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
                 raise InvalidArgument("prompt_token_ids", "empty, or a token id outside the vocabulary")
             if len(item.prompt_ids) >= self.target.max_seq_len:
                 raise ResourceExhausted("prompt_token_ids", f"{len(item.prompt_ids)} tokens do not fit the context")
-        first = self.target.prefill(items)
+        results = self.target.prefill(items)
         self._started(item.seq_id for item in items)
-        return wpb.PrefillResponse(first_token_ids=first)
+        return codec.encode_prefilled(results)
 
     @rpc
     def Verify(self, request: wpb.VerifyRequest) -> wpb.VerifyResponse:
@@ -193,8 +212,8 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
         return codec.encode_outcomes(self.target.verify(items))
 
     def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
-        runner = self.target.runner
-        return self._stats(self.target.free_slots, runner.cache.num_slots, self.target.vocab_size, self.target.max_seq_len)
+        return self._stats(self.target.free_slots, self.runner.cache.num_slots, self.target.vocab_size,
+                           self.target.max_seq_len)
 
 
 class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
@@ -211,22 +230,27 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
         self._tokens.pop(seq_id, None)
         self.drafter.release(seq_id)
 
+    @property
+    def runner(self) -> ModelRunner:
+        return self.drafter.runner
+
     @rpc
     def Start(self, request: wpb.StartRequest) -> wpb.StartResponse:
-        runner = self.drafter.runner
-        if len(request.items) > runner.cache.free_slots:
-            raise ResourceExhausted("sessions", f"{len(request.items)} new sessions, {runner.cache.free_slots} free")
-        for item in request.items:
+        runner = self.runner
+        items = codec.decode_start(request)
+        if len(items) > runner.cache.free_slots:
+            raise ResourceExhausted("sessions", f"{len(items)} new sessions, {runner.cache.free_slots} free")
+        for item in items:
             if item.seq_id in self._tokens:
                 raise InvalidArgument("seq_id", f"session {item.seq_id!r} is already active")
-            if not item.prompt_token_ids or len(item.prompt_token_ids) >= runner.max_seq_len:
+            if not item.token_ids or len(item.token_ids) >= runner.max_seq_len:
                 raise InvalidArgument("prompt_token_ids", "empty, or longer than the draft's context")
-        for item in request.items:
-            prompt = list(item.prompt_token_ids)
-            self.drafter.start(item.seq_id, prompt)
-            self._tokens[item.seq_id] = prompt
+        cached = []
+        for item in items:
+            cached.append(self.drafter.start(item.seq_id, item.token_ids, item.cache_salt))
+            self._tokens[item.seq_id] = item.token_ids
             self._started([item.seq_id])
-        return wpb.StartResponse()
+        return wpb.StartResponse(cached_tokens=cached)
 
     @rpc
     def Propose(self, request: wpb.ProposeRequest) -> wpb.ProposeResponse:

@@ -68,7 +68,10 @@ def test_stream_chunks_add_up_to_the_unary_answer(stub):
     assert [t for c in chunks for t in c.token_ids] == list(whole.token_ids)
     assert "".join(c.text for c in chunks) == whole.text
     assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
-    assert chunks[-1].finish_reason == whole.finish_reason and chunks[-1].usage == whole.usage
+    assert chunks[-1].finish_reason == whole.finish_reason
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    assert whole.usage.cached_tokens == 11  # the stream left its prompt in the prefix cache
 
 
 def test_concurrent_streams_do_not_disturb_each_other(stub):
@@ -150,7 +153,10 @@ def test_metrics_reach_the_prometheus_endpoint(stub, ray_cluster):
         stub.Generate(request(list(range(30, 50)), k=3, max_tokens=12, ignore_eos=True), timeout=120)
     port = next(n["MetricsExportPort"] for n in ray_cluster.nodes() if n["Alive"])
     wanted = ("ray_specdec_acceptance_rate_bucket", "ray_gen_ai_server_time_to_first_token_bucket",
-              "ray_specdec_requests", "ray_specdec_accepted_tokens_per_round_bucket")
+              "ray_specdec_requests", "ray_specdec_accepted_tokens_per_round_bucket",
+              # the workers' prefix caches: the second request found the first one's prompt
+              "ray_specdec_prefix_cache_queried_tokens", "ray_specdec_prefix_cache_hit_tokens",
+              "ray_specdec_prefix_cache_bytes", "ray_specdec_prefix_cache_entries")
     latencies = ("ray_specdec_draft_latency_seconds", "ray_specdec_verify_latency_seconds")
     deadline = time.monotonic() + 60
     text = ""
@@ -164,6 +170,75 @@ def test_metrics_reach_the_prometheus_endpoint(stub, ray_cluster):
     assert 'finish_reason="length"' in text
     counts = {name: _count(text, name) for name in latencies}
     assert all(n > 0 for n in counts.values()), counts
+
+
+def test_a_repeated_prompt_is_read_from_the_prefix_cache_and_changes_no_token(stub, local_pair):
+    prompt = list(range(150, 190))
+    greedy = dict(max_tokens=16, ignore_eos=True)
+    seeded = dict(temperature=1.0, top_k=40, seed=77, max_tokens=16, ignore_eos=True)
+    for settings in (greedy, seeded):
+        first = stub.Generate(request(prompt, k=3, **settings), timeout=120)
+        again = stub.Generate(request(prompt, k=3, **settings), timeout=120)
+        assert again.usage.cached_tokens == len(prompt) - 1  # all but the last token, computed for its logits
+        expected = local_tokens(local_pair, prompt, SamplingParams(**settings))  # no prefix cache in process
+        assert list(again.token_ids) == list(first.token_ids) == expected
+
+
+def _sendable(stub, tokens):
+    """`tokens` up to the first id a client may not send (the tiny target scores more ids than its tokenizer has)."""
+    vocab = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).vocab_size
+    return tokens[: next((i for i, t in enumerate(tokens) if t >= vocab), len(tokens))]
+
+
+def test_a_conversations_next_turn_computes_only_its_new_tokens_in_the_target(stub, served):
+    prompt = list(range(200, 230))
+    reply = list(stub.Generate(request(prompt, k=3, max_tokens=12, ignore_eos=True), timeout=120).token_ids)
+    kept = _sendable(stub, reply)
+    second = prompt + kept + [31, 32, 33]
+    [before] = worker_stats(served, "target")
+    answer = stub.Generate(request(second, k=3, max_tokens=1, ignore_eos=True), timeout=120)  # the prefill alone
+    [after] = worker_stats(served, "target")
+    cached = answer.usage.cached_tokens
+    # Cached: the prompt and the reply but (at most) its last token, which was sampled and never read.
+    assert cached >= len(prompt) + min(len(kept), len(reply) - 1)
+    assert after.computed_tokens - before.computed_tokens == len(second) - cached
+    assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == cached
+
+
+def test_requests_share_cached_prefixes_only_within_their_salt(stub):
+    prompt = list(range(240, 270))
+    cached, tokens = [], []
+    for salt in ("test-app-a", "test-app-a", "test-app-b", "test-app-b"):
+        message = request(prompt, k=3, max_tokens=6, ignore_eos=True)
+        message.cache_salt = salt
+        response = stub.Generate(message, timeout=120)
+        cached.append(response.usage.cached_tokens)
+        tokens.append(list(response.token_ids))
+    assert cached == [0, len(prompt) - 1, 0, len(prompt) - 1]
+    assert all(t == tokens[0] for t in tokens)
+
+
+def test_a_cancelled_stream_leaves_a_usable_cache_entry(stub, served, local_pair):
+    prompt = list(range(300, 330))
+    call = stub.GenerateStream(request(prompt, k=3, max_tokens=200, ignore_eos=True), timeout=120)
+    next(call)
+    next(call)
+    call.cancel()
+    assert wait_until_idle(served)
+    response = stub.Generate(request(prompt, k=3, max_tokens=20, ignore_eos=True), timeout=120)
+    assert response.usage.cached_tokens == len(prompt) - 1
+    assert list(response.token_ids) == local_tokens(local_pair, prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+
+
+def test_draft_workers_reuse_their_caches_too(stub, served):
+    before = sum(s.prefix_cache_hit_tokens for s in worker_stats(served, "draft"))
+    conversation = list(range(330, 350))
+    # New sessions alternate between the two draft replicas (equally loaded, the one that waited longest takes
+    # it): the third turn lands where the first one's session was kept.
+    for _ in range(3):
+        reply = stub.Generate(request(conversation, k=3, max_tokens=8, ignore_eos=True), timeout=120)
+        conversation += _sendable(stub, list(reply.token_ids)) + [21, 22]
+    assert sum(s.prefix_cache_hit_tokens for s in worker_stats(served, "draft")) - before >= 20
 
 
 def _count(text, histogram):

@@ -131,3 +131,22 @@ def test_engine_errors_are_named_as_request_fields():
     assert str(in_request_terms(InvalidArgument("num_speculative_tokens", "x"))).startswith("speculation.")
     same = InvalidArgument("prompt", "empty")
     assert in_request_terms(same) is same
+
+
+def test_cache_salts_and_cached_counts_cross_to_the_workers_and_back():
+    from specdec_core.target import Prefilled, PrefillItem
+
+    items = [PrefillItem("a", [1, 2, 3], TokenShaping(), None, "tenant-1"), PrefillItem("b", [4, 5], TokenShaping(), None)]
+    back = codec.decode_prefill(wpb.PrefillRequest.FromString(codec.encode_prefill(items).SerializeToString()))
+    assert [item.cache_salt for item in back] == ["tenant-1", None]  # no salt stays the shared namespace
+    results = [Prefilled(7, 2), Prefilled(9, 0)]
+    assert codec.decode_prefilled(codec.encode_prefilled(results)) == results
+    assert codec.decode_prefilled(wpb.PrefillResponse(first_token_ids=[7])) == [Prefilled(7, 0)]  # an older worker
+    start = codec.decode_start(codec.encode_start("s", [1, 2, 3], "tenant-1"))
+    assert start == [codec.StartItem("s", [1, 2, 3], "tenant-1")]
+    assert codec.decode_start(codec.encode_start("s", [1], None))[0].cache_salt is None
+    assert codec.decode_started(wpb.StartResponse(cached_tokens=[5]), 1) == [5]
+    assert codec.decode_started(wpb.StartResponse(), 1) == [0]
+    with pytest.raises(InvalidArgument) as err:
+        codec.decode_generate(pb.GenerateRequest(prompt="x", cache_salt="s" * 257), 1)
+    assert err.value.field == "cache_salt"

@@ -84,3 +84,15 @@ def test_the_builder_makes_an_application_without_a_cluster():
 
     app = build({"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d", "num_replicas": 2}})
     assert isinstance(app, Application)
+
+
+@pytest.mark.parametrize("given, expected", [({}, True), ({"prefix_caching": False}, False)])
+def test_prefix_caching_is_on_by_default_and_reaches_both_workers_runners(given, expected):
+    from deployments.app import _runner_config
+
+    config = parse_config({"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d"}, **given})
+    assert config.prefix_caching is expected
+    assert _runner_config(config, config.target).prefix_caching is expected
+    assert _runner_config(config, config.draft).prefix_caching is expected
+    with pytest.raises(InvalidArgument, match="prefix_caching"):
+        parse_config({"target": {"model": "m"}, "prefix_caching": "sometimes"})

@@ -73,7 +73,7 @@ def make_router(tiny_dir, near_draft_dir, pair):
     through the registry as a router builds an in-process one, and the router over them."""
     routers = []
 
-    def make(gated: bool = False) -> tuple[Router, SpecEngine]:
+    def make(gated: bool = False, prefix_caching: bool = False) -> tuple[Router, SpecEngine]:
         config = parse_config({
             "target": {"model": str(tiny_dir / "target"), "dtype": "float32"},
             "draft": {"method": "draft_model", "model": str(near_draft_dir), "dtype": "float32",
@@ -81,7 +81,7 @@ def make_router(tiny_dir, near_draft_dir, pair):
             "router": {"max_seq_len": 256, "default_max_tokens": 16, "max_output_tokens": 100, "calibrate": False},
         })
         target, draft = pair
-        runner_config = RunnerConfig(num_slots=SLOTS, max_seq_len=256)
+        runner_config = RunnerConfig(num_slots=SLOTS, max_seq_len=256, prefix_caching=prefix_caching)
         runner = ModelRunner(target.model, runner_config)
         context = DraftContext(config.draft.spec, runner.vocab_size, ModelRunner(draft.model, runner_config))
         tokenizer = load_tokenizer(tiny_dir / "target")
@@ -196,3 +196,15 @@ def test_a_cancelled_request_frees_its_sequence_in_target_and_drafter(make_route
     assert engine.target.active_sequences == 0 and engine.target.free_slots == SLOTS
     assert engine.drafter.active_sequences == 0
     assert router.scheduler.num_active == 0
+
+
+def test_the_cache_salt_reaches_the_engine_and_usage_counts_cached_tokens(make_router):
+    router, _ = make_router(prefix_caching=True)
+    cached = []
+    for salt in ("a", "a", "b", ""):  # "": no salt, the shared namespace
+        message = request(PROMPT, k=3, max_tokens=4, ignore_eos=True)
+        message.cache_salt = salt
+        context = Context(AUTH)
+        cached.append(asyncio.run(router.Generate(message, context)).usage.cached_tokens)
+        assert context.code is None
+    assert cached == [0, len(PROMPT) - 1, 0, 0]

@@ -29,7 +29,7 @@ _provider = TracerProvider()
 _provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
 trace.set_tracer_provider(_provider)  # this test process's global provider: the in-process workers use it
 
-RUNNER = RunnerConfig(num_slots=4, max_seq_len=256)
+RUNNER = RunnerConfig(num_slots=4, max_seq_len=256, prefix_caching=True)
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 
 
@@ -90,6 +90,16 @@ def test_a_request_span_and_one_span_per_round_in_one_trace(stack):
     round_ids = {r.context.span_id for r in rounds}
     verifies = [s for s in workers if s.name == "specdec.target.Verify"]
     assert len(verifies) == len(rounds) and all(s.parent.span_id in round_ids for s in verifies)
+
+
+def test_the_request_span_counts_the_prompt_tokens_read_from_the_cache(stack):
+    tracer = RequestTracer("tiny-target", "tiny-draft")
+    run_traced(stack, tracer, max_tokens=4)
+    EXPORTER.clear()
+    final = run_traced(stack, tracer, max_tokens=4)  # the same prompt: all of it but its last token is cached
+    [request] = [s for s in EXPORTER.get_finished_spans() if s.name.startswith("text_completion")]
+    assert request.attributes["gen_ai.usage.cache_read.input_tokens"] == final.num_cached_tokens == 19
+    assert request.attributes["gen_ai.usage.input_tokens"] == 20  # cached tokens are input tokens too
 
 
 def test_a_clients_traceparent_is_continued(stack):

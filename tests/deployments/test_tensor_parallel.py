@@ -118,6 +118,14 @@ def test_served_tp2_gives_the_tp1_tokens(served_tp, served):
         assert tp2.speculation.accepted == tp1.speculation.accepted > 0
 
 
+def test_served_tp2_reuses_cached_prefixes_on_every_rank_alike(served_tp):
+    prompt = list(range(60, 90))
+    first = _generate(served_tp, "specdec-tp", prompt, max_tokens=12, ignore_eos=True)
+    again = _generate(served_tp, "specdec-tp", prompt, max_tokens=12, ignore_eos=True)  # ranks that disagreed: failed
+    assert again.usage.cached_tokens == len(prompt) - 1
+    assert list(again.token_ids) == list(first.token_ids)
+
+
 def test_a_dead_rank_fails_requests_as_unavailable(served_tp, ray_cluster):
     from deployments.tensor_parallel import RANK_NAME_PREFIX
 

@@ -151,3 +151,46 @@ def test_the_pool_follows_replicas_that_come_and_go(pair, servers):
     finally:
         extra.close()
         server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def cached_servers(pair):
+    """Both workers with prefix caching, as the service runs them by default."""
+    target, draft = pair
+    runner = RunnerConfig(num_slots=4, max_seq_len=256, prefix_caching=True)
+    t = TargetServicer(LocalTarget(ModelRunner(target.model, runner)), "tiny-target")
+    d = DraftServicer(DraftModelDrafter(ModelRunner(draft.model, runner), target.model.vocab_size), "tiny-draft")
+    (ts, tport), (ds, dport) = start_server(t, "127.0.0.1"), start_server(d, "127.0.0.1")
+    yield {"target": (t, f"127.0.0.1:{tport}"), "draft": (d, f"127.0.0.1:{dport}")}
+    ts.stop(0)
+    ds.stop(0)
+
+
+def _stats(servers, kind):
+    _, address = servers[kind]
+    stub = (wpb_grpc.TargetServiceStub if kind == "target" else wpb_grpc.DraftServiceStub)(grpc.insecure_channel(address))
+    return stub.GetStats(wpb.GetStatsRequest(), timeout=10)
+
+
+def test_remote_workers_reuse_cached_prefixes_within_a_salt_and_change_no_token(pair, cached_servers):
+    target, draft = pair
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompt = list(range(100, 130))
+    engine = remote_engine(pair, cached_servers)
+    reply, _, first = run_to_completion(engine, [("t1", prompt, params, 3, "tenant")])["t1"]
+    assert first.num_cached_tokens == 0
+    before = {kind: _stats(cached_servers, kind) for kind in ("target", "draft")}
+    second = prompt + reply + [7, 8, 9]
+    results = run_to_completion(engine, [("t2", second, params, 3, "tenant"), ("other", second, params, 3, "else")])
+    after = {kind: _stats(cached_servers, kind) for kind in ("target", "draft")}
+    assert results["t2"][2].num_cached_tokens >= len(prompt) + len(reply) - 1  # through PrefillResponse
+    assert results["other"][2].num_cached_tokens == 0  # the salt crossed the wire: another namespace
+    expected = run_to_completion(make_engine(target, draft.model), [("r", second, params, 3)])["r"][0]
+    assert results["t2"][0] == results["other"][0] == expected
+    for kind in ("target", "draft"):  # both workers found turn one's tokens, and counted them
+        hits = after[kind].prefix_cache_hit_tokens - before[kind].prefix_cache_hit_tokens
+        assert hits >= len(prompt), kind
+        assert after[kind].prefix_cache_queried_tokens > before[kind].prefix_cache_queried_tokens
+        assert after[kind].prefix_cache_entries >= 1 and after[kind].prefix_cache_bytes > 0
+        assert after[kind].computed_tokens > before[kind].computed_tokens
+    assert all(servicer.active_sessions == 0 for servicer, _ in cached_servers.values())

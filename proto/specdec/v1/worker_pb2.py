@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\"B\n\rTokenSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"n\n\x0cStartRequest\x12,\n\x05items\x18\x01 \x03(\x0b\x32\x1d.specdec.v1.StartRequest.Item\x1a\x30\n\x04Item\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\"\x0f\n\rStartResponse\"\xef\x01\n\x0eProposeRequest\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.specdec.v1.ProposeRequest.Item\x1a\xac\x01\n\x04Item\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x15\n\rnum_committed\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.specdec.v1.TokenSampling\x12\x0f\n\x07uniform\x18\x06 \x03(\x01\x12\x14\n\x0creturn_probs\x18\x07 \x01(\x08\"l\n\x08Proposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x01q\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x13\n\x0b\x64raft_probs\x18\x03 \x03(\x02\x12\r\n\x05label\x18\x04 \x01(\t\":\n\x0fProposeResponse\x12\'\n\tproposals\x18\x01 \x03(\x0b\x32\x14.specdec.v1.Proposal\"\xc1\x01\n\x0ePrefillRequest\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.specdec.v1.PrefillRequest.Item\x1a\x7f\n\x04Item\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.specdec.v1.TokenSampling\x12\x14\n\x07uniform\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\n\n\x08_uniform\"*\n\x0fPrefillResponse\x12\x17\n\x0f\x66irst_token_ids\x18\x01 \x03(\r\"\xbd\x02\n\rVerifyRequest\x12-\n\x05items\x18\x01 \x03(\x0b\x32\x1e.specdec.v1.VerifyRequest.Item\x1a\xfc\x01\n\x04Item\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rlast_token_id\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12)\n\x01q\x18\x04 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.specdec.v1.TokenSampling\x12\x16\n\x0euniform_accept\x18\x06 \x03(\x01\x12\x1b\n\x0euniform_sample\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0creturn_probs\x18\x08 \x01(\x08\x42\x11\n\x0f_uniform_sample\"N\n\rVerifyOutcome\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x14\n\x0ctarget_probs\x18\x03 \x03(\x02\"=\n\x0eVerifyResponse\x12+\n\x08outcomes\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyOutcome\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x11\n\x0fGetStatsRequest\"\x8a\x02\n\x0bWorkerStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x02 \x01(\r\x12\x12\n\nfree_slots\x18\x03 \x01(\r\x12\x11\n\tnum_slots\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x06 \x01(\r\x12\r\n\x05\x63\x61lls\x18\x07 \x01(\x04\x12\x18\n\x10sessions_started\x18\x08 \x01(\x04\x12\x18\n\x10sessions_expired\x18\t \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\n \x01(\x01\x12\x16\n\x0e\x62ytes_received\x18\x0b \x01(\x04\x12\x12\n\nbytes_sent\x18\x0c \x01(\x04\x32\x96\x02\n\x0c\x44raftService\x12<\n\x05Start\x12\x18.specdec.v1.StartRequest\x1a\x19.specdec.v1.StartResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12@\n\x08GetStats\x12\x1b.specdec.v1.GetStatsRequest\x1a\x17.specdec.v1.WorkerStats2\x9a\x02\n\rTargetService\x12\x42\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x1b.specdec.v1.PrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12@\n\x08GetStats\x12\x1b.specdec.v1.GetStatsRequest\x1a\x17.specdec.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\"B\n\rTokenSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x82\x01\n\x0cStartRequest\x12,\n\x05items\x18\x01 \x03(\x0b\x32\x1d.specdec.v1.StartRequest.Item\x1a\x44\n\x04Item\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\t\"&\n\rStartResponse\x12\x15\n\rcached_tokens\x18\x01 \x03(\r\"\xef\x01\n\x0eProposeRequest\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.specdec.v1.ProposeRequest.Item\x1a\xac\x01\n\x04Item\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x15\n\rnum_committed\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.specdec.v1.TokenSampling\x12\x0f\n\x07uniform\x18\x06 \x03(\x01\x12\x14\n\x0creturn_probs\x18\x07 \x01(\x08\"l\n\x08Proposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x01q\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x13\n\x0b\x64raft_probs\x18\x03 \x03(\x02\x12\r\n\x05label\x18\x04 \x01(\t\":\n\x0fProposeResponse\x12\'\n\tproposals\x18\x01 \x03(\x0b\x32\x14.specdec.v1.Proposal\"\xd6\x01\n\x0ePrefillRequest\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.specdec.v1.PrefillRequest.Item\x1a\x93\x01\n\x04Item\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.specdec.v1.TokenSampling\x12\x14\n\x07uniform\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\n\n\x08_uniform\"A\n\x0fPrefillResponse\x12\x17\n\x0f\x66irst_token_ids\x18\x01 \x03(\r\x12\x15\n\rcached_tokens\x18\x02 \x03(\r\"\xbd\x02\n\rVerifyRequest\x12-\n\x05items\x18\x01 \x03(\x0b\x32\x1e.specdec.v1.VerifyRequest.Item\x1a\xfc\x01\n\x04Item\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rlast_token_id\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12)\n\x01q\x18\x04 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.specdec.v1.TokenSampling\x12\x16\n\x0euniform_accept\x18\x06 \x03(\x01\x12\x1b\n\x0euniform_sample\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0creturn_probs\x18\x08 \x01(\x08\x42\x11\n\x0f_uniform_sample\"N\n\rVerifyOutcome\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x14\n\x0ctarget_probs\x18\x03 \x03(\x02\"=\n\x0eVerifyResponse\x12+\n\x08outcomes\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyOutcome\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xe3\x03\n\x0bWorkerStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x02 \x01(\r\x12\x12\n\nfree_slots\x18\x03 \x01(\r\x12\x11\n\tnum_slots\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x06 \x01(\r\x12\r\n\x05\x63\x61lls\x18\x07 \x01(\x04\x12\x18\n\x10sessions_started\x18\x08 \x01(\x04\x12\x18\n\x10sessions_expired\x18\t \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\n \x01(\x01\x12\x16\n\x0e\x62ytes_received\x18\x0b \x01(\x04\x12\x12\n\nbytes_sent\x18\x0c \x01(\x04\x12\x17\n\x0f\x63omputed_tokens\x18\r \x01(\x04\x12#\n\x1bprefix_cache_queried_tokens\x18\x0e \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0f \x01(\x04\x12\x1e\n\x16prefix_cache_evictions\x18\x10 \x01(\x04\x12\x1c\n\x14prefix_cache_entries\x18\x11 \x01(\r\x12\x1e\n\x16prefix_cache_positions\x18\x12 \x01(\x04\x12\x1a\n\x12prefix_cache_bytes\x18\x13 \x01(\x04\x32\x96\x02\n\x0c\x44raftService\x12<\n\x05Start\x12\x18.specdec.v1.StartRequest\x1a\x19.specdec.v1.StartResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12@\n\x08GetStats\x12\x1b.specdec.v1.GetStatsRequest\x1a\x17.specdec.v1.WorkerStats2\x9a\x02\n\rTargetService\x12\x42\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x1b.specdec.v1.PrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12@\n\x08GetStats\x12\x1b.specdec.v1.GetStatsRequest\x1a\x17.specdec.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,44 +35,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENSAMPLING']._serialized_end=105
   _globals['_SPARSEDISTRIBUTION']._serialized_start=107
   _globals['_SPARSEDISTRIBUTION']._serialized_end=161
-  _globals['_STARTREQUEST']._serialized_start=163
-  _globals['_STARTREQUEST']._serialized_end=273
-  _globals['_STARTREQUEST_ITEM']._serialized_start=225
-  _globals['_STARTREQUEST_ITEM']._serialized_end=273
-  _globals['_STARTRESPONSE']._serialized_start=275
-  _globals['_STARTRESPONSE']._serialized_end=290
-  _globals['_PROPOSEREQUEST']._serialized_start=293
-  _globals['_PROPOSEREQUEST']._serialized_end=532
-  _globals['_PROPOSEREQUEST_ITEM']._serialized_start=360
-  _globals['_PROPOSEREQUEST_ITEM']._serialized_end=532
-  _globals['_PROPOSAL']._serialized_start=534
-  _globals['_PROPOSAL']._serialized_end=642
-  _globals['_PROPOSERESPONSE']._serialized_start=644
-  _globals['_PROPOSERESPONSE']._serialized_end=702
-  _globals['_PREFILLREQUEST']._serialized_start=705
-  _globals['_PREFILLREQUEST']._serialized_end=898
-  _globals['_PREFILLREQUEST_ITEM']._serialized_start=771
-  _globals['_PREFILLREQUEST_ITEM']._serialized_end=898
-  _globals['_PREFILLRESPONSE']._serialized_start=900
-  _globals['_PREFILLRESPONSE']._serialized_end=942
-  _globals['_VERIFYREQUEST']._serialized_start=945
-  _globals['_VERIFYREQUEST']._serialized_end=1262
-  _globals['_VERIFYREQUEST_ITEM']._serialized_start=1010
-  _globals['_VERIFYREQUEST_ITEM']._serialized_end=1262
-  _globals['_VERIFYOUTCOME']._serialized_start=1264
-  _globals['_VERIFYOUTCOME']._serialized_end=1342
-  _globals['_VERIFYRESPONSE']._serialized_start=1344
-  _globals['_VERIFYRESPONSE']._serialized_end=1405
-  _globals['_RELEASEREQUEST']._serialized_start=1407
-  _globals['_RELEASEREQUEST']._serialized_end=1440
-  _globals['_RELEASERESPONSE']._serialized_start=1442
-  _globals['_RELEASERESPONSE']._serialized_end=1477
-  _globals['_GETSTATSREQUEST']._serialized_start=1479
-  _globals['_GETSTATSREQUEST']._serialized_end=1496
-  _globals['_WORKERSTATS']._serialized_start=1499
-  _globals['_WORKERSTATS']._serialized_end=1765
-  _globals['_DRAFTSERVICE']._serialized_start=1768
-  _globals['_DRAFTSERVICE']._serialized_end=2046
-  _globals['_TARGETSERVICE']._serialized_start=2049
-  _globals['_TARGETSERVICE']._serialized_end=2331
+  _globals['_STARTREQUEST']._serialized_start=164
+  _globals['_STARTREQUEST']._serialized_end=294
+  _globals['_STARTREQUEST_ITEM']._serialized_start=226
+  _globals['_STARTREQUEST_ITEM']._serialized_end=294
+  _globals['_STARTRESPONSE']._serialized_start=296
+  _globals['_STARTRESPONSE']._serialized_end=334
+  _globals['_PROPOSEREQUEST']._serialized_start=337
+  _globals['_PROPOSEREQUEST']._serialized_end=576
+  _globals['_PROPOSEREQUEST_ITEM']._serialized_start=404
+  _globals['_PROPOSEREQUEST_ITEM']._serialized_end=576
+  _globals['_PROPOSAL']._serialized_start=578
+  _globals['_PROPOSAL']._serialized_end=686
+  _globals['_PROPOSERESPONSE']._serialized_start=688
+  _globals['_PROPOSERESPONSE']._serialized_end=746
+  _globals['_PREFILLREQUEST']._serialized_start=749
+  _globals['_PREFILLREQUEST']._serialized_end=963
+  _globals['_PREFILLREQUEST_ITEM']._serialized_start=816
+  _globals['_PREFILLREQUEST_ITEM']._serialized_end=963
+  _globals['_PREFILLRESPONSE']._serialized_start=965
+  _globals['_PREFILLRESPONSE']._serialized_end=1030
+  _globals['_VERIFYREQUEST']._serialized_start=1033
+  _globals['_VERIFYREQUEST']._serialized_end=1350
+  _globals['_VERIFYREQUEST_ITEM']._serialized_start=1098
+  _globals['_VERIFYREQUEST_ITEM']._serialized_end=1350
+  _globals['_VERIFYOUTCOME']._serialized_start=1352
+  _globals['_VERIFYOUTCOME']._serialized_end=1430
+  _globals['_VERIFYRESPONSE']._serialized_start=1432
+  _globals['_VERIFYRESPONSE']._serialized_end=1493
+  _globals['_RELEASEREQUEST']._serialized_start=1495
+  _globals['_RELEASEREQUEST']._serialized_end=1528
+  _globals['_RELEASERESPONSE']._serialized_start=1530
+  _globals['_RELEASERESPONSE']._serialized_end=1565
+  _globals['_GETSTATSREQUEST']._serialized_start=1567
+  _globals['_GETSTATSREQUEST']._serialized_end=1584
+  _globals['_WORKERSTATS']._serialized_start=1587
+  _globals['_WORKERSTATS']._serialized_end=2070
+  _globals['_DRAFTSERVICE']._serialized_start=2073
+  _globals['_DRAFTSERVICE']._serialized_end=2351
+  _globals['_TARGETSERVICE']._serialized_start=2354
+  _globals['_TARGETSERVICE']._serialized_end=2636
 # @@protoc_insertion_point(module_scope)

@@ -27,19 +27,23 @@ class SparseDistribution(_message.Message):
 class StartRequest(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("seq_id", "prompt_token_ids")
+        __slots__ = ("seq_id", "prompt_token_ids", "cache_salt")
         SEQ_ID_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
         seq_id: str
         prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-        def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+        cache_salt: str
+        def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[StartRequest.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[StartRequest.Item, _Mapping]]] = ...) -> None: ...
 
 class StartResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("cached_tokens",)
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("items",)
@@ -85,25 +89,29 @@ class ProposeResponse(_message.Message):
 class PrefillRequest(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("seq_id", "prompt_token_ids", "sampling", "uniform")
+        __slots__ = ("seq_id", "prompt_token_ids", "sampling", "uniform", "cache_salt")
         SEQ_ID_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
         UNIFORM_FIELD_NUMBER: _ClassVar[int]
+        CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
         seq_id: str
         prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
         sampling: TokenSampling
         uniform: float
-        def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[float] = ...) -> None: ...
+        cache_salt: str
+        def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[PrefillRequest.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[PrefillRequest.Item, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_ids",)
+    __slots__ = ("first_token_ids", "cached_tokens")
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)
@@ -163,7 +171,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("model", "active_sessions", "free_slots", "num_slots", "vocab_size", "max_seq_len", "calls", "sessions_started", "sessions_expired", "busy_seconds", "bytes_received", "bytes_sent")
+    __slots__ = ("model", "active_sessions", "free_slots", "num_slots", "vocab_size", "max_seq_len", "calls", "sessions_started", "sessions_expired", "busy_seconds", "bytes_received", "bytes_sent", "computed_tokens", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_evictions", "prefix_cache_entries", "prefix_cache_positions", "prefix_cache_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +184,13 @@ class WorkerStats(_message.Message):
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     active_sessions: int
     free_slots: int
@@ -188,4 +203,11 @@ class WorkerStats(_message.Message):
     busy_seconds: float
     bytes_received: int
     bytes_sent: int
-    def __init__(self, model: _Optional[str] = ..., active_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., calls: _Optional[int] = ..., sessions_started: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+    computed_tokens: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_evictions: int
+    prefix_cache_entries: int
+    prefix_cache_positions: int
+    prefix_cache_bytes: int
+    def __init__(self, model: _Optional[str] = ..., active_sessions: _Optional[int] = ..., free_slots: _Optional[int] = ..., num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., calls: _Optional[int] = ..., sessions_started: _Optional[int] = ..., sessions_expired: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_positions: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ...) -> None: ...
