@@ -280,7 +280,7 @@ class RemoteTarget:
     def _prefill_once(self, items: Sequence[PrefillItem]) -> tuple[list[Prefilled | None], list[int]]:
         """Results (None where failed) and the indices of items whose replica could not be reached."""
         for item in items:
-            self.pool.pin(item.seq_id, item.prompt_ids)
+            self.pool.pin(item.seq_id, item.prompt_ids, item.cache_salt)
         groups = _group(self.pool, items, lambda item: item.seq_id)
         requests = {
             address: (self.pool.replica_of(items[idx[0]].seq_id), codec.encode_prefill([items[i] for i in idx]))
@@ -362,9 +362,10 @@ class RemoteDrafter:
         return cached or 0
 
     def _place(self, seq_id: str, token_ids: Sequence[int]) -> int | None:
-        """Start the session on the least-loaded usable replica: the tokens it found cached; None if none took it."""
+        """Start the session on the replica that most likely holds its prefix, else the least loaded usable one:
+        the tokens it found cached; None if none took it."""
         try:
-            replica = self.pool.pin(seq_id, token_ids)
+            replica = self.pool.pin(seq_id, token_ids, self._salts.get(seq_id))
         except WorkerUnavailable:
             return None
         request = codec.encode_start(seq_id, token_ids, self._salts.get(seq_id))

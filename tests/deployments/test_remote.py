@@ -194,3 +194,40 @@ def test_the_internal_services_refuse_callers_without_the_secret(pair):
         assert len(out[0]) == 4 and out[2].error is None
     finally:
         server.stop(0)
+
+
+def test_a_conversations_next_turn_goes_to_the_replica_that_holds_its_prefix(pair):
+    """Placement by load alone would send the second turn to the other replica (ties go to the one that waited
+    longest): the pool's prefix affinity sends it where the first turn's KV is cached, and it hits; a request in
+    another salt shares nothing, and is placed by load."""
+    cached = RunnerConfig(num_slots=4, max_seq_len=256, prefix_caching=True)
+    servicers = [TargetServicer(LocalTarget(ModelRunner(pair[0].model, cached)), name) for name in ("one", "two")]
+    (s1, a1), (s2, a2) = _serve(servicers[0]), _serve(servicers[1])
+    try:
+        target, _ = pair
+        pool = ReplicaPool("target", [a1, a2], wpb_grpc.TargetServiceStub, timeout_s=30)
+        engine = SpecEngine(RemoteTarget(pool), None, target.tokenizer, target.eos_token_ids)
+        first = list(range(40, 100))
+        where: dict[str, str] = {}
+
+        def turn(name, prompt, salt=None):
+            engine.add_request(name, prompt, SamplingParams(max_tokens=8, ignore_eos=True), 0, cache_salt=salt)
+            engine.step()  # the prefill: the session is pinned now
+            where[name] = pool.replica_of(name).address
+            outputs = []
+            while engine.has_work:
+                outputs += [o for o in engine.step() if o.seq_id == name]
+            return outputs[-1]
+
+        one = turn("turn-1", first)
+        answer = [t for t in range(8)]  # the second turn resends the history (any answer: only the prefix counts)
+        second = first + answer + list(range(200, 210))
+        two = turn("turn-2", second)
+        assert where["turn-2"] == where["turn-1"]
+        assert two.num_cached_tokens >= len(first)
+        other = turn("other-salt", second, salt="tenant-b")
+        assert where["other-salt"] != where["turn-1"] and other.num_cached_tokens == 0
+        assert one.num_cached_tokens == 0
+    finally:
+        s1.stop(0)
+        s2.stop(0)
