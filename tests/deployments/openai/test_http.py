@@ -172,3 +172,16 @@ def test_health_answers_without_a_body(api):
     _, _, base = api
     with urllib.request.urlopen(base.removesuffix("/v1") + "/health", timeout=30) as response:
         assert response.status == 200 and response.read() == b""
+
+
+def test_cached_tokens_are_reported_and_salts_keep_caches_apart(api):
+    client, config, _ = api
+    messages = [{"role": "system", "content": "You review code. " * 8}, {"role": "user", "content": "def f(): pass"}]
+    common = dict(model=config.served_name, messages=messages, temperature=0, max_tokens=4)
+    first = client.chat.completions.create(extra_body={"cache_salt": "http-a"}, **common)
+    again = client.chat.completions.create(extra_body={"cache_salt": "http-a"}, **common)
+    other = client.chat.completions.create(extra_body={"cache_salt": "http-b"}, **common)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].message.content == first.choices[0].message.content == other.choices[0].message.content
