@@ -240,7 +240,9 @@ class LocalTarget:
 
 def _dense_q(items: Sequence[VerifyItem], K: int, p: torch.Tensor) -> torch.Tensor | None:  # [S, K, V]
     """The rows' q as the sampler reads it (p's dtype and device), None when every row's drafts are point masses.
-    The one place q is dense: the sampler is a pure function over dense tensors, and only sampled rows get here."""
+    The one place q is dense: the sampler is a pure function over dense tensors, and only sampled rows get here.
+    A deterministic row (n-gram, a row without a draft model) in a batch with model-drafted rows gets its point
+    masses written out: a zero q would accept its drafts wherever p > 0, not with probability p."""
     if all(item.q is None for item in items):
         return None
     S, _, V = p.shape
@@ -248,6 +250,9 @@ def _dense_q(items: Sequence[VerifyItem], K: int, p: torch.Tensor) -> torch.Tens
     for i, item in enumerate(items):
         if item.q is not None:
             q[i, : len(item.q)] = item.q.dense(V, p.device)  # [k, V]
+        elif item.draft_token_ids:
+            drafts = torch.tensor(list(item.draft_token_ids), dtype=torch.long, device=p.device)  # [k]
+            q[i, torch.arange(len(drafts), device=p.device), drafts] = 1.0
     return q
 
 
