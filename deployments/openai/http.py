@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncIterator, Protocol, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -48,29 +48,29 @@ class ModelNotFound(LookupError):
 
 
 def build_http_app(backend: Backend) -> Starlette:
+    def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """Check the bearer token first; every failure answers in OpenAI's error format."""
+        async def route(request: Request) -> Response:
+            try:
+                backend.authenticate(list(request.headers.items()))
+                return await handler(request)
+            except Exception as exc:
+                return error_response(exc)
+
+        return route
+
     async def models(request: Request) -> Response:
-        return await _guard(request, lambda: JSONResponse({"object": "list", "data": [_card(backend)]}))
+        return JSONResponse({"object": "list", "data": [_card(backend)]})
 
     async def model(request: Request) -> Response:
-        async def one() -> Response:
-            _check_model(backend, request.path_params["model"])
-            return JSONResponse(_card(backend))
-
-        return await _guard(request, one)
+        _check_model(backend, request.path_params["model"])
+        return JSONResponse(_card(backend))
 
     async def chat(request: Request) -> Response:
-        return await _guard(request, lambda: _complete(backend, request, chat=True))
+        return await _complete(backend, request, chat=True)
 
     async def completions(request: Request) -> Response:
-        return await _guard(request, lambda: _complete(backend, request, chat=False))
-
-    async def _guard(request: Request, handler: Any) -> Response:
-        try:
-            backend.authenticate(list(request.headers.items()))
-            result = handler()
-            return await result if hasattr(result, "__await__") else result
-        except Exception as exc:  # every failure answers in OpenAI's error format
-            return error_response(exc)
+        return await _complete(backend, request, chat=False)
 
     async def health(request: Request) -> Response:
         # vLLM's liveness route, which load harnesses (guidellm) probe before they start; no token needed.
@@ -78,10 +78,10 @@ def build_http_app(backend: Backend) -> Starlette:
 
     return Starlette(routes=[
         Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model:path}", model, methods=["GET"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
+        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
     ])
 
 
