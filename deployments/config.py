@@ -46,7 +46,7 @@ class TargetConfig(Placement):
 
 
 class DraftConfig(Placement):
-    # A registered drafting method (`specdec_core.drafters.registry`: draft_model, ngram), or none.
+    # A registered drafting method (`specdec_core.drafters.registry`: draft_model, ngram, suffix), or none.
     method: str = "draft_model"
     model: str | None = None  # required by a method that runs a draft model (draft_model)
     dtype: Dtype = "bfloat16"
@@ -56,6 +56,12 @@ class DraftConfig(Placement):
     max_speculative_tokens: int = Field(8, ge=1, le=16)
     ngram_max: int = Field(4, ge=1)
     ngram_min: int = Field(1, ge=1)
+    # suffix (SuffixDecoding): defaults and meanings in `specdec_core.drafters.base.DraftSpec`.
+    suffix_max_depth: int = Field(32, ge=2, le=256)
+    suffix_min_match: int = Field(2, ge=1)
+    suffix_max_requests: int = Field(256, ge=0)
+    suffix_min_prob: float = Field(0.1, ge=0.0, le=1.0)
+    suffix_index_prompts: bool = True
 
     @field_validator("method")
     @classmethod
@@ -74,6 +80,8 @@ class DraftConfig(Placement):
             raise ValueError(f"num_speculative_tokens must be in [0, {self.max_speculative_tokens}] or auto")
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must be <= ngram_max")
+        if self.suffix_min_match > self.suffix_max_depth // 2:
+            raise ValueError("suffix_min_match must be <= suffix_max_depth // 2 (matches use half the depth)")
         return self
 
     @property
@@ -90,7 +98,16 @@ class DraftConfig(Placement):
     @property
     def spec(self) -> DraftSpec:
         """The method and its options, as the engine's builders take them."""
-        return DraftSpec(self.method, ngram_max=self.ngram_max, ngram_min=self.ngram_min)
+        return DraftSpec(
+            self.method,
+            ngram_max=self.ngram_max,
+            ngram_min=self.ngram_min,
+            suffix_max_depth=self.suffix_max_depth,
+            suffix_min_match=self.suffix_min_match,
+            suffix_max_requests=self.suffix_max_requests,
+            suffix_min_prob=self.suffix_min_prob,
+            suffix_index_prompts=self.suffix_index_prompts,
+        )
 
     @property
     def label(self) -> str:

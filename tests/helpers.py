@@ -30,6 +30,7 @@ def make_engine(loaded, draft=None, *, num_slots: int = 8, max_seq_len: int = 25
     `prefix_caching`: in the target's runner and the draft model's."""
     from specdec_core.drafters.draft_model import DraftModelDrafter
     from specdec_core.drafters.ngram import NgramDrafter
+    from specdec_core.drafters.suffix import SuffixDrafter
     from specdec_core.engine import EngineConfig, SpecEngine
     from specdec_core.runner import ModelRunner, RunnerConfig
     from specdec_core.target import LocalTarget
@@ -39,6 +40,8 @@ def make_engine(loaded, draft=None, *, num_slots: int = 8, max_seq_len: int = 25
     drafter = None
     if draft == "ngram":
         drafter = NgramDrafter()
+    elif draft == "suffix":
+        drafter = SuffixDrafter()
     elif draft is not None:
         drafter = DraftModelDrafter(ModelRunner(draft, runner_config), target.vocab_size)
     return SpecEngine(LocalTarget(target), drafter, loaded.tokenizer, loaded.eos_token_ids, EngineConfig(**config))

@@ -87,6 +87,11 @@ class DraftSpec:
     method: str = "draft_model"
     ngram_max: int = 4  # ngram: the longest n-gram looked up
     ngram_min: int = 1  # ngram: the shortest
+    suffix_max_depth: int = 32  # suffix: the trie's depth; matches up to half of it, continuations below them
+    suffix_min_match: int = 2  # suffix: a shorter match proposes nothing
+    suffix_max_requests: int = 256  # suffix: ended requests kept in the global structure (oldest evicted)
+    suffix_min_prob: float = 0.1  # suffix: stop once the continuation's frequency product falls below this
+    suffix_index_prompts: bool = True  # suffix: the global structure also holds ended requests' prompts
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
-from specdec_core.drafters import draft_model, ngram
+from specdec_core.drafters import draft_model, ngram, suffix
 from specdec_core.drafters.base import DraftMethod
 from specdec_core.errors import InvalidArgument
 
@@ -19,6 +19,7 @@ NONE = "none"
 METHODS: Mapping[str, DraftMethod] = MappingProxyType({method.name: method for method in (
     draft_model.METHOD,
     ngram.METHOD,
+    suffix.METHOD,
 )})
 
 

@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     drafting = offline.add_mutually_exclusive_group(required=True)
     drafting.add_argument("--draft", help="draft model: path, .gguf file or `specdec models` name")
     drafting.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup instead of a model")
+    drafting.add_argument("--suffix", action="store_true",
+                          help="draft by SuffixDecoding (this request's and earlier requests' tokens) instead of a model")
     offline.add_argument("--prompts", required=True, type=Path, help='JSONL, one {"prompt": "..."} per line')
     offline.add_argument("--max-new-tokens", required=True, type=int)
     offline.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -32,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--compare-hf", action="store_true",
                          help="also time transformers' generate and its assisted generation / prompt lookup")
     offline.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
-                         help="transformers' prompt lookup length (with --compare-hf --ngram)")
+                         help="transformers' prompt lookup length (with --compare-hf --ngram or --suffix)")
     offline.add_argument("--draft-quantization", choices=["none", "int8"], default="none",
                          help="int8 weights and activations for the draft (CPU with AVX-512 VNNI): cheaper drafts, same output")
     offline.add_argument("--json", required=True, type=Path, help="where to write the report")
@@ -50,7 +52,8 @@ def _offline(args: argparse.Namespace) -> int:
 
     config = OfflineBenchConfig(
         target=args.target,
-        method="ngram" if args.ngram else "draft_model",  # the flags name the registry's methods
+        # the flags name the registry's methods
+        method="ngram" if args.ngram else "suffix" if args.suffix else "draft_model",
         draft=args.draft,
         prompts=args.prompts,
         max_new_tokens=args.max_new_tokens,

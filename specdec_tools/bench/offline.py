@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 class OfflineBenchConfig:
     target: str
     draft: str | None  # the draft model, for a method that runs one
-    method: str  # a drafting method (`specdec_core.drafters.registry`); --draft: draft_model, --ngram: ngram
+    method: str  # a drafting method (`specdec_core.drafters.registry`); --draft: draft_model, --ngram: ngram,
+    # --suffix: suffix
     prompts: Path
     max_new_tokens: int
     temperature: float = 0.0
@@ -132,7 +133,7 @@ def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
         raise InvalidArgument("max_new_tokens", f"must be > 0, got {config.max_new_tokens}")
     method = registry.resolve(config.method)
     if method is None or method.runs_draft_model != (config.draft is not None):
-        raise InvalidArgument("draft", "give exactly one of --draft PATH|NAME or --ngram")
+        raise InvalidArgument("draft", "give exactly one of --draft PATH|NAME, --ngram or --suffix")
     k = parse_num_speculative_tokens(config.num_speculative_tokens, 16)
     SamplingParams(temperature=config.temperature, seed=config.seed, max_tokens=config.max_new_tokens)
     texts = read_prompt_texts(config.prompts)

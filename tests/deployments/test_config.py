@@ -28,6 +28,9 @@ def test_unknown_keys_are_named():
         ({"target": {"model": "m", "dtype": "int4"}}, "target.dtype"),
         ({"target": {"model": "m"}, "grpc_port": 0}, "grpc_port"),
         ({"target": {"model": "m"}, "draft": {"method": "ngram", "num_speculative_tokens": "many"}}, "draft.num_speculative_tokens"),
+        ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_max_depth": 1}}, "draft.suffix_max_depth"),
+        ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_min_prob": 2}}, "draft.suffix_min_prob"),
+        ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_max_depth": 8, "suffix_min_match": 5}}, "suffix_min_match"),
     ],
 )
 def test_bad_values_name_the_key(config, field):
@@ -43,11 +46,21 @@ def test_an_unknown_drafting_method_is_refused_naming_the_registered_ones():
     assert all(name in str(err.value) for name in ("draft_model", "ngram", "none"))
 
 
+def test_suffix_options_reach_the_spec():
+    config = parse_config({"target": {"model": "m"}, "draft": {
+        "method": "suffix", "suffix_max_depth": 48, "suffix_min_match": 3, "suffix_max_requests": 10,
+        "suffix_min_prob": 0.25, "suffix_index_prompts": False}})
+    spec = config.draft.spec
+    assert (spec.method, spec.suffix_max_depth, spec.suffix_min_match, spec.suffix_max_requests) == ("suffix", 48, 3, 10)
+    assert spec.suffix_min_prob == 0.25 and spec.suffix_index_prompts is False
+
+
 @pytest.mark.parametrize(
     "draft, workers, label",
     [
         ({"method": "draft_model", "model": "d"}, True, "d"),
         ({"method": "ngram"}, False, "ngram"),
+        ({"method": "suffix"}, False, "suffix"),
         ({"method": "none"}, False, "none"),
     ],
 )

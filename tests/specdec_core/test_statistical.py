@@ -95,6 +95,14 @@ def test_speculative_sampling_matches_the_target(tiny_target, draft, law):
     assert _p_value(counts, law) > 1e-3
 
 
+def test_suffix_sampling_matches_the_target(tiny_target, law):
+    """Point-mass proposals from SuffixDecoding's global structure: requests that end teach it the prompt's
+    continuations, so later ones are drafted, and accepted only sometimes."""
+    counts, acceptance = _sample(tiny_target, "suffix")
+    assert 0.05 < acceptance < 0.95, acceptance
+    assert _p_value(counts, law) > 1e-3
+
+
 def test_plain_sampling_matches_the_target(tiny_target, law):
     counts, _ = _sample(tiny_target, None)
     assert _p_value(counts, law) > 1e-3

@@ -26,7 +26,7 @@ def _run(args, capsys):
     return code, capsys.readouterr()
 
 
-@pytest.mark.parametrize("drafting", [["--draft", "DRAFT"], ["--ngram"]])
+@pytest.mark.parametrize("drafting", [["--draft", "DRAFT"], ["--ngram"], ["--suffix"]])
 def test_report_contract(tiny_dir, prompts, tmp_path, capsys, drafting):
     drafting = [str(tiny_dir / "draft") if a == "DRAFT" else a for a in drafting]
     out = tmp_path / "out.json"
@@ -41,6 +41,13 @@ def test_report_contract(tiny_dir, prompts, tmp_path, capsys, drafting):
     for entry in report["prompts"]:
         assert entry["target_only_token_ids"] == entry["speculative_token_ids"]
         assert entry["first_divergence"] is None
+
+
+def test_drafting_flags_are_mutually_exclusive(tiny_dir, prompts, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _run(["--target", tiny_dir / "target", "--ngram", "--suffix", "--prompts", prompts, "--max-new-tokens", 4,
+              "--json", tmp_path / "out.json"], capsys)
+    assert "not allowed with" in capsys.readouterr().err
 
 
 def test_sampling_reports_divergence_position(tiny_dir, prompts, tmp_path, capsys):

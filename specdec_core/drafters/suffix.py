@@ -1,0 +1,292 @@
+"""SuffixDecoding: model-free drafting from suffix structures over this request and earlier ones.
+
+Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emerging AI Applications" (arXiv 2411.04975).
+Agentic and repeated workloads produce outputs that repeat spans of their own context *and of earlier requests'
+outputs*. Two structures are searched each round: one per request (its prompt and output so far, grown as tokens
+commit) and one global (the tokens of earlier requests that ended, kept in this drafter instance: per router
+replica, since the drafter runs inside the router; replicas do not share it). The longest suffix of the committed
+tokens found in either is continued by following, at each step, the most frequent next token. Proposals are
+deterministic (q is a point mass), which rejection sampling handles exactly.
+
+The structure is a suffix trie bounded by a depth D (`SuffixTrie`): every substring of length <= D of the indexed
+tokens is a path from the root, each node counting its occurrences, so a node's children are the continuations
+of that substring with their frequencies, which is what the proposal rule reads. Chosen over a suffix automaton
+because it keeps those counts directly, grows token by token, and can forget one document (a request evicted by
+age) by walking its paths and decrementing; an automaton supports neither deletion nor per-continuation counts
+without extra passes. A plain depth-D trie costs O(D) nodes per token; here a path that occurs once below a node
+is not materialised but kept as a reference into the token list (a "tail"), and split one node at a time when a
+second occurrence walks into it, so text that does not repeat costs about one node per token.
+
+A match is looked for up to D // 2 tokens, leaving at least D // 2 levels below it to continue from; since a
+substring occurring implies its suffixes occur, the longest match is found by binary search over its length.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from specdec_core.drafters.base import DraftContext, DraftMethod, DraftRequest, Proposal
+
+
+class _Node:
+    __slots__ = ("count", "children", "tail_doc", "tail_pos")
+
+    def __init__(self, tail_doc: list[int] | None = None, tail_pos: int = 0) -> None:
+        self.count = 1  # occurrences of this node's substring
+        self.children: dict[int, _Node] | None = None
+        # One occurrence continues below this node as tail_doc[tail_pos:], not materialised. Must stay true: a
+        # tail's next token is never also a key of `children`.
+        self.tail_doc, self.tail_pos = tail_doc, tail_pos
+
+
+class SuffixTrie:
+    """Every substring of length <= `max_depth` of the documents added, with occurrence counts. `extend` adds
+    tokens to a document (its list is owned by the trie: never change it from outside); `remove` forgets one."""
+
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        self.max_depth = max_depth
+        self.root = _Node()
+        self.root.count = 0
+        # Per document: (start, node, depth) of paths still growing that follow already materialised nodes.
+        self._open: dict[int, list[tuple[int, _Node, int]]] = {}
+        self.num_nodes = 1
+
+    def extend(self, doc: list[int], new_tokens: Sequence[int]) -> None:
+        """Append `new_tokens` to `doc` (mutates it) and index every substring ending in them."""
+        open_paths = self._open.setdefault(id(doc), [])
+        for t in new_tokens:
+            doc.append(t)
+            end = len(doc)
+            still_open = []
+            for start, node, depth in [*open_paths, (end - 1, self.root, 0)]:
+                child = self.continuations(node, depth).get(t)
+                if child is None:  # a new substring: this occurrence goes on below it as a tail, doc[end:]
+                    self._child(node, t, doc if depth + 1 < self.max_depth else None, end)
+                    continue
+                child.count += 1
+                if depth + 1 < self.max_depth:
+                    still_open.append((start, child, depth + 1))
+            open_paths[:] = still_open
+
+    def close(self, doc: list[int]) -> None:
+        """`doc` takes no more tokens."""
+        self._open.pop(id(doc), None)
+
+    def remove(self, doc: list[int]) -> None:
+        """Forget every occurrence in `doc` (added and closed before)."""
+        self.close(doc)
+        for start in range(len(doc)):
+            node = self.root
+            for depth in range(min(self.max_depth, len(doc) - start)):
+                t = doc[start + depth]
+                child = node.children.get(t) if node.children else None
+                if child is None:  # the rest of this occurrence is node's tail
+                    node.tail_doc = None
+                    break
+                child.count -= 1
+                if child.count == 0:
+                    del node.children[t]
+                    self.num_nodes -= self._size(child)
+                    break
+                node = child
+            else:
+                if node.tail_doc is doc:  # this occurrence ended here, at the document's end
+                    node.tail_doc = None
+
+    def longest_match(self, tokens: Sequence[int], max_len: int) -> tuple[int, _Node | None]:
+        """The longest m <= max_len such that tokens[-m:] occurs followed by a token, and its node (0, None: none)."""
+        lo, hi, best = 1, min(max_len, len(tokens), self.max_depth - 1), (0, None)
+        while lo <= hi:
+            m = (lo + hi) // 2
+            node = self._find(tokens[len(tokens) - m :])
+            if node is not None and self.continuations(node, m):
+                lo, best = m + 1, (m, node)
+            else:
+                hi = m - 1
+        return best
+
+    def continuations(self, node: _Node, depth: int) -> dict[int, _Node]:
+        """The children of `node` (at `depth`): next token -> node, whose count is that continuation's frequency."""
+        if node.tail_doc is not None and node.tail_pos < len(node.tail_doc) and depth < self.max_depth:
+            self._child(node, node.tail_doc[node.tail_pos], node.tail_doc, node.tail_pos + 1)
+            node.tail_doc = None
+        return node.children or {}
+
+    def _find(self, pattern: Sequence[int]) -> _Node | None:
+        node = self.root
+        for depth, t in enumerate(pattern):
+            node = self.continuations(node, depth).get(t)
+            if node is None:
+                return None
+        return node
+
+    def _child(self, node: _Node, t: int, doc: list[int] | None, tail_pos: int) -> _Node:
+        if node.children is None:
+            node.children = {}
+        child = node.children[t] = _Node(doc, tail_pos)
+        self.num_nodes += 1
+        return child
+
+    @staticmethod
+    def _size(node: _Node) -> int:
+        return 1 + sum(SuffixTrie._size(c) for c in (node.children or {}).values())
+
+
+@dataclass
+class _Request:
+    trie: SuffixTrie
+    doc: list[int] = field(default_factory=list)  # the committed tokens indexed so far
+    num_prompt: int = 0  # tokens given at `start`: the prompt (and any output of rounds without drafts)
+    cache_salt: str | None = None
+    # The caller's committed tokens as last seen: the engine passes its live list, so at release this holds the
+    # final output, including the last round's tokens that no propose saw. Read only.
+    source: Sequence[int] = ()
+
+
+@dataclass
+class _Global:
+    """Ended requests' tokens, one trie per cache salt (requests share what they learn only within a salt, as
+    they share prefix caches), evicted oldest-ended first beyond `max_requests` requests in all."""
+
+    max_depth: int
+    max_requests: int
+    tries: dict[str | None, SuffixTrie] = field(default_factory=dict)
+    docs: deque[tuple[str | None, list[int]]] = field(default_factory=deque)
+
+    def add(self, salt: str | None, tokens: Sequence[int]) -> None:
+        if self.max_requests == 0 or not tokens:
+            return
+        trie = self.tries.get(salt)
+        if trie is None:
+            trie = self.tries[salt] = SuffixTrie(self.max_depth)
+        doc: list[int] = []
+        trie.extend(doc, tokens)
+        trie.close(doc)
+        self.docs.append((salt, doc))
+        while len(self.docs) > self.max_requests:
+            old_salt, old = self.docs.popleft()
+            self.tries[old_salt].remove(old)
+            if not any(s == old_salt for s, _ in self.docs):
+                del self.tries[old_salt]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(doc) for _, doc in self.docs)
+
+
+class SuffixDrafter:
+    """Continue the longest suffix match found in the request's own tokens or in earlier requests' (see module)."""
+
+    name = "suffix"
+
+    def __init__(
+        self,
+        max_depth: int = 32,
+        min_match: int = 2,
+        max_requests: int = 256,
+        min_prob: float = 0.1,
+        index_prompts: bool = True,
+    ) -> None:
+        if max_depth < 2:
+            raise ValueError(f"need max_depth >= 2, got {max_depth}")
+        if not 1 <= min_match <= max_depth // 2:
+            raise ValueError(f"need 1 <= min_match <= max_depth // 2, got min_match={min_match}, max_depth={max_depth}")
+        if max_requests < 0:
+            raise ValueError(f"need max_requests >= 0, got {max_requests}")
+        if not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"need 0 <= min_prob <= 1, got {min_prob}")
+        self.max_depth, self.min_match, self.min_prob, self.index_prompts = max_depth, min_match, min_prob, index_prompts
+        self.global_ = _Global(max_depth, max_requests)
+        self._requests: dict[str, _Request] = {}
+
+    def start(self, seq_id: str, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        state = _Request(SuffixTrie(self.max_depth), num_prompt=len(prompt_ids), cache_salt=cache_salt)
+        state.trie.extend(state.doc, prompt_ids)
+        state.source = prompt_ids
+        self._requests[seq_id] = state
+        return 0
+
+    def observe(self, seq_id: str, num_committed: int) -> None:
+        """Nothing to roll back: the structures only ever hold committed tokens."""
+
+    def release(self, seq_id: str) -> None:
+        """The request's tokens (its output, and its prompt when `index_prompts`) join the global structure."""
+        state = self._requests.pop(seq_id, None)
+        if state is None:
+            return
+        tokens = state.source if len(state.source) >= len(state.doc) else state.doc
+        self.global_.add(state.cache_salt, list(tokens[0 if self.index_prompts else state.num_prompt :]))
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
+        proposals = []
+        for r in requests:
+            tokens, m = self._lookup(r)
+            # A longer match is a better guess: the label (the match length's power-of-two bucket) lets the
+            # engine learn how much better, and verify only what each bucket earns.
+            probs = (1.0,) * len(tokens) if r.return_probs else None
+            proposals.append(Proposal(tokens, q=None, draft_probs=probs, label=_label(m) if tokens else None))
+        return proposals
+
+    def _lookup(self, request: DraftRequest) -> tuple[list[int], int]:
+        """The most frequent continuation of the longest match in either structure, and the match length."""
+        state = self._requests[request.seq_id]
+        tokens = request.token_ids
+        state.trie.extend(state.doc, tokens[len(state.doc) :])
+        state.source = tokens
+        best: tuple[int, float, list[int]] = (0, 0.0, [])
+        tries = [state.trie]
+        if (shared := self.global_.tries.get(state.cache_salt)) is not None:
+            tries.append(shared)
+        for trie in tries:
+            m, node = trie.longest_match(tokens, self.max_depth // 2)
+            if m < self.min_match or node is None:
+                continue
+            # SuffixDecoding's rule of thumb: speculate about as many tokens as the match is long.
+            draft, score = self._follow(trie, node, m, min(request.num_tokens, m))
+            if (m, score) > best[:2]:
+                best = (m, score, draft)
+        return best[2], best[0]
+
+    def _follow(self, trie: SuffixTrie, node: _Node, depth: int, budget: int) -> tuple[list[int], float]:
+        """Up to `budget` tokens, each the most frequent continuation, while the product of their conditional
+        frequencies stays >= min_prob; and the sum of those products (the expected number accepted, were the
+        frequencies the acceptance rates: SuffixDecoding's score)."""
+        draft: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(draft) < budget:
+            children = trie.continuations(node, depth)
+            if not children:
+                break
+            total = sum(child.count for child in children.values())
+            t, child = max(children.items(), key=lambda item: item[1].count)
+            prob *= child.count / total
+            if prob < self.min_prob:
+                break
+            draft.append(t)
+            score += prob
+            node, depth = child, depth + 1
+        return draft, score
+
+
+def _label(match_len: int) -> str:
+    """The bucket [2^i, 2^(i+1)) holding the match length: suffix-1, suffix-2-3, suffix-4-7, ..."""
+    lo = 1 << (match_len.bit_length() - 1)
+    return f"suffix-{lo}" if lo == 1 else f"suffix-{lo}-{2 * lo - 1}"
+
+
+def _build(context: DraftContext) -> SuffixDrafter:
+    spec = context.spec
+    return SuffixDrafter(
+        max_depth=spec.suffix_max_depth,
+        min_match=spec.suffix_min_match,
+        max_requests=spec.suffix_max_requests,
+        min_prob=spec.suffix_min_prob,
+        index_prompts=spec.suffix_index_prompts,
+    )
+
+
+METHOD = DraftMethod(SuffixDrafter.name, runs_draft_model=False, build=_build)

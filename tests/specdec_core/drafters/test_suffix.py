@@ -1,0 +1,212 @@
+"""SuffixDecoding: the depth-bounded suffix trie against brute force, the proposal rule, the global structure's
+bound and reuse across requests, and exactness through the engine."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec_core.config import SamplingParams, TokenShaping
+from specdec_core.drafters.base import DraftRequest
+from specdec_core.drafters.suffix import SuffixDrafter, SuffixTrie
+
+
+def _occurrences(docs, pattern, max_depth):
+    """Brute force: next token -> count over every occurrence of `pattern` followed by a token within depth."""
+    m, found = len(pattern), Counter()
+    if m >= max_depth:
+        return found
+    for doc in docs:
+        for s in range(len(doc) - m):
+            if list(doc[s : s + m]) == list(pattern):
+                found[doc[s + m]] += 1
+    return found
+
+
+def _brute_longest(docs, tokens, max_len, max_depth):
+    for m in range(min(max_len, len(tokens), max_depth - 1), 0, -1):
+        if _occurrences(docs, tokens[len(tokens) - m :], max_depth):
+            return m
+    return 0
+
+
+def _counts(trie, pattern):
+    node, depth = trie.root, 0
+    for t in pattern:
+        node = trie.continuations(node, depth).get(t)
+        if node is None:
+            return Counter()
+        depth += 1
+    return Counter({t: child.count for t, child in trie.continuations(node, depth).items()})
+
+
+sequences = st.lists(st.integers(0, 3), min_size=1, max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(docs=st.lists(sequences, min_size=1, max_size=4), chunk=st.integers(1, 7), depth=st.integers(2, 9),
+       query=st.lists(st.integers(0, 3), min_size=1, max_size=12))
+def test_longest_match_and_counts_equal_brute_force(docs, chunk, depth, query):
+    trie = SuffixTrie(depth)
+    held = []
+    for tokens in docs:  # grown in chunks, as a request's tokens commit
+        doc: list[int] = []
+        for i in range(0, len(tokens), chunk):
+            trie.extend(doc, tokens[i : i + chunk])
+            # Queries between chunks materialise tails: they must not change what later chunks index.
+            trie.longest_match(doc, depth)
+        held.append(doc)
+    m, node = trie.longest_match(query, depth)
+    assert m == _brute_longest(held, query, depth, depth)
+    for n in range(1, min(len(query), depth) + 1):
+        assert _counts(trie, query[-n:]) == _occurrences(held, query[-n:], depth)
+
+
+@settings(max_examples=80, deadline=None)
+@given(docs=st.lists(sequences, min_size=2, max_size=5), depth=st.integers(2, 8),
+       query=st.lists(st.integers(0, 3), min_size=1, max_size=10), drop=st.data())
+def test_removing_a_document_forgets_exactly_its_occurrences(docs, depth, query, drop):
+    trie = SuffixTrie(depth)
+    held = []
+    for tokens in docs:
+        doc: list[int] = []
+        trie.extend(doc, tokens)
+        trie.close(doc)
+        trie.longest_match(query, depth)  # materialise some tails before removal
+        held.append(doc)
+    for i in sorted(drop.draw(st.sets(st.integers(0, len(held) - 1))), reverse=True):
+        trie.remove(held.pop(i))
+    for n in range(1, min(len(query), depth) + 1):
+        assert _counts(trie, query[-n:]) == _occurrences(held, query[-n:], depth)
+    if not held:
+        assert not trie.root.children and trie.num_nodes == 1
+
+
+def test_text_that_does_not_repeat_costs_about_a_node_per_token():
+    trie = SuffixTrie(32)
+    trie.extend([], list(range(1000)))
+    assert trie.num_nodes <= 1001  # a plain depth-32 trie would hold ~32000
+
+
+def _request(seq, tokens, k, probs=False):
+    return DraftRequest(seq_id=seq, token_ids=tokens, num_tokens=k, shaping=TokenShaping(), uniform=None,
+                        return_probs=probs)
+
+
+def _propose(drafter, tokens, k, seq="s"):
+    (proposal,) = drafter.propose([_request(seq, tokens, k)])
+    assert proposal.q is None  # point masses
+    return proposal
+
+
+def test_follows_the_most_frequent_continuation():
+    d = SuffixDrafter(max_depth=16, min_match=2, min_prob=0.0)
+    # After (1, 2): 3 twice then 4 once; after (1, 2, 3): 5 both times.
+    tokens = [1, 2, 3, 5, 9, 1, 2, 4, 8, 1, 2, 3, 5, 7, 1, 2]
+    d.start("s", tokens)
+    proposal = _propose(d, tokens, 2)
+    assert proposal.token_ids == [3, 5] and proposal.label == "suffix-2-3"
+
+
+def test_a_low_frequency_continuation_stops_the_proposal():
+    d = SuffixDrafter(max_depth=16, min_match=2, min_prob=0.5)
+    tokens = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]  # three continuations of (1, 2), each a third
+    d.start("s", tokens)
+    assert _propose(d, tokens, 4).token_ids == []
+
+
+def test_a_short_match_proposes_nothing_and_k_and_the_match_length_cap_it():
+    d = SuffixDrafter(max_depth=16, min_match=3)
+    tokens = [7, 1, 2, 3, 4, 5, 6, 8, 1, 2]  # (1, 2) matches: shorter than min_match
+    d.start("s", tokens)
+    empty = _propose(d, tokens, 4)
+    assert empty.token_ids == [] and empty.label is None
+    tokens = [7, 1, 2, 3, 4, 5, 6, 9, 7, 1, 2]  # (7, 1, 2) matches: 3 tokens, k = 4 -> 3 proposed
+    d.start("t", tokens)
+    assert _propose(d, tokens, 4, seq="t").token_ids == [3, 4, 5]
+    assert _propose(d, tokens, 2, seq="t").token_ids == [3, 4]
+
+
+def test_the_request_structure_follows_committed_tokens():
+    d = SuffixDrafter(max_depth=16, min_match=2)
+    tokens = [10, 11, 12, 13]
+    d.start("s", tokens)
+    assert _propose(d, tokens, 2).token_ids == []
+    tokens += [10, 11]  # committed later: (10, 11) recurs
+    d.observe("s", len(tokens))
+    proposal = d.propose([_request("s", tokens, 2, probs=True)])[0]
+    assert proposal.token_ids == [12, 13] and proposal.draft_probs == (1.0, 1.0)
+
+
+def test_a_later_request_reuses_an_earlier_output():
+    d = SuffixDrafter(max_depth=64, min_match=2, index_prompts=False)
+    prompt, output = [1, 2, 3], list(range(100, 140))
+    live = list(prompt)
+    d.start("a", live)
+    d.propose([_request("a", live, 4)])
+    live += output  # the engine's live list: the last round's tokens arrive without another propose
+    d.release("a")
+    d.release("a")  # idempotent
+    again = [5, 6] + output[:20]  # a new request that repeats the earlier output
+    d.start("b", again)
+    proposal = _propose(d, again, 16, seq="b")
+    assert proposal.token_ids == output[20:36] and proposal.label == "suffix-16-31"
+    # The prompt was not indexed: nothing follows it in the global structure.
+    d.start("c", [9, 1, 2])
+    assert _propose(d, [9, 1, 2], 4, seq="c").token_ids == []
+
+
+def test_requests_of_another_cache_salt_learn_nothing_from_it():
+    d = SuffixDrafter(max_depth=32)
+    output = list(range(100, 130))
+    d.start("a", list(output), cache_salt="tenant-1")
+    d.release("a")
+    d.start("b", output[:10], cache_salt="tenant-2")
+    assert _propose(d, output[:10], 8, seq="b").token_ids == []
+    d.start("c", output[:10], cache_salt="tenant-1")
+    assert _propose(d, output[:10], 8, seq="c").token_ids == output[10:18]
+
+
+def test_the_global_structure_keeps_the_most_recent_requests():
+    d = SuffixDrafter(max_depth=16, max_requests=2)
+    for i in range(4):
+        d.start(f"r{i}", [i, 50 + i, 60 + i, 70 + i, 80 + i])
+        d.release(f"r{i}")
+    assert len(d.global_.docs) == 2 and d.global_.num_tokens == 10
+    for i, kept in [(0, False), (1, False), (2, True), (3, True)]:
+        d.start(f"q{i}", [i, 50 + i])
+        assert (_propose(d, [i, 50 + i], 2, seq=f"q{i}").token_ids == [60 + i, 70 + i]) == kept
+    nodes = d.global_.tries[None].num_nodes
+    for i in range(20):  # many more requests: the structure stays bounded
+        d.start(f"x{i}", [i, 50 + i, 60 + i, 70 + i, 80 + i])
+        d.release(f"x{i}")
+    assert len(d.global_.docs) == 2 and d.global_.tries[None].num_nodes <= nodes + 10
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError):
+        SuffixDrafter(max_depth=8, min_match=5)
+    with pytest.raises(ValueError):
+        SuffixDrafter(max_requests=-1)
+    with pytest.raises(ValueError):
+        SuffixDrafter(min_prob=1.5)
+
+
+def test_greedy_suffix_drafting_through_the_engine_equals_plain_decoding(tiny_target):
+    """Greedy: token for token. Sampled output follows the target's law (tests/specdec_core/test_statistical.py)."""
+    from tests.helpers import make_engine, run_to_completion
+
+    text = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\n"
+    ids = tiny_target.tokenizer(text)["input_ids"] * 2
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    expected, _, _ = run_to_completion(make_engine(tiny_target), [("r", ids, params, 0)])["r"]
+    engine = make_engine(tiny_target, "suffix")
+    proposed = 0
+    for request_id in ("first", "again"):  # the second also finds the first's output in the global structure
+        tokens, _, last = run_to_completion(engine, [(request_id, ids, params, 4)])[request_id]
+        assert tokens == expected
+        proposed += last.stats.proposed
+    assert proposed > 0
