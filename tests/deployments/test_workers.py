@@ -23,15 +23,20 @@ from tests.helpers import make_engine, run_to_completion
 RUNNER = RunnerConfig(num_slots=4, max_seq_len=256)
 
 
-@pytest.fixture(scope="module")
-def servers(pair):
+def _serve_pair(pair, runner: RunnerConfig):
+    """Both workers over the tiny pair, each on its own gRPC server: yields {kind: (servicer, address)}."""
     target, draft = pair
-    t = TargetServicer(LocalTarget(ModelRunner(target.model, RUNNER)), "tiny-target")
-    d = DraftServicer(DraftModelDrafter(ModelRunner(draft.model, RUNNER), target.model.vocab_size), "tiny-draft")
+    t = TargetServicer(LocalTarget(ModelRunner(target.model, runner)), "tiny-target")
+    d = DraftServicer(DraftModelDrafter(ModelRunner(draft.model, runner), target.model.vocab_size), "tiny-draft")
     (ts, tport), (ds, dport) = start_server(t, "127.0.0.1"), start_server(d, "127.0.0.1")
     yield {"target": (t, f"127.0.0.1:{tport}"), "draft": (d, f"127.0.0.1:{dport}")}
     ts.stop(0)
     ds.stop(0)
+
+
+@pytest.fixture(scope="module")
+def servers(pair):
+    yield from _serve_pair(pair, RUNNER)
 
 
 def remote_engine(pair, servers, **config):
@@ -156,14 +161,7 @@ def test_the_pool_follows_replicas_that_come_and_go(pair, servers):
 @pytest.fixture(scope="module")
 def cached_servers(pair):
     """Both workers with prefix caching, as the service runs them by default."""
-    target, draft = pair
-    runner = RunnerConfig(num_slots=4, max_seq_len=256, prefix_caching=True)
-    t = TargetServicer(LocalTarget(ModelRunner(target.model, runner)), "tiny-target")
-    d = DraftServicer(DraftModelDrafter(ModelRunner(draft.model, runner), target.model.vocab_size), "tiny-draft")
-    (ts, tport), (ds, dport) = start_server(t, "127.0.0.1"), start_server(d, "127.0.0.1")
-    yield {"target": (t, f"127.0.0.1:{tport}"), "draft": (d, f"127.0.0.1:{dport}")}
-    ts.stop(0)
-    ds.stop(0)
+    yield from _serve_pair(pair, RunnerConfig(num_slots=4, max_seq_len=256, prefix_caching=True))
 
 
 def _stats(servers, kind):
