@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from specdec_core.errors import InvalidArgument
 
@@ -66,8 +67,9 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @property
+    @cached_property
     def shaping(self) -> TokenShaping:
+        # Read for every sequence every round (verify items, draft requests): built and checked once.
         return TokenShaping(self.temperature, self.top_p, self.top_k)
 
 
