@@ -1,14 +1,20 @@
-"""The rejection sampler: table-driven greedy cases, exact distribution by enumeration, determinism."""
+"""The rejection sampler: table-driven greedy cases, exact distribution by enumeration (mixed batches too),
+determinism."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import pytest
 import torch
 
+from specdec_core.config import TokenShaping
 from specdec_core.rejection import greedy_accept, rejection_sample
+from specdec_core.sparse_q import SparseQ
+from specdec_core.target import VerifyItem, _dense_q
 
 # -- greedy ----------------------------------------------------------------------------------------------------
 
@@ -46,12 +52,14 @@ def test_greedy_is_rejection_sampling_with_point_masses():
 
 # -- exact enumeration -------------------------------------------------------------------------------------------
 #
-# A toy "model" is a table from prefix to distribution. For every draft sequence x in V^K, the sampler's output
+# A toy "model" is a table from prefix to distribution. For every draft sequence x, the sampler's output for a row
 # is a deterministic, piecewise-constant function of its uniforms; integrating it over the cells between its
 # breakpoints (cell length x the output at the cell's midpoint) gives its output distribution *exactly*.
 # Completing each round's output with plain sampling from p to K+1 tokens must give exactly p's joint law.
+# A verify batch holds one row per drafter; q reaches the sampler as the target builds it (`_dense_q`).
 
 V, K = 3, 2
+SAMPLED = TokenShaping(temperature=1.0)
 
 
 def _toy_model(seed: int, sharp: float) -> dict[tuple[int, ...], torch.Tensor]:
@@ -66,57 +74,103 @@ def _toy_model(seed: int, sharp: float) -> dict[tuple[int, ...], torch.Tensor]:
     return table
 
 
+@dataclass(frozen=True)
+class _Proposal:
+    """A draft sequence a drafter can propose, with its probability."""
+
+    drafts: tuple[int, ...]  # n <= K; the row is padded past them
+    prob: float
+    q: torch.Tensor  # [n, V] the drafter's q; point masses for a deterministic drafter
+    point_mass: bool  # deterministic: sent as q = None, as n-gram and suffix drafters send it
+
+
+def _model_drafter(q_model, n: int = K) -> list[_Proposal]:
+    """A draft model: every sequence of n >= 1 drafts sampled from `q_model`."""
+    out = []
+    for x in itertools.product(range(V), repeat=n):
+        q = torch.stack([q_model[x[:i]] for i in range(n)])  # [n, V]
+        prob = math.prod(q[i, x[i]].item() for i in range(n))
+        if prob > 0:
+            out.append(_Proposal(x, prob, q, point_mass=False))
+    return out
+
+
+def _deterministic_drafter(q_model, n: int = K) -> list[_Proposal]:
+    """A deterministic drafter: it always proposes the greedy path of `q_model`."""
+    x: tuple[int, ...] = ()
+    for _ in range(n):
+        x += (int(q_model[x].argmax()),)
+    q = torch.nn.functional.one_hot(torch.tensor(x, dtype=torch.long), V).double()  # [n, V]
+    return [_Proposal(x, 1.0, q, point_mass=True)]
+
+
 def _cells(breaks: set[float]) -> list[tuple[float, float]]:
     """(midpoint, length) of each cell of [0, 1) cut at `breaks`."""
     points = sorted({0.0, 1.0} | {b for b in breaks if 0.0 < b < 1.0})
     return [((a + b) / 2, b - a) for a, b in zip(points, points[1:])]
 
 
-def _round_distribution(sampler, p_model, q_model, point_mass_q: bool) -> dict[tuple[int, ...], float]:
-    """Exact law of (round output completed to K+1 tokens by plain sampling from p).
+class _Rows(NamedTuple):
+    """The sampler's inputs for a proposal's rows, one row per cell of its uniforms; concatenated, a batch's."""
 
-    With `point_mass_q` the drafter is deterministic: it always proposes the greedy path of `q_model`.
+    draft: torch.Tensor  # [B, K] long, -1 past the proposal's drafts
+    num_draft: torch.Tensor  # [B]
+    p: torch.Tensor  # [B, K+1, V]
+    u_acc: torch.Tensor  # [B, K]
+    u_smp: torch.Tensor  # [B]
+    weight: torch.Tensor  # [B] float64: the cell's length, the probability of its uniforms
+
+
+def _rows(proposal: _Proposal, p_model) -> _Rows:
+    """A row per cell of the uniforms' space on which the sampler's output for this proposal is constant."""
+    x, q, n = proposal.drafts, proposal.q, len(proposal.drafts)  # q: [n, V]
+    padding = [torch.full((V,), 1 / V, dtype=torch.float64)] * (K - n)  # p past the bonus position: never read
+    p = torch.stack([p_model[x[:i]] for i in range(n + 1)] + padding)  # [K+1, V]
+    # Breakpoints: acceptance thresholds p/q, and every cdf step of every residual and of p.
+    accept_cells = [_cells({(p[i, x[i]] / q[i, x[i]]).item()}) for i in range(n)]
+    accept_cells += [_cells(set())] * (K - n)  # a padding position is never accepted, whatever its uniform
+    sample_breaks = set()
+    for i in range(n + 1):
+        for w in [p[i]] + ([(p[i] - q[i]).clamp(min=0)] if i < n else []):
+            if w.sum() > 0:
+                sample_breaks |= set((w.cumsum(0) / w.sum()).tolist())
+    grid = list(itertools.product(*accept_cells, _cells(sample_breaks)))
+    B = len(grid)
+    return _Rows(
+        torch.tensor(x + (-1,) * (K - n)).expand(B, K),
+        torch.full((B,), n),
+        p.expand(B, K + 1, V),
+        torch.tensor([[c[i][0] for i in range(K)] for c in grid], dtype=torch.float64),
+        torch.tensor([c[K][0] for c in grid], dtype=torch.float64),
+        torch.tensor([math.prod(c[i][1] for i in range(K + 1)) for c in grid], dtype=torch.float64),
+    )
+
+
+def _item(proposal: _Proposal) -> VerifyItem:
+    """The row as the target receives it. `_dense_q` reads only its drafts and q; the uniforms go to the sampler."""
+    q = None if proposal.point_mass else SparseQ.from_dense(proposal.q)
+    return VerifyItem("row", 0, list(proposal.drafts), q, SAMPLED, None, None)
+
+
+def _round_distributions(sampler, p_model, drafters, dense_q=_dense_q) -> list[dict[tuple[int, ...], float]]:
+    """Exact law of each drafter's row (round output completed to K+1 tokens by plain sampling from p).
+
+    Each batch puts every drafter's rows side by side, for one combination of their proposals; weighing each row
+    by the combination's probability makes its law the marginal over the other rows' proposals.
     """
-    law: dict[tuple[int, ...], float] = {}
-    drafts = itertools.product(range(V), repeat=K)
-    if point_mass_q:
-        greedy: tuple[int, ...] = ()
-        for _ in range(K):
-            greedy += (int(q_model[greedy].argmax()),)
-        drafts = [greedy]
-    for x in drafts:
-        q_rows = [q_model[x[:i]] for i in range(K)]  # [K][V]
-        if point_mass_q:
-            q_rows = [torch.nn.functional.one_hot(torch.tensor(x[i]), V).double() for i in range(K)]
-        prob_x = torch.prod(torch.stack([q_rows[i][x[i]] for i in range(K)])).item()
-        if prob_x == 0:
-            continue
-        p_rows = [p_model[x[:i]] for i in range(K + 1)]  # [K+1][V]
-        # Breakpoints: acceptance thresholds p/q, and every cdf step of every residual and of p.
-        accept_cells = [_cells({(p_rows[i][x[i]] / q_rows[i][x[i]]).item()}) for i in range(K)]
-        sample_breaks = set()
-        for i in range(K + 1):
-            for w in [p_rows[i]] + ([(p_rows[i] - q_rows[i]).clamp(min=0)] if i < K else []):
-                if w.sum() > 0:
-                    sample_breaks |= set((w.cumsum(0) / w.sum()).tolist())
-        grid = list(itertools.product(*accept_cells, _cells(sample_breaks)))
-        B = len(grid)
-        u_acc = torch.tensor([[c[i][0] for i in range(K)] for c in grid], dtype=torch.float64)  # [B, K]
-        u_smp = torch.tensor([c[K][0] for c in grid], dtype=torch.float64)  # [B]
-        weight = [math.prod(c[i][1] for i in range(K + 1)) for c in grid]
-        out = sampler(
-            torch.tensor([x] * B),
-            torch.full((B,), K),
-            torch.stack(p_rows).expand(B, K + 1, V),
-            None if point_mass_q else torch.stack(q_rows).expand(B, K, V),
-            u_acc,
-            u_smp,
-        )
-        for b in range(B):
-            tokens = tuple(out.tokens(b))
-            for completion, w in _complete(tokens, p_model):
-                law[completion] = law.get(completion, 0.0) + prob_x * weight[b] * w
-    return law
+    laws: list[dict[tuple[int, ...], float]] = [{} for _ in drafters]
+    for proposals in itertools.product(*drafters):
+        parts = [_rows(proposal, p_model) for proposal in proposals]
+        batch = _Rows(*(torch.cat(column) for column in zip(*parts)))
+        owner = [j for j, part in enumerate(parts) for _ in range(len(part.weight))]  # [B] each row's drafter
+        items = [_item(proposal) for proposal in proposals]
+        q = dense_q([items[j] for j in owner], K, batch.p)  # [B, K, V]; None when every row is deterministic
+        out = sampler(batch.draft, batch.num_draft, batch.p, q, batch.u_acc, batch.u_smp)
+        prob = math.prod(proposal.prob for proposal in proposals)  # the drafters propose independently
+        for b, (j, weight) in enumerate(zip(owner, batch.weight.tolist())):
+            for completion, w in _complete(tuple(out.tokens(b)), p_model):
+                laws[j][completion] = laws[j].get(completion, 0.0) + prob * weight * w
+    return laws
 
 
 def _complete(tokens: tuple[int, ...], p_model) -> list[tuple[tuple[int, ...], float]]:
@@ -142,7 +196,8 @@ def _total_variation(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("point_mass_q", [False, True])
 def test_output_distribution_is_exactly_the_targets(seed, point_mass_q):
     p_model, q_model = _toy_model(seed, 1.5), _toy_model(seed + 100, 1.5)
-    law = _round_distribution(rejection_sample, p_model, q_model, point_mass_q)
+    drafter = _deterministic_drafter(q_model) if point_mass_q else _model_drafter(q_model)
+    (law,) = _round_distributions(rejection_sample, p_model, [drafter])
     assert _total_variation(law, _target_law(p_model)) < 1e-12
 
 
@@ -169,8 +224,43 @@ def _drops_bonus(draft, num_draft, p, q, u_acc, u_smp):
 def test_enumeration_catches_a_wrong_sampler(wrong):
     """The exact check has the power to fail: known-wrong samplers are far from the target's law."""
     p_model, q_model = _toy_model(1, 1.5), _toy_model(101, 1.5)
-    law = _round_distribution(wrong, p_model, q_model, point_mass_q=False)
+    (law,) = _round_distributions(wrong, p_model, [_model_drafter(q_model)])
     assert _total_variation(law, _target_law(p_model)) > 1e-3
+
+
+def _mixed_batch(seed: int) -> list[list[_Proposal]]:
+    """One verify batch's drafters: draft models next to deterministic drafters (another toy model's greedy path),
+    with K drafts and fewer (padding past them)."""
+    q_model, greedy_model = _toy_model(seed + 100, 1.5), _toy_model(seed + 200, 1.5)
+    return [_model_drafter(q_model, n) for n in (K, 1)] + [_deterministic_drafter(greedy_model, n) for n in (K, 1, 0)]
+
+
+def _mixed_batch_tvs(seed: int, dense_q=_dense_q) -> list[float]:  # one per drafter of `_mixed_batch`
+    p_model = _toy_model(seed, 1.5)
+    laws = _round_distributions(rejection_sample, p_model, _mixed_batch(seed), dense_q)
+    return [_total_variation(law, _target_law(p_model)) for law in laws]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_every_row_of_a_mixed_batch_is_exactly_the_targets(seed):
+    """Model-drafted and deterministic rows verified together, q built by the target's `_dense_q`."""
+    tvs = _mixed_batch_tvs(seed)
+    assert max(tvs) < 1e-12, tvs
+
+
+def _zero_point_masses(items, K, p):  # [S, K, V]
+    """The old bug: next to model-drafted rows, a deterministic row's q stayed 0, accepting wherever p > 0."""
+    q = _dense_q(items, K, p)  # [S, K, V]
+    q[[i for i, item in enumerate(items) if item.q is None]] = 0.0
+    return q
+
+
+def test_enumeration_catches_zero_q_for_deterministic_rows():
+    """The mixed-batch check has the power to fail: the rows with deterministic drafts are far from p's law;
+    the model-drafted rows and the row without drafts do not read that q, and stay exact."""
+    model, model_short, full, short, none = _mixed_batch_tvs(1, dense_q=_zero_point_masses)
+    assert min(full, short) > 1e-3, (full, short)
+    assert max(model, model_short, none) < 1e-12, (model, model_short, none)
 
 
 # -- determinism and edge cases ----------------------------------------------------------------------------------
