@@ -33,6 +33,7 @@ from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.build import prepare_draft, prepare_model
 from specdec_core.calibration import calibrate
 from specdec_core.drafters.base import DraftContext
+from specdec_core.drafters import registry as methods
 from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.environment import auth_token
 from specdec_core.models.loader import load_tokenizer
@@ -190,7 +191,8 @@ def connect_router(config: dict[str, Any]) -> RouterParts:
     if method is not None and method.runs_draft_model:
         addresses = wait_for_workers(cfg.app_name, "draft", cfg.draft.num_replicas, start_s)
         draft_pool = ReplicaPool("draft", addresses, wpb_grpc.DraftServiceStub, timeout, secret)
-        drafter = RemoteDrafter(draft_pool, tracer, metrics, timeout_s=cfg.router.draft_timeout_s)
+        remote = RemoteDrafter(draft_pool, tracer, metrics, timeout_s=cfg.router.draft_timeout_s)
+        drafter = methods.assemble(method, remote, DraftContext(cfg.draft.spec, target.vocab_size))
     elif method is not None:
         drafter = method.build(DraftContext(cfg.draft.spec, target.vocab_size))
     engine_config = EngineConfig(

@@ -40,6 +40,12 @@ batch, a probe waits until every adaptive row in it is due, and is skipped where
 with each row's acceptance halfway from its estimate to 1 (under load a probe costs every row a draft call, the
 drafter's catch-up, and a wider verify, to learn what cannot change the answer). Each probe that leads back to
 k = 0 doubles the wait (up to 16x).
+
+Hybrid drafting adds, per row, a free proposal (`FreeProposal`: a model-free drafter's, already made, costing no
+draft call) with its expected tokens by its own record. For each k a row takes the free proposal where it expects
+at least as many tokens as the draft model's k drafts (a row at k = 0 takes any), and the round costs the draft
+call only if some row still drafts, plus a verify as wide as the longest proposal kept. The best (k, free or not)
+is judged against plain decoding with the same margin: `choose_round`.
 """
 
 from __future__ import annotations
@@ -248,6 +254,20 @@ class CostModel:
 
 
 @dataclass(frozen=True)
+class FreeProposal:
+    """A row's proposal that costs no draft call (a model-free drafter's, already made)."""
+
+    expected_tokens: float  # E: tokens a round verifying it commits, by its record (1 + expected accepted)
+    length: int  # tokens proposed: the verify reads length + 1 for the row
+
+
+@dataclass(frozen=True)
+class RoundChoice:
+    k: int  # the speculation length of the batch's adaptive rows' draft-model proposals
+    free: bool  # rows take their free proposals where `takes_free` says (False: no free proposal this round)
+
+
+@dataclass(frozen=True)
 class AdaptivePolicy:
     max_k: int = 8  # the largest k chosen (an engine sets it to its max_speculative_tokens)
     explore_up_to: int = 4  # measure the verify cost of k = 1..this (<= max_k) per batch-size bucket before choosing
@@ -278,7 +298,14 @@ class AdaptivePolicy:
 
     def choose_batch(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel,
                      batch_size: int, catch_up_s: float = 0.0, horizon: float = math.inf) -> int:
-        """One k for the batch's adaptive rows. `rows`: each sequence's estimate and its fixed k (None: adaptive).
+        """One k for the batch's adaptive rows (`choose_round` without free proposals)."""
+        return self.choose_round(rows, costs, batch_size, catch_up_s, horizon).k
+
+    def choose_round(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel,
+                     batch_size: int, catch_up_s: float = 0.0, horizon: float = math.inf,
+                     free: Sequence[FreeProposal | None] | None = None) -> RoundChoice:
+        """One k for the batch's adaptive rows, and whether rows take their free proposals (`free`, per row; None:
+        no row has one). `rows`: each sequence's estimate and its fixed k (None: adaptive).
         The batch pays for its longest row in every draft step and verify forward, so k is chosen for the batch
         (its tokens per second in all), not per row: a row at k = 0 beside one at k = 6 pays for k = 6 and gains
         nothing from it. `catch_up_s`: seconds the drafter needs, once, before the adaptive rows can draft (its
@@ -293,22 +320,23 @@ class AdaptivePolicy:
             explored_elsewhere = any(costs.unmeasured_k(b, self.explore_k, self.explore_samples) is None
                                      for b in costs.verify)
             if explored_elsewhere and 1 not in costs.verify.get(_bucket(batch_size), {}):
-                return 0
+                return RoundChoice(0, False)
         judged = self._judging_costs(costs, batch_size)
         if judged is None:
-            return explore if explore is not None else self.explore_k
-        if explore is not None and self._best(rows, judged, batch_size, catch_up) > 0:
-            return explore
+            return RoundChoice(explore if explore is not None else self.explore_k, False)
+        if explore is not None and self._best(rows, judged, batch_size, catch_up).k > 0:
+            return RoundChoice(explore, False)
         costs = judged
-        best = self._best(rows, costs, batch_size, catch_up)
+        best = self._best(rows, costs, batch_size, catch_up, free)
         adaptive = [e for e, fixed in rows if fixed is None]
-        if best == 0 and adaptive and all(e.rounds_at_zero >= self.probe_every << min(e.probes, 4) for e in adaptive):
+        if best == RoundChoice(0, False) and adaptive and all(e.rounds_at_zero >= self.probe_every << min(e.probes, 4) for e in adaptive):
             # One k serves the batch, so one row's probe costs every row (a draft call, a wider verify, and the
             # drafter's catch-up); probe when all are due, and only where what a probe could plausibly find would
             # change the answer: speculation must pay with each row's acceptance halfway from its estimate to 1.
             # Probes back off (8, 16, 32... rounds) while they keep finding k = 0 best.
             hopeful = [(e.optimistic(self.max_k), fixed) for e, fixed in rows]
-            return 1 if self._best(hopeful, costs, batch_size, catch_up) > 0 else 0
+            if self._best(hopeful, costs, batch_size, catch_up).k > 0:
+                return RoundChoice(1, False)
         return best
 
     def pays(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel, batch_size: int,
@@ -316,7 +344,7 @@ class AdaptivePolicy:
         """Whether the model expects speculation to pay for `rows` at `batch_size` (by costs carried over where that
         batch size is unexplored); True where too little is measured to say."""
         judged = self._judging_costs(costs, batch_size)
-        return judged is None or self._best(rows, judged, batch_size, (catch_up_s, horizon)) > 0
+        return judged is None or self._best(rows, judged, batch_size, (catch_up_s, horizon)).k > 0
 
     def _judging_costs(self, costs: CostModel, batch_size: int) -> CostModel | None:
         """The costs to judge `batch_size` by: those measured there once it is explored, else those carried from
@@ -327,26 +355,44 @@ class AdaptivePolicy:
             return None
         return costs
 
+    @staticmethod
+    def takes_free(expected: Sequence[float], k: int, free: FreeProposal | None) -> bool:
+        """Whether a row verifies its free proposal rather than the draft model's k drafts: where it expects at
+        least as many tokens (`expected`: the row's E(0..) for the draft model), for no draft call."""
+        return free is not None and (k == 0 or free.expected_tokens >= expected[min(k, len(expected) - 1)])
+
     def _best(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel, batch_size: int,
-              catch_up: tuple[float, float] = (0.0, math.inf)) -> int:
-        """argmax_k of the batch's expected tokens per second; 0 unless the best beats it by the required gain.
-        For k > 0 the one-time `catch_up` (seconds, tokens left) is spread over the tokens left: the batch then
-        takes horizon / rate + seconds for its remaining tokens instead of horizon / rate."""
-        floor = max((k for _, k in rows if k is not None), default=0)  # fixed rows set the batch's least k
+              catch_up: tuple[float, float] = (0.0, math.inf),
+              free: Sequence[FreeProposal | None] | None = None) -> RoundChoice:
+        """argmax over k (and free proposals taken or not) of the batch's expected tokens per second; plain
+        decoding unless the best beats it by the required gain. For a k where an adaptive row drafts, the one-time
+        `catch_up` (seconds, tokens left) is spread over the tokens left: the batch then takes horizon / rate +
+        seconds for its remaining tokens instead of horizon / rate."""
         gains = [(e.expected_tokens(self.max_k), fixed) for e, fixed in rows]  # E(0..max_k) per row
+        offers = list(free) if free is not None and any(f is not None for f in free) else None
         seconds, horizon = catch_up
 
-        def rate(k: int) -> float:
-            longest = max(k, floor)
-            draft = costs.draft_cost(batch_size, longest) if longest else 0.0
-            cost = draft + costs.verify_cost(batch_size, longest + 1)
-            per_second = sum(e[k if fixed is None else min(fixed, len(e) - 1)] for e, fixed in gains) / cost
-            if k == 0 or seconds <= 0.0:
+        def rate(k: int, with_free: bool) -> float:
+            tokens, width, steps, adaptive_drafts = 0.0, 0, 0, False
+            for i, (e, fixed) in enumerate(gains):
+                row_k = k if fixed is None else min(fixed, len(e) - 1)
+                offer = offers[i] if with_free and offers is not None else None
+                if self.takes_free(e, row_k, offer):
+                    tokens, width = tokens + offer.expected_tokens, max(width, offer.length)
+                else:
+                    tokens, width, steps = tokens + e[row_k], max(width, row_k), max(steps, row_k)
+                    adaptive_drafts |= fixed is None and row_k > 0
+            draft = costs.draft_cost(batch_size, steps) if steps else 0.0
+            per_second = tokens / (draft + costs.verify_cost(batch_size, width + 1))
+            if not adaptive_drafts or seconds <= 0.0:
                 return per_second
             return 1.0 / (1.0 / per_second + seconds / max(horizon, 1.0))
 
-        rates = [rate(k) for k in range(self.max_k + 1)]
-        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
-        if best > 0 and rates[best] < (1.0 + self.required_gain(batch_size)) * rates[0]:
-            best = 0  # a predicted gain within the cost model's error is not worth the risk of a loss
-        return best
+        plain = rate(0, False)
+        choices = [RoundChoice(k, with_free) for with_free in ((False, True) if offers else (False,))
+                   for k in range(self.max_k + 1)]
+        rates = [rate(c.k, c.free) for c in choices]
+        best = max(range(len(choices)), key=lambda i: (rates[i], -choices[i].k, choices[i].free))
+        if rates[best] < (1.0 + self.required_gain(batch_size)) * plain:
+            return RoundChoice(0, False)  # a predicted gain within the cost model's error is not worth a loss
+        return choices[best]

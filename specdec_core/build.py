@@ -102,6 +102,7 @@ def build_engine(
             if draft is None:
                 raise InvalidArgument("draft.model", f"method {method.name} needs a draft model")
             draft_runner = ModelRunner(draft.model, runner_config)
-        drafter = method.build(DraftContext(spec, runner.vocab_size, draft_runner))
+        context = DraftContext(spec, runner.vocab_size, draft_runner)
+        drafter = registry.assemble(method, method.build(context), context)
     config = EngineConfig(max_speculative_tokens=max_speculative_tokens, num_speculative_tokens=num_speculative_tokens)
     return SpecEngine(LocalTarget(runner), drafter, target.tokenizer, target.eos_token_ids, config)

@@ -82,7 +82,9 @@ def calibrate(engine: SpecEngine, max_batch: int | None = None, context: int = 6
             while len(ids) < size:
                 ids.append(f"calibration-{tag}-{len(ids)}")
                 # A salt of its own: with prefix caching, every start reads its whole context, as a new one would.
-                engine.add_request(ids[-1], prompt, params, num_speculative_tokens=0, cache_salt=ids[-1])
+                # Only the draft model (`engine.drafter`) is calibrated: a hybrid's free proposals cost no draft call.
+                engine.add_request(ids[-1], prompt, params, num_speculative_tokens=0, cache_salt=ids[-1],
+                                   speculation_method=engine.drafter.name if engine.drafter is not None else None)
             engine.step()  # prefills the new sequences (and runs a round for the others)
             if not _measure(engine, ids, up_to, samples):
                 log.warning("calibration stopped at batch size %d: a sequence ended", size)

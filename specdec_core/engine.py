@@ -19,14 +19,17 @@ from typing import Any, Sequence
 
 import torch
 
-from specdec_core.adaptive import AcceptanceEstimate, AdaptivePolicy, CostModel
+from specdec_core.adaptive import AcceptanceEstimate, AdaptivePolicy, CostModel, FreeProposal
 from specdec_core.config import AUTO, SamplingParams, parse_num_speculative_tokens
-from specdec_core.drafters.base import DraftRequest, Drafter, Proposal
+from specdec_core.drafters.base import DraftRequest, Drafter, Hybrid, Proposal
 from specdec_core.errors import InvalidArgument
 from specdec_core.stopping import FinishReason, IncrementalDetokenizer, StopChecker
 from specdec_core.target import PartialVerifyFailure, PrefillItem, Target, VerifyItem
 
 log = logging.getLogger(__name__)
+
+NO_SPECULATION = "none"  # a request's `speculation_method` for plain decoding
+UNTRIED_LABEL_TRIALS = 2.0  # a free proposal's label with fewer (decayed) trials at its first position is explored
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class RoundInfo:
     # For requests added with return_probs: q and p of each proposed token (see `sampling.token_probs`).
     draft_probs: tuple[float, ...] | None = None
     target_probs: tuple[float, ...] | None = None
+    method: str | None = None  # the drafting method whose proposal was verified; None: no draft was asked for
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,11 @@ class _Sequence:
     drafting: bool = False  # the drafter holds state for it (started the first time the sequence drafts)
     draft_failed: bool = False  # the drafter could not start it: it decodes plainly
     drafted_upto: int = 0  # committed tokens after its last round with drafts: the drafter has read up to here
+    # What the request allows (`speculation_method`): the draft model (`drafter`) and the free drafter (hybrid).
+    model_allowed: bool = True
+    free_allowed: bool = True
+    free_started: bool = False  # the free drafter holds state for it
+    free_failed: bool = False  # the free drafter failed it: the request goes on without free proposals
     stats: SpecStats = SpecStats()
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     emitted_text: int = 0
@@ -113,18 +122,20 @@ class _Sequence:
 
 
 class SpecEngine:
-    """Runs requests to completion over a `Target` and an optional drafter."""
+    """Runs requests to completion over a `Target` and an optional drafter: one, or a `Hybrid` pair (a model-free
+    drafter whose proposals each round weighs against the draft model's)."""
 
     def __init__(
         self,
         target: Target,
-        drafter: Drafter | None,
+        drafter: Drafter | Hybrid | None,
         tokenizer: Any,
         eos_token_ids: frozenset[int],
         config: EngineConfig = EngineConfig(),
     ) -> None:
         self.target = target
-        self.drafter = drafter
+        # `drafter` is the one `auto` chooses k for; `free_drafter`'s proposals cost no draft call.
+        self.drafter, self.free_drafter = (drafter.model, drafter.free) if isinstance(drafter, Hybrid) else (drafter, None)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.config = config
@@ -146,15 +157,18 @@ class SpecEngine:
         num_speculative_tokens: int | str | None = None,
         return_probs: bool = False,
         cache_salt: str | None = None,
+        speculation_method: str | None = None,
     ) -> None:
         """Validate and queue a request; it is prefilled at the next `step`. Raises before any work on bad input.
         `return_probs`: each round's `RoundInfo` carries q and p of the proposed tokens (a softmax per row more).
         `cache_salt`: the target and the drafter share cached prefixes only among requests of the same salt (None:
-        the shared namespace of requests without one)."""
+        the shared namespace of requests without one). `speculation_method`: narrows drafting to one of `methods`,
+        or "none" (plain decoding); None or "auto": the engine chooses among all it runs."""
         if seq_id in self._running or any(s.seq_id == seq_id for s in self._waiting):
             raise InvalidArgument("seq_id", f"request {seq_id!r} is already running")
         prompt = self._check_prompt(prompt_ids, params)
-        k = self._k_setting(num_speculative_tokens)
+        model_allowed, free_allowed = self._allowed(speculation_method)
+        k = self._k_setting(num_speculative_tokens) if model_allowed or free_allowed else 0
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         stopper = StopChecker(
@@ -164,9 +178,29 @@ class SpecEngine:
             max_total_tokens=self.target.max_seq_len,
             num_prompt_tokens=len(prompt),
         )
-        seq = _Sequence(seq_id, list(prompt), len(prompt), params, k, generator, stopper, return_probs, cache_salt)
+        seq = _Sequence(seq_id, list(prompt), len(prompt), params, k, generator, stopper, return_probs, cache_salt,
+                        model_allowed=model_allowed, free_allowed=free_allowed)
         seq.estimate = AcceptanceEstimate.starting_from(self.acceptance, self.config.max_speculative_tokens)
         self._waiting.append(seq)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The drafting methods this engine runs: what a request's `speculation_method` may name besides "auto" and
+        "none"."""
+        return tuple(d.name for d in (self.free_drafter, self.drafter) if d is not None)
+
+    def _allowed(self, speculation_method: str | None) -> tuple[bool, bool]:
+        """Whether a request with this `speculation_method` may use the draft model (`drafter`) and the free
+        drafter: both for "auto"; neither for "none"."""
+        if speculation_method in (None, AUTO):
+            return True, True
+        if speculation_method == NO_SPECULATION:
+            return False, False
+        if speculation_method not in self.methods:
+            choices = ", ".join((AUTO, *self.methods, NO_SPECULATION))
+            raise InvalidArgument("speculation_method", f"{speculation_method!r} is not run here; choose one of {choices}")
+        return speculation_method == self.drafter.name, self.free_drafter is not None and (
+            speculation_method == self.free_drafter.name)
 
     def _check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         prompt = [int(t) for t in prompt_ids]
@@ -267,10 +301,12 @@ class SpecEngine:
         """One round for `seqs`. Should the drafter or the target fail, every sequence of the round ends with
         an error and its state is released: a failed call leaves caches in no known state."""
         try:
-            ks = self._choose_ks(seqs)
+            offers = self._free_proposals(seqs)
+            ks, takes_free = self._choose_ks(seqs, offers)
             if self.drafter is not None and any(ks):
                 ks = self._start_drafting(seqs, ks)
-            proposals = [self._trim(p, len(seqs)) for p in self._propose(seqs, ks)]
+            proposals = [offer if free else self._trim(p, len(seqs))
+                         for p, offer, free in zip(self._propose(seqs, ks), offers, takes_free)]
             items = [self._verify_item(seq, proposal) for seq, proposal in zip(seqs, proposals)]
             t0 = time.perf_counter()
             outcomes, failed = self._verify(items)
@@ -282,16 +318,19 @@ class SpecEngine:
         if not failed:
             self.costs.observe_verify(len(seqs), 1 + max(len(p.token_ids) for p in proposals), time.perf_counter() - t0)
         outputs = []
-        for i, (seq, proposal, k, outcome) in enumerate(zip(seqs, proposals, ks, outcomes)):
+        for i, (seq, proposal, k, free, outcome) in enumerate(zip(seqs, proposals, ks, takes_free, outcomes)):
             if i in failed:  # its target replica is gone: this request ends, the others go on
                 self._free(seq)
                 outputs.append(self._final(seq, FinishReason.ERROR, failed[i]))
                 continue
             draft, n = proposal.token_ids, outcome.num_accepted
-            info = RoundInfo(k=k, proposed_token_ids=tuple(draft), num_accepted=n, bonus=n == len(draft),
-                             draft_probs=proposal.draft_probs, target_probs=outcome.target_probs)
-            seq.estimate.update(len(draft), n, k)
-            self.acceptance.update(len(draft), n, k)
+            method = self.free_drafter.name if free else self.drafter.name if k > 0 else None
+            info = RoundInfo(k=len(draft) if free else k, proposed_token_ids=tuple(draft), num_accepted=n,
+                             bonus=n == len(draft), draft_probs=proposal.draft_probs,
+                             target_probs=outcome.target_probs, method=method)
+            if not free:  # the request's estimate is the draft model's: a free proposal's record is its label's
+                seq.estimate.update(len(draft), n, k)
+                self.acceptance.update(len(draft), n, k)
             if proposal.label is not None:
                 self._label_estimate(proposal.label).update(len(draft), n)
             seq.stats = SpecStats(seq.stats.rounds + 1, seq.stats.proposed + len(draft), seq.stats.accepted + n)
@@ -324,22 +363,105 @@ class SpecEngine:
             return_probs=seq.return_probs,
         )
 
-    def _choose_ks(self, seqs: list[_Sequence]) -> list[int]:
-        """Each sequence's k this round: its fixed k, or the batch's adaptive k; capped by its room left."""
-        rows = [(seq.estimate, None if seq.k_setting == AUTO else int(seq.k_setting)) for seq in seqs]
-        rooms = [min(s.params.max_tokens - s.stopper.num_output, self.target.max_seq_len - len(s.tokens)) for s in seqs]
-        k_auto = 0
+    def _choose_ks(self, seqs: list[_Sequence], offers: list[Proposal | None]) -> tuple[list[int], list[bool]]:
+        """Each sequence's k this round (its fixed k, or the batch's adaptive k; capped by its room left), and
+        whether it verifies its free proposal (`offers`) instead of drafting."""
+        rows = [(seq.estimate, self._fixed_k(seq)) for seq in seqs]
+        free = [None if offer is None else self._free_value(offer) for offer in offers]
+        rooms = [self._room(seq) for seq in seqs]
+        k_auto, use_free = 0, True
         if any(k is None for _, k in rows):
             unread = sum(self._unread(seq) for seq, (_, fixed) in zip(seqs, rows) if fixed is None)
-            k_auto = self.config.policy.choose_batch(rows, self.costs, len(seqs), self.costs.catch_up_cost(unread),
-                                                     sum(rooms))
+            choice = self.config.policy.choose_round(rows, self.costs, len(seqs), self.costs.catch_up_cost(unread),
+                                                     sum(rooms), free)
+            k_auto, use_free = choice.k, choice.free
             if k_auto > 0 and unread > 0 and not self._start_pays_after_admission(rows, unread, sum(rooms)):
                 k_auto = 0
-        ks = []
-        for seq, (_, fixed), room in zip(seqs, rows, rooms):
+        ks, takes_free = [], []
+        for seq, (estimate, fixed), room, offer in zip(seqs, rows, rooms, free):
             k = max(0, min(k_auto if fixed is None else fixed, self.config.max_speculative_tokens, room - 1))
-            ks.append(0 if seq.draft_failed else k)
-        return ks
+            k = 0 if seq.draft_failed else k
+            # A fixed k is the request's: it takes the better proposal whatever `auto` chose for the others.
+            expected = estimate.expected_tokens(self.config.max_speculative_tokens)
+            take = (use_free or fixed is not None) and self.config.policy.takes_free(expected, k, offer)
+            ks.append(0 if take else k)
+            takes_free.append(take)
+        return ks, takes_free
+
+    def _fixed_k(self, seq: _Sequence) -> int | None:
+        """The draft model's k for `seq` where the request fixed it (0 where it may not use the draft model);
+        None: `auto` chooses."""
+        if not seq.model_allowed:
+            return 0
+        return None if seq.k_setting == AUTO else int(seq.k_setting)
+
+    def _room(self, seq: _Sequence) -> int:
+        """Tokens the sequence may still commit."""
+        return min(seq.params.max_tokens - seq.stopper.num_output, self.target.max_seq_len - len(seq.tokens))
+
+    # -- free proposals (hybrid drafting) -------------------------------------------------------------------------
+
+    def _free_proposals(self, seqs: list[_Sequence]) -> list[Proposal | None]:
+        """The free drafter's proposal for each sequence that may use one (None elsewhere), cut by its label's
+        record. A lookup, no model call: made before k is chosen, so the choice can weigh it."""
+        offers: list[Proposal | None] = [None] * len(seqs)
+        if self.free_drafter is None:
+            return offers
+        caps = [self._free_cap(seq) for seq in seqs]
+        rows = [i for i, cap in enumerate(caps) if cap > 0 and self._start_free(seqs[i])]
+        if not rows:
+            return offers
+        requests = [DraftRequest(seqs[i].seq_id, seqs[i].tokens, caps[i], seqs[i].params.shaping, None,
+                                 seqs[i].return_probs) for i in rows]
+        try:
+            proposals = self.free_drafter.propose(requests)
+        except Exception as exc:  # a failed lookup costs these rows their free proposals, never the request
+            log.warning("the %s drafter failed, its rows go on without it: %s", self.free_drafter.name, exc,
+                        exc_info=True)
+            for i in rows:
+                self._stop_free(seqs[i])
+            return offers
+        for i, proposal in zip(rows, proposals):
+            if proposal.token_ids:
+                offers[i] = self._trim(proposal, len(seqs))
+        return offers
+
+    def _free_cap(self, seq: _Sequence) -> int:
+        """The longest free proposal `seq` may verify: its fixed k (else the largest), within its room."""
+        if not seq.free_allowed or seq.free_failed or seq.k_setting == 0:
+            return 0
+        k = self.config.max_speculative_tokens if seq.k_setting == AUTO else int(seq.k_setting)
+        return max(0, min(k, self._room(seq) - 1))
+
+    def _start_free(self, seq: _Sequence) -> bool:
+        """Start `seq` on the free drafter (it indexes the context: no model runs). False where that failed."""
+        if not seq.free_started:
+            try:
+                self.free_drafter.start(seq.seq_id, seq.tokens, seq.cache_salt)
+            except Exception as exc:
+                log.warning("the %s drafter could not start %s: %s", self.free_drafter.name, seq.seq_id, exc)
+                seq.free_failed = True
+                return False
+            seq.free_started = True
+        return True
+
+    def _stop_free(self, seq: _Sequence) -> None:
+        seq.free_failed = True
+        if seq.free_started:
+            seq.free_started = False
+            try:
+                self.free_drafter.release(seq.seq_id)
+            except Exception:  # it has failed already: what it holds is lost either way
+                log.warning("the %s drafter failed to release %s", self.free_drafter.name, seq.seq_id, exc_info=True)
+
+    def _free_value(self, proposal: Proposal) -> FreeProposal:
+        """What verifying `proposal` is expected to commit, by its label's record. A label with (almost) no record
+        is valued as if always right: trying it costs only a wider verify, and an untried label is never learnt."""
+        n = len(proposal.token_ids)
+        record = self.acceptance_by_label.get(proposal.label) if proposal.label is not None else None
+        if record is None or not record.trials or record.trials[0] < UNTRIED_LABEL_TRIALS:
+            return FreeProposal(float(n + 1), n)
+        return FreeProposal(record.expected_tokens(n)[n], n)
 
     def _start_pays_after_admission(self, rows: list[tuple[AcceptanceEstimate, int | None]], unread: int,
                                     horizon: int) -> bool:
@@ -438,6 +560,8 @@ class SpecEngine:
         if reason is None:
             if seq.drafting:
                 self.drafter.observe(seq.seq_id, len(seq.tokens))
+            if seq.free_started:
+                self.free_drafter.observe(seq.seq_id, len(seq.tokens))
         else:
             self._free(seq)
         text = seq.stopper.stable_text
@@ -462,6 +586,9 @@ class SpecEngine:
         if seq.drafting:
             seq.drafting = False
             self.drafter.release(seq.seq_id)
+        if seq.free_started:
+            seq.free_started = False
+            self.free_drafter.release(seq.seq_id)
 
     def _final(self, seq: _Sequence, reason: FinishReason, error: Exception | None = None) -> RequestOutput:
         return RequestOutput(

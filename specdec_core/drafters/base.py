@@ -113,3 +113,16 @@ class DraftMethod:
     # drafter runs wherever the engine does (in the router, when served).
     runs_draft_model: bool
     build: Callable[[DraftContext], Drafter]
+    # A model-free method (registered by this name) whose proposals the engine weighs against `build`'s drafter's
+    # every round, per request (`Hybrid`); it runs wherever the engine does. None: `build`'s drafter alone.
+    free_part: str | None = None
+
+
+@dataclass(frozen=True)
+class Hybrid:
+    """Two drafters for one engine: `free`, model-free (its proposals cost no draft call: a lookup in the router),
+    and `model`, a draft model (each call costs a draft step per token). Each round, per request, the engine
+    verifies whichever proposal its cost model expects to commit the most tokens per second, or neither."""
+
+    free: Drafter
+    model: Drafter

@@ -10,8 +10,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
-from specdec_core.drafters import draft_model, ngram, suffix
-from specdec_core.drafters.base import DraftMethod
+from specdec_core.drafters import draft_model, hybrid, ngram, suffix
+from specdec_core.drafters.base import DraftContext, DraftMethod, Drafter, Hybrid
 from specdec_core.errors import InvalidArgument
 
 NONE = "none"
@@ -20,6 +20,7 @@ METHODS: Mapping[str, DraftMethod] = MappingProxyType({method.name: method for m
     draft_model.METHOD,
     ngram.METHOD,
     suffix.METHOD,
+    hybrid.METHOD,
 )})
 
 
@@ -37,3 +38,11 @@ def resolve(name: str) -> DraftMethod | None:
     if method is None:
         raise InvalidArgument("draft.method", f"unknown drafting method {name!r}; choose one of {', '.join(choices())}")
     return method
+
+
+def assemble(method: DraftMethod, drafter: Drafter, context: DraftContext) -> Drafter | Hybrid:
+    """The engine's drafter for `method`: `drafter` (built by `method.build`, or the router's stand-in for the draft
+    workers that run it), paired with the method's model-free part (built here, from `context`) where it has one."""
+    if method.free_part is None:
+        return drafter
+    return Hybrid(free=METHODS[method.free_part].build(context), model=drafter)

@@ -8,6 +8,8 @@ from specdec_core.adaptive import (
     AcceptanceEstimate,
     AdaptivePolicy,
     CostModel,
+    FreeProposal,
+    RoundChoice,
     expected_tokens_by_position,
 )
 
@@ -352,3 +354,65 @@ def test_a_catch_up_pays_only_over_enough_remaining_tokens():
     assert policy.choose(est, costs, 1) > 0
     assert policy.choose(est, costs, 1, catch_up_s=2.0, horizon=20) == 0
     assert policy.choose(est, costs, 1, catch_up_s=2.0, horizon=500) > 0
+
+
+# -- hybrid drafting: free proposals weighed against the draft model's ----------------------------------------------
+
+
+def _hybrid_costs(draft: float) -> CostModel:
+    """One sequence; verify nearly free up to 17 tokens (0.1 s, +1% a token), a draft call `draft` s a step."""
+    costs = CostModel()
+    for k in range(1, 17):
+        costs.observe_draft(1, k, draft * k)
+    for tokens in range(1, 18):
+        _observe(costs, 1, tokens, 0.1 * (1 + 0.01 * (tokens - 1)))
+    return costs
+
+
+def test_a_long_confident_free_proposal_beats_the_draft_model():
+    """12 tokens expected from a free 16-token proposal against at most ~5 from the model's drafts, which also
+    cost a draft call: the free proposal, with no drafting."""
+    policy = AdaptivePolicy(max_k=16)
+    choice = policy.choose_round([(_estimate(0.8), None)], _hybrid_costs(0.04), 1, free=[FreeProposal(12.0, 16)])
+    assert choice.free
+    assert policy.takes_free(_estimate(0.8).expected_tokens(16), choice.k, FreeProposal(12.0, 16))
+
+
+def test_a_weak_free_proposal_loses_to_a_good_draft_model():
+    policy = AdaptivePolicy(max_k=16)
+    rows, offer = [(_estimate(1.0), None)], FreeProposal(1.3, 2)
+    choice = policy.choose_round(rows, _hybrid_costs(0.01), 1, free=[offer])
+    assert choice.k >= 4
+    assert not policy.takes_free(rows[0][0].expected_tokens(16), choice.k, offer)  # this row drafts
+
+
+def test_with_a_dear_draft_model_a_modest_free_proposal_is_still_taken():
+    """The draft model would not pay (a step costs as much as a verify, acceptance 0.5), but a free proposal
+    expected to add 0.6 tokens for a nearly free verify does: k = 0 with the free proposal, not plain decoding."""
+    choice = AdaptivePolicy(max_k=16).choose_round([(_estimate(0.5), None)], _hybrid_costs(0.1), 1,
+                                                   free=[FreeProposal(1.6, 3)])
+    assert choice == RoundChoice(0, True)
+
+
+def test_neither_pays_plain_decoding():
+    """Neither a poor free proposal nor poor drafts beat plain decoding by the margin: neither is verified."""
+    choice = AdaptivePolicy(max_k=16).choose_round([(_estimate(0.0), None)], _hybrid_costs(0.1), 1,
+                                                   free=[FreeProposal(1.01, 4)])
+    assert choice == RoundChoice(0, False)
+
+
+def test_a_free_proposal_is_weighed_per_row():
+    """Two rows: one with a long free proposal, one without. With cheap draft steps the second drafts with the
+    model (k > 0), and the first takes its free proposal rather than the model's k."""
+    policy = AdaptivePolicy(max_k=16)
+    costs = _hybrid_costs(0.01)
+    for k in range(1, 17):
+        costs.observe_draft(2, k, 0.002 * k)
+    for tokens in range(1, 18):
+        _observe(costs, 2, tokens, 0.1 * (1 + 0.01 * (tokens - 1)))
+    est = _estimate(0.75)
+    offers = [FreeProposal(14.0, 16), None]
+    choice = policy.choose_round([(est, None), (est, None)], costs, 2, free=offers)
+    expected = est.expected_tokens(16)
+    assert choice.k > 0 and choice.free
+    assert policy.takes_free(expected, choice.k, offers[0]) and not policy.takes_free(expected, choice.k, offers[1])

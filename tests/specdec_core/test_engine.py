@@ -304,7 +304,7 @@ def test_a_sequence_back_from_plain_rounds_catches_up_exactly(tiny_target):
     prompt = _ids(tiny_target, PROMPTS[1])
     expected, _, _ = _plain(tiny_target, prompt, params)
     schedule = iter([2, 2] + [0] * 25 + [3] * 100)
-    engine._choose_ks = lambda seqs: [next(schedule)] * len(seqs)
+    engine._choose_ks = lambda seqs, offers: ([next(schedule)] * len(seqs), [False] * len(seqs))
     tokens, _, last = run_to_completion(engine, [("r", prompt, params, "auto")])["r"]
     assert tokens == expected
     assert last.stats.proposed > 20 and last.stats.accepted == last.stats.proposed

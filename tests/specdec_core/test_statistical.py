@@ -45,14 +45,23 @@ def _exact_law(loaded) -> dict[tuple[int, ...], float]:
     return law
 
 
-def _sample(loaded, draft) -> tuple[dict[tuple[int, ...], int], float]:
-    engine = make_engine(loaded, draft, num_slots=256, max_seq_len=64)
+def _sample(loaded, draft, hybrid: bool = False, mixed: list[int] | None = None
+            ) -> tuple[dict[tuple[int, ...], int], float]:
+    """Counts of each 4-token output over SAMPLES seeded requests, and the acceptance rate. `hybrid`: requests
+    alternate between the suffix structure and the draft model (`speculation_method`), so batches mix point-mass
+    and model-drafted rows; `mixed`, when given, gets 1 for each step whose rounds verified both kinds together."""
+    engine = make_engine(loaded, draft, num_slots=256, max_seq_len=64, hybrid=hybrid)
     for i in range(SAMPLES):
-        engine.add_request(str(i), PROMPT, SamplingParams(seed=i, **PARAMS), 2)
+        method = ("suffix", "draft_model")[i % 2] if hybrid else None
+        engine.add_request(str(i), PROMPT, SamplingParams(seed=i, **PARAMS), 2, speculation_method=method)
     outputs: dict[str, list[int]] = {}
     proposed = accepted = 0
     while engine.has_work:
-        for out in engine.step():
+        step = engine.step()
+        if mixed is not None:
+            methods = {out.round.method for out in step if out.round is not None and out.round.proposed_token_ids}
+            mixed.append(int({"suffix", "draft_model"} <= methods))
+        for out in step:
             outputs.setdefault(out.seq_id, []).extend(out.new_token_ids)
             if out.finished:
                 proposed, accepted = proposed + out.stats.proposed, accepted + out.stats.accepted
@@ -101,6 +110,34 @@ def test_suffix_sampling_matches_the_target(tiny_target, law):
     counts, acceptance = _sample(tiny_target, "suffix")
     assert 0.05 < acceptance < 0.95, acceptance
     assert _p_value(counts, law) > 1e-3
+
+
+def test_hybrid_sampling_matches_the_target(tiny_target, draft, law):
+    """Hybrid drafting verifies suffix proposals (point masses) and the draft model's (its q) in the same batches."""
+    mixed: list[int] = []
+    counts, acceptance = _sample(tiny_target, draft, hybrid=True, mixed=mixed)
+    assert sum(mixed) >= len(mixed) // 2, mixed  # most steps verified both kinds of row together
+    assert 0.05 < acceptance < 0.95, acceptance
+    assert _p_value(counts, law) > 1e-3
+
+
+def _zero_q_for_point_masses(items, K, p):
+    """The old bug: a deterministic row beside model-drafted rows got q = 0 (accepted wherever p > 0)."""
+    q = _real_dense_q(items, K, p)
+    if q is not None:
+        for i, item in enumerate(items):
+            if item.q is None:
+                q[i] = 0.0
+    return q
+
+
+_real_dense_q = target_module._dense_q
+
+
+def test_zero_q_for_point_masses_in_a_mixed_batch_fails_the_same_test(tiny_target, draft, law, monkeypatch):
+    monkeypatch.setattr(target_module, "_dense_q", _zero_q_for_point_masses)
+    counts, _ = _sample(tiny_target, draft, hybrid=True)
+    assert _p_value(counts, law) < 1e-6
 
 
 def test_plain_sampling_matches_the_target(tiny_target, law):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdec_core.drafters import registry
-from specdec_core.drafters.base import DraftContext, DraftSpec
+from specdec_core.drafters.base import DraftContext, DraftSpec, Hybrid
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.drafters.ngram import NgramDrafter
 from specdec_core.drafters.suffix import SuffixDrafter
@@ -14,7 +14,7 @@ from specdec_core.runner import ModelRunner, RunnerConfig
 
 
 def test_the_names_are_the_config_values():
-    assert registry.choices() == ("draft_model", "ngram", "suffix", "none")  # contracts: configs and flags spell them so
+    assert registry.choices() == ("draft_model", "ngram", "suffix", "hybrid", "none")  # contracts: configs and flags spell them so
     assert all(method.name == name for name, method in registry.METHODS.items())
     assert registry.resolve("none") is None  # plain decoding: no method, no drafter
 
@@ -43,3 +43,18 @@ def test_each_method_builds_its_drafter_from_the_context(tiny_draft):
     assert registry.resolve("draft_model").runs_draft_model
     with pytest.raises(InvalidArgument, match="draft.model"):
         registry.resolve("draft_model").build(DraftContext(DraftSpec("draft_model"), 400))
+
+
+def test_hybrid_pairs_the_draft_model_with_suffix_decoding(tiny_draft):
+    """The draft workers run hybrid's `build` (the draft model); `assemble` adds the suffix structure beside it
+    (or beside the router's stand-in for the workers), built from the same spec."""
+    hybrid = registry.resolve("hybrid")
+    assert hybrid.runs_draft_model and hybrid.free_part == "suffix"
+    runner = ModelRunner(tiny_draft.model, RunnerConfig(num_slots=1, max_seq_len=64))
+    context = DraftContext(DraftSpec("hybrid", suffix_min_match=3), 400, runner)
+    model = hybrid.build(context)
+    assert isinstance(model, DraftModelDrafter)
+    pair = registry.assemble(hybrid, model, context)
+    assert isinstance(pair, Hybrid) and pair.model is model
+    assert isinstance(pair.free, SuffixDrafter) and pair.free.min_match == 3
+    assert registry.assemble(registry.resolve("ngram"), model, context) is model  # one drafter: nothing to pair

@@ -1,0 +1,92 @@
+"""Hybrid drafting through the engine: suffix proposals and the draft model's, chosen per request and round,
+narrowed by a request's `speculation_method`, each round saying which method proposed, and greedy output equal
+to plain decoding whatever the mix."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec_core.config import SamplingParams
+from specdec_core.errors import InvalidArgument
+from tests.helpers import make_engine
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def _run(engine, requests):
+    """(seq_id, prompt, speculation_method, salt) run in order, one at a time: {seq_id: (tokens, methods seen)}."""
+    out = {}
+    for seq_id, prompt, method, salt in requests:
+        engine.add_request(seq_id, prompt, GREEDY, "auto", cache_salt=salt, speculation_method=method)
+        tokens, methods = [], []
+        while engine.has_work:
+            for o in engine.step():
+                tokens += o.new_token_ids
+                if o.round is not None:
+                    methods.append(o.round.method)
+        out[seq_id] = (tokens, methods)
+    return out
+
+
+@pytest.fixture
+def engines(pair):
+    target, draft = pair
+    return make_engine(target), make_engine(target, draft.model, hybrid=True, max_speculative_tokens=16)
+
+
+def test_every_speculation_method_gives_plain_decodings_tokens(engines):
+    plain, hybrid = engines
+    (expected, _), = _run(plain, [("r", PROMPT, None, None)]).values()
+    assert hybrid.methods == ("suffix", "draft_model")
+    # Each method twice with one salt: the second run of a prompt finds the first's output in the global structure.
+    runs = [(f"{m}-{i}", PROMPT, m, f"salt-{m}") for m in ("auto", "suffix", "draft_model", "none") for i in (0, 1)]
+    results = _run(hybrid, runs)
+    for seq_id, (tokens, _) in results.items():
+        assert tokens == expected, seq_id
+    seen = {m: {x for i in (0, 1) for x in results[f"{m}-{i}"][1]} for m in ("auto", "suffix", "draft_model", "none")}
+    assert seen["none"] == {None}
+    assert seen["suffix"] <= {"suffix", None} and "suffix" in seen["suffix"]
+    assert seen["draft_model"] <= {"draft_model", None} and "draft_model" in seen["draft_model"]
+    # auto: the repeat is read from the suffix structure (its whole output was seen), the first run drafts
+    assert "suffix" in set(results["auto-1"][1])
+
+
+def test_a_repeated_answer_is_proposed_by_suffix_in_long_runs(engines):
+    """The second request with the same prompt and salt: suffix proposes the whole earlier answer in long spans,
+    so it takes far fewer rounds than the first."""
+    _, hybrid = engines
+    results = _run(hybrid, [("a", PROMPT, "auto", "s"), ("b", PROMPT, "auto", "s")])
+    first, second = results["a"][1], results["b"][1]
+    assert second.count("suffix") >= 1
+    assert len(second) < len(first)
+
+
+def test_a_method_the_engine_does_not_run_is_refused_naming_the_choices(pair):
+    target, draft = pair
+    hybrid = make_engine(target, draft.model, hybrid=True)
+    with pytest.raises(InvalidArgument) as err:
+        hybrid.add_request("r", PROMPT, GREEDY, speculation_method="ngram")
+    assert err.value.field == "speculation_method"
+    assert all(name in err.value.message for name in ("auto", "suffix", "draft_model", "none"))
+    ngram = make_engine(target, "ngram")
+    with pytest.raises(InvalidArgument, match="speculation_method"):
+        ngram.add_request("r", PROMPT, GREEDY, speculation_method="suffix")
+    plain = make_engine(target)
+    with pytest.raises(InvalidArgument, match="speculation_method"):
+        plain.add_request("r", PROMPT, GREEDY, speculation_method="draft_model")
+    plain.add_request("ok", PROMPT, GREEDY, speculation_method="none")  # always allowed
+    assert not hybrid.has_work and plain.num_waiting == 1
+
+
+def test_a_failing_free_drafter_costs_its_proposals_not_the_request(engines):
+    plain, hybrid = engines
+    (expected, _), = _run(plain, [("r", PROMPT, None, None)]).values()
+
+    def broken(requests):
+        raise RuntimeError("index corrupted")
+
+    hybrid.free_drafter.propose = broken
+    (tokens, methods), = _run(hybrid, [("r", PROMPT, "auto", None)]).values()
+    assert tokens == expected
+    assert "suffix" not in methods
