@@ -55,6 +55,7 @@ class GenerateCall:
     params: SamplingParams
     num_speculative_tokens: int | str | None  # None: the server's default
     cache_salt: str | None = None  # prefix caching: share cached prefixes only within this salt
+    speculation_method: str | None = None  # None: any method the server runs ("auto"); the engine checks the name
 
 
 def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> GenerateCall:
@@ -79,6 +80,7 @@ def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> Gen
         params=decode_sampling(request.sampling, default_max_tokens),
         num_speculative_tokens=decode_speculation(request.speculation),
         cache_salt=decode_cache_salt(request.cache_salt),
+        speculation_method=request.speculation_method or None,
     )
 
 

@@ -36,7 +36,13 @@ class ServingMetrics:
         self.acceptance = Histogram("specdec_acceptance_rate", "Accepted / proposed draft tokens per request.",
                                     boundaries=_RATE, tag_keys=_PAIR)
         self.accepted_per_round = Histogram("specdec_accepted_tokens_per_round", "Draft tokens accepted per round.",
-                                            boundaries=[0.5, *_TOKENS], tag_keys=_PAIR)
+                                            boundaries=[0.5, *_TOKENS], tag_keys=(*_PAIR, "method"))
+        # By the method that proposed (hybrid drafting switches per request and round): acceptance per method is
+        # accepted / proposed of these counters.
+        self.proposed = Counter("specdec_proposed_tokens", "Draft tokens proposed, by drafting method.",
+                                tag_keys=(*_PAIR, "method"))
+        self.accepted = Counter("specdec_accepted_tokens", "Draft tokens accepted, by drafting method.",
+                                tag_keys=(*_PAIR, "method"))
         self.k = Histogram("specdec_speculation_length", "k chosen per round.", boundaries=[0.5, *_TOKENS], tag_keys=_PAIR)
         self.draft_latency = Histogram("specdec_draft_latency_seconds",
                                        "Seconds per batched draft call (all k steps) of a round.",
@@ -49,15 +55,19 @@ class ServingMetrics:
         self.slots = Gauge("specdec_kv_slots_in_use", "Sessions this router holds in the workers' KV caches.",
                            tag_keys=(*_PAIR, "worker"))
         for metric in (self.requests, self.ttft, self.tpot, self.duration, self.acceptance, self.accepted_per_round,
-                       self.k, self.draft_latency, self.verify_latency, self.fallbacks, self.slots):
+                       self.proposed, self.accepted, self.k, self.draft_latency, self.verify_latency, self.fallbacks, self.slots):
             metric.set_default_tags(self._tags)
 
-    def round(self, k: int, proposed: int, accepted: int) -> None:
-        """`k` chosen, `proposed` drafts made (none for k > 0: a fallback, where no draft replica held the session;
-        k = 0 is plain decoding, chosen by the request or by `auto`, not a fallback)."""
+    def round(self, k: int, proposed: int, accepted: int, method: str | None = None) -> None:
+        """`k` chosen, `proposed` drafts made by `method` (none for k > 0: a fallback, where no draft replica held
+        the session; k = 0 is plain decoding, chosen by the request or by `auto`, not a fallback)."""
         self.k.observe(k)
         if proposed > 0:
-            self.accepted_per_round.observe(accepted)
+            tags = {"method": method or "unknown"}
+            self.accepted_per_round.observe(accepted, tags=tags)
+            self.proposed.inc(proposed, tags=tags)
+            if accepted:
+                self.accepted.inc(accepted, tags=tags)
         elif k > 0:
             self.fallbacks.inc()
 

@@ -6,7 +6,9 @@ queue; a `logging.handlers.QueueListener` thread writes it to rotating files. No
 token ids of the proposals only.
 
 Record: {"ts": unix seconds, "request_id", "round": index, "position": output tokens before the round, "k",
-"proposed": [token ids], "accepted": count, "bonus": bool, "target": model, "draft": model}, and with
+"proposed": [token ids], "accepted": count, "bonus": bool, "method": the drafting method that proposed them
+(draft_model, suffix, ngram: under hybrid drafting it changes from round to round), "target": model, "draft": the
+served draft (model or method)}, and with
 `include_probs` also "q": [the draft's probability of each proposed token] and "p": [the target's], rounded to 6
 significant digits. Both are taken under the request's processed distribution (temperature, top-k, top-p; q as the
 draft sampled it, its support cut included); greedy requests report the plain softmax (temperature 1); an n-gram
@@ -71,6 +73,7 @@ class ProposalLog:
                 "proposed": list(info.proposed_token_ids),
                 "accepted": info.num_accepted,
                 "bonus": info.bonus,
+                "method": info.method,
                 **self._models,
                 **_probs("q", info.draft_probs),
                 **_probs("p", info.target_probs),

@@ -113,6 +113,8 @@ class Router:
             max_speculative_tokens=cfg.draft.max_speculative_tokens,
             default_max_tokens=cfg.router.default_max_tokens,
             eos_token_ids=sorted(self.tokenizer.eos_token_ids),
+            served_model_name=self.served_model_name,
+            speculation_methods=list(self.scheduler.engine.methods),
         )
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
@@ -167,7 +169,7 @@ class Router:
             loop.call_soon_threadsafe(inbox.put_nowait, item)
 
         self.scheduler.submit(seq_id, prompt_ids, call.params, call.num_speculative_tokens, deliver, return_probs,
-                              cache_salt=call.cache_salt)
+                              cache_salt=call.cache_salt, speculation_method=call.speculation_method)
         finished = False
         try:
             while not finished:
@@ -189,7 +191,7 @@ class Router:
             times[1] = time.monotonic()
         if output.round is not None:
             info = output.round
-            self.metrics.round(info.k, len(info.proposed_token_ids), info.num_accepted)
+            self.metrics.round(info.k, len(info.proposed_token_ids), info.num_accepted, info.method)
         if output.finished:
             self.metrics.finished(output, times[0], times[1])
         for pool in (self.target_pool, self.draft_pool):

@@ -34,6 +34,7 @@ class _Submit:
     return_probs: bool
     deadline: float | None  # time.monotonic() by which it must finish
     cache_salt: str | None
+    speculation_method: str | None
 
 
 @dataclass(frozen=True)
@@ -85,14 +86,16 @@ class Scheduler:
         return_probs: bool = False,
         timeout_s: float | None = None,
         cache_salt: str | None = None,
+        speculation_method: str | None = None,
     ) -> None:
         """`return_probs`: the request's round outputs carry q and p of the proposals (`SpecEngine.add_request`).
         `timeout_s`: the request ends with `DeadlineExceeded` after this long (the admission's limit applies too).
-        `cache_salt`: the request shares cached prefixes only with requests of the same salt."""
+        `cache_salt`: the request shares cached prefixes only with requests of the same salt.
+        `speculation_method`: the drafting methods it may use (`SpecEngine.add_request`)."""
         limits = [t for t in (timeout_s, self.admission.request_timeout_s) if t is not None]
         deadline = time.monotonic() + min(limits) if limits else None
         self._inbox.put(_Submit(seq_id, prompt_ids, params, num_speculative_tokens, sink, return_probs, deadline,
-                                cache_salt))
+                                cache_salt, speculation_method))
 
     def cancel(self, seq_id: str) -> None:
         self._inbox.put(_Cancel(seq_id))
@@ -147,7 +150,7 @@ class Scheduler:
         try:
             self.engine.add_request(
                 command.seq_id, command.prompt_ids, command.params, command.num_speculative_tokens,
-                command.return_probs, command.cache_salt,
+                command.return_probs, command.cache_salt, command.speculation_method,
             )
         except Exception as exc:  # refused before any work: the caller reports it
             command.sink(exc)

@@ -196,6 +196,7 @@ class RequestTracer:
                 span = req.round_span
                 span.set_attributes({
                     "specdec.round.k": info.k,
+                    "specdec.round.method": info.method or "none",
                     "specdec.round.proposed": len(info.proposed_token_ids),
                     "specdec.round.accepted": info.num_accepted,
                     "specdec.round.bonus": info.bonus,

@@ -67,7 +67,8 @@ def _call(body: Any, prompt: Prompt, max_tokens: int, chat: bool) -> Call:
     options = body.stream_options
     return Call(
         generate=GenerateCall(request_id="", prompt=prompt, params=params,
-                              num_speculative_tokens=body.num_speculative_tokens, cache_salt=body.cache_salt),
+                              num_speculative_tokens=body.num_speculative_tokens, cache_salt=body.cache_salt,
+                              speculation_method=body.speculation_method),
         chat=chat,
         model=body.model,
         stream=body.stream,

@@ -3,7 +3,7 @@
 Unknown fields are refused with a 400 naming them, never silently ignored. Three kinds of known field:
 - implemented: model, messages / prompt, max_tokens / max_completion_tokens, temperature, top_p, seed, stop, n (1),
   stream, stream_options.include_usage, and vLLM's extensions top_k, ignore_eos, cache_salt, return_token_ids, plus
-  our num_speculative_tokens;
+  our num_speculative_tokens and speculation_method;
 - informational, accepted and ignored: user, metadata, store (false), service_tier, and per message `name`;
 - OpenAI features this server does not implement: accepted only at their no-op value (a harness that sends
   `frequency_penalty: 0` still works), refused naming the field at any other value.
@@ -71,6 +71,8 @@ class _Body(BaseModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_LENGTH)
     return_token_ids: StrictBool = False
     num_speculative_tokens: Union[Annotated[StrictInt, Field(ge=0)], Literal["auto"], None] = None
+    # auto, none, or a method the server runs (draft_model, suffix, ngram): the engine checks the name.
+    speculation_method: str | None = Field(None, min_length=1, max_length=64)
 
     @model_validator(mode="after")
     def _refuse_unknown(self) -> "_Body":

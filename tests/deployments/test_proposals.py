@@ -37,7 +37,8 @@ def test_the_log_round_trips_through_proposals_stats(tmp_path, tiny_dir, near_dr
     records = list(read_records([tmp_path / "proposals.jsonl"]))
     assert len(records) == drafted_rounds > 0
     assert {r["request_id"] for r in records} == {"req-0", "req-1", "req-2"}
-    assert all(set(r) >= {"ts", "round", "position", "k", "proposed", "accepted", "bonus"} for r in records)
+    assert all(set(r) >= {"ts", "round", "position", "k", "proposed", "accepted", "bonus", "method"} for r in records)
+    assert {r["method"] for r in records} == {"draft_model"}
     assert not any("p" in r or "q" in r for r in records)  # not asked for
     summary = summarize(records)
     assert "mean_probs" not in summary
@@ -137,3 +138,23 @@ def test_served_records_carry_the_models_probabilities(served_logging, tiny_dir,
     summary = summarize(everything)
     assert summary["mean_probs"]["accepted"]["n"] == accepted_with_probs > 0
     assert "mean draft q / target p" in format_summary(summary)
+
+
+def test_hybrid_records_say_which_method_proposed(tmp_path, tiny_dir, near_draft_dir):
+    """The same prompt twice, one after the other: the second request's answer is in the suffix structure."""
+    target, draft = load_model(tiny_dir / "target", dtype="float32"), load_model(near_draft_dir, dtype="float32")
+    engine = make_engine(target, draft.model, hybrid=True)
+    log = ProposalLog(tmp_path, sample_rate=1.0, target="t", draft="hybrid")
+    methods = []
+    for i in range(2):
+        log.start(f"s{i}", f"req-{i}")
+        engine.add_request(f"s{i}", list(range(10, 30)), SamplingParams(max_tokens=40, ignore_eos=True), "auto")
+        while engine.has_work:
+            for out in engine.step():
+                log.observe(out.seq_id, out)
+                if out.round is not None and out.round.proposed_token_ids:
+                    methods.append(out.round.method)
+    log.close()
+    records = list(read_records([tmp_path / "proposals.jsonl"]))
+    assert [r["method"] for r in records if r["proposed"]] == methods
+    assert "suffix" in methods

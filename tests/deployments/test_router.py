@@ -21,6 +21,7 @@ from deployments.router import RequestFailed, Router, RouterParts
 from deployments.telemetry import RequestTracer
 from specdec.v1 import generation_pb2 as pb
 from specdec_core.config import SamplingParams
+from specdec_core.drafters import registry as methods
 from specdec_core.drafters.base import DraftContext
 from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.models.loader import load_tokenizer
@@ -73,10 +74,10 @@ def make_router(tiny_dir, near_draft_dir, pair):
     through the registry as a router builds an in-process one, and the router over them."""
     routers = []
 
-    def make(gated: bool = False, prefix_caching: bool = False) -> tuple[Router, SpecEngine]:
+    def make(gated: bool = False, prefix_caching: bool = False, method: str = "draft_model") -> tuple[Router, SpecEngine]:
         config = parse_config({
             "target": {"model": str(tiny_dir / "target"), "dtype": "float32"},
-            "draft": {"method": "draft_model", "model": str(near_draft_dir), "dtype": "float32",
+            "draft": {"method": method, "model": str(near_draft_dir), "dtype": "float32",
                       "num_speculative_tokens": 3},
             "router": {"max_seq_len": 256, "default_max_tokens": 16, "max_output_tokens": 100, "calibrate": False},
         })
@@ -85,7 +86,8 @@ def make_router(tiny_dir, near_draft_dir, pair):
         runner = ModelRunner(target.model, runner_config)
         context = DraftContext(config.draft.spec, runner.vocab_size, ModelRunner(draft.model, runner_config))
         tokenizer = load_tokenizer(tiny_dir / "target")
-        engine = SpecEngine(GatedTarget(runner, gated), config.draft.drafting.build(context), tokenizer.tokenizer,
+        drafter = methods.assemble(config.draft.drafting, config.draft.drafting.build(context), context)
+        engine = SpecEngine(GatedTarget(runner, gated), drafter, tokenizer.tokenizer,
                             tokenizer.eos_token_ids,
                             EngineConfig(config.draft.max_speculative_tokens, config.draft.num_speculative_tokens))
         parts = RouterParts(
@@ -153,6 +155,23 @@ def test_model_info_reports_the_config_to_authenticated_callers_only(make_router
     assert context.code == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_hybrid_serves_each_speculation_method_with_plain_decodings_tokens(make_router, pair):
+    router, _ = make_router(method="hybrid")
+    info = asyncio.run(router.GetModelInfo(pb.GetModelInfoRequest(), Context(AUTH)))
+    assert info.draft_method == "hybrid" and list(info.speculation_methods) == ["suffix", "draft_model"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = run_to_completion(make_engine(pair[0]), [("r", PROMPT, params, 0)])["r"][0]
+    proposed = {}
+    for method in ("", "auto", "suffix", "draft_model", "none", "suffix"):  # suffix again: it read the earlier answers
+        message = pb.GenerateRequest(prompt_token_ids=PROMPT, speculation_method=method,
+                                     sampling=pb.SamplingParams(max_tokens=24, ignore_eos=True))
+        context = Context(AUTH)
+        response = asyncio.run(router.Generate(message, context))
+        assert list(response.token_ids) == expected and context.code is None, method
+        proposed[method] = response.speculation.proposed
+    assert proposed["none"] == 0 and proposed["draft_model"] > 0 and proposed["suffix"] > 0
+
+
 @pytest.mark.parametrize(
     "metadata, message, code, named",
     [
@@ -163,6 +182,8 @@ def test_model_info_reports_the_config_to_authenticated_callers_only(make_router
         (AUTH, request(PROMPT, max_tokens=101), grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens"),
         # Refused by the engine, on its thread: the error comes back through the request's queue.
         (AUTH, request(PROMPT, k=99), grpc.StatusCode.INVALID_ARGUMENT, "speculation.num_speculative_tokens"),
+        (AUTH, pb.GenerateRequest(prompt_token_ids=PROMPT, speculation_method="ngram"),
+         grpc.StatusCode.INVALID_ARGUMENT, "speculation_method"),
     ],
 )
 def test_a_refused_request_sets_the_status_naming_why(make_router, metadata, message, code, named):

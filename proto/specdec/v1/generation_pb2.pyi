@@ -23,7 +23,7 @@ FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "raw_prompt", "sampling", "speculation", "cache_salt")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "raw_prompt", "sampling", "speculation", "cache_salt", "speculation_method")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_METHOD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -40,7 +41,8 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     speculation: SpeculationOptions
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    speculation_method: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., speculation_method: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -133,7 +135,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("target_model", "draft_model", "draft_method", "max_context_length", "vocab_size", "tensor_parallel_size", "num_speculative_tokens", "max_speculative_tokens", "default_max_tokens", "eos_token_ids", "served_model_name")
+    __slots__ = ("target_model", "draft_model", "draft_method", "max_context_length", "vocab_size", "tensor_parallel_size", "num_speculative_tokens", "max_speculative_tokens", "default_max_tokens", "eos_token_ids", "served_model_name", "speculation_methods")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +147,7 @@ class GetModelInfoResponse(_message.Message):
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_METHODS_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     draft_method: str
@@ -156,4 +159,5 @@ class GetModelInfoResponse(_message.Message):
     default_max_tokens: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     served_model_name: str
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_method: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., served_model_name: _Optional[str] = ...) -> None: ...
+    speculation_methods: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_method: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., served_model_name: _Optional[str] = ..., speculation_methods: _Optional[_Iterable[str]] = ...) -> None: ...

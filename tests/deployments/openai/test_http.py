@@ -147,6 +147,8 @@ def test_the_same_seed_gives_the_same_text(api):
     ({"logprobs": True}, "logprobs"),
     ({"some_unknown_field": 1}, "some_unknown_field"),
     ({"num_speculative_tokens": 99}, "num_speculative_tokens"),
+    ({"speculation_method": "beam"}, "speculation_method"),
+    ({"speculation_method": "suffix"}, "speculation_method"),  # a method this server does not run
     ({"max_tokens": 100000}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
 ])
