@@ -1,6 +1,7 @@
 """`specdec bench offline` (one process, offline.py), `stack`, `tp` and `tracing` (the served stack, stack.py),
 `specdec bench serve`, the load generator (specdec_tools.loadgen), and `specdec bench sessions`, multi-turn
-conversations with prefix caching on vs off (sessions.py)."""
+conversations with prefix caching on vs off (sessions.py), and `specdec bench methods`, plain decoding and every
+drafting method side by side in one process (methods.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec_tools.bench import sessions, stack
+from specdec_tools.bench import methods, sessions, stack
 from specdec_tools.loadgen import cli as loadgen
 
 
@@ -41,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     offline.set_defaults(func=_offline)
     loadgen.register(modes)
     sessions.register(modes)
+    methods.register(modes)
     stack.register_stack(modes)
     stack.register_tp(modes)
     stack.register_tracing(modes)

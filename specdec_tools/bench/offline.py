@@ -172,6 +172,11 @@ def _warm_up(plain: SpecEngine, speculative: SpecEngine, prompt: list[int], k: i
     run_one(speculative, "warm-up", prompt, params, k, ModeResult())
 
 
+def machine_info() -> dict[str, Any]:
+    """What a report says of the machine: figures from different machines (or kernels) do not compare."""
+    return {"cpus": torch.get_num_threads(), "processor": platform.processor() or platform.machine(), **kernel_info()}
+
+
 def _report(config: OfflineBenchConfig, target: LoadedModel, prompts: list[list[int]], plain: ModeResult,
             speculative: ModeResult) -> dict[str, Any]:
     per_prompt = []
@@ -193,11 +198,7 @@ def _report(config: OfflineBenchConfig, target: LoadedModel, prompts: list[list[
         "max_new_tokens": config.max_new_tokens,
         "num_speculative_tokens": config.num_speculative_tokens,
         "num_prompts": len(prompts),
-        "machine": {
-            "cpus": torch.get_num_threads(),
-            "processor": platform.processor() or platform.machine(),
-            **kernel_info(),
-        },
+        "machine": machine_info(),
         "target_only_tokens_per_s": plain.tokens_per_s(),
         "speculative_tokens_per_s": speculative.tokens_per_s(),
         "speedup": speculative.tokens_per_s() / plain.tokens_per_s(),

@@ -1,0 +1,62 @@
+"""`specdec bench methods --target T --draft D (--prompts | --sessions) FILE.jsonl --json OUT`: plain decoding and
+every drafting method on the same workload, in one process and one run (`methods_run.py`), so their ratios are
+measured side by side. The engines load only when the command runs: `specdec --help` stays quick."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from specdec_core.errors import InvalidArgument
+from specdec_tools.loadgen.command import non_negative_float, non_negative_int, positive
+
+
+def register(modes: Any) -> None:
+    parser = modes.add_parser(
+        "methods", help="plain decoding and every drafting method side by side, in one process",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="target model: path, .gguf file or `specdec models` name")
+    parser.add_argument("--draft", required=True,
+                        help="the draft model of the methods that run one (draft_model, hybrid)")
+    workload = parser.add_mutually_exclusive_group(required=True)
+    workload.add_argument("--prompts", type=Path, help='JSONL, one {"prompt": "..."} per line: each once per method')
+    workload.add_argument("--sessions", type=Path,
+                          help='JSONL, one {"system": "...", "turns": ["...", ...]} per line: each replayed per method')
+    parser.add_argument("--methods", type=lambda text: tuple(m.strip() for m in text.split(",") if m.strip()),
+                        default=None, help="comma-separated, e.g. off,suffix,draft_model (default: off and every "
+                                           "registered method; off, the baseline, always runs)")
+    parser.add_argument("--max-new-tokens", required=True, type=positive(int), help="per request (per turn)")
+    parser.add_argument("--num-prompts", type=positive(int), default=None, help="the first N prompts (default all)")
+    parser.add_argument("--num-sessions", type=positive(int), default=None, help="the first N sessions (default all)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="request i of the run (prompt i, or turn i over all sessions) is sampled with seed + i")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--num-speculative-tokens", default="auto", help="k, or auto")
+    parser.add_argument("--max-seq-len", type=positive(int), default=4096,
+                        help="tokens per sequence (prompt and output) each engine holds")
+    parser.add_argument("--json", required=True, type=Path, help="where to write the report")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from specdec_tools.bench.methods_report import format_table
+    from specdec_tools.bench.methods_run import MethodsBenchConfig, run_methods_bench
+    from specdec_tools.reports import write_report
+
+    if args.num_prompts is not None and args.prompts is None:
+        raise InvalidArgument("--num-prompts", "goes with --prompts")
+    if args.num_sessions is not None and args.sessions is None:
+        raise InvalidArgument("--num-sessions", "goes with --sessions")
+    config = MethodsBenchConfig(
+        target=args.target, draft=args.draft, max_new_tokens=args.max_new_tokens, prompts=args.prompts,
+        sessions=args.sessions, limit=args.num_prompts or args.num_sessions, methods=args.methods,
+        temperature=args.temperature, seed=args.seed, dtype=args.dtype, device=args.device,
+        num_speculative_tokens=args.num_speculative_tokens, max_seq_len=args.max_seq_len)
+    report = run_methods_bench(config)
+    write_report(report, args.json)
+    print(format_table(report))
+    print(f"report: {args.json}")
+    return 0

@@ -1,0 +1,139 @@
+"""The figures of `specdec bench methods`, from its timed requests: per method and turn group, ratios to plain
+decoding measured in the same run, and hybrid against the better of its parts. Pure: no models, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+OFF = "off"  # plain decoding: the baseline every ratio is over
+
+# Prompts: one group. Sessions: a session's first turn (nothing of it is cached yet) apart from the later ones.
+ALL, TURN_1, LATER_TURNS = "all", "turn_1", "turns_2_plus"
+
+# hybrid drafts with both of these; it is worth running only where it keeps up with the better of the two alone.
+HYBRID, HYBRID_PARTS, HYBRID_CRITERION = "hybrid", ("suffix", "draft_model"), 0.95
+
+
+@dataclass(frozen=True)
+class RequestRun:
+    """One request, generated alone (batch size 1)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    prompt_tokens: int
+    cached_tokens: int  # of the prompt, read from the target's prefix cache
+    seconds: float  # from adding the request to its last token: prefill included
+    decode_seconds: float  # after its first token
+    rounds: int
+    proposed: int
+    accepted: int
+
+    @property
+    def decode_tokens(self) -> int:
+        """The tokens after the first: what the rounds committed."""
+        return max(len(self.token_ids) - 1, 0)
+
+
+@dataclass(frozen=True)
+class Record:
+    """A request as one method ran it: `item` and `turn` name the same request in every method."""
+
+    method: str
+    item: str  # "prompt-N", or a session's id
+    turn: int  # from 1; always 1 for prompts
+    group: str  # ALL, TURN_1 or LATER_TURNS
+    run: RequestRun
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.item, self.turn
+
+
+def ratio(a: float, b: float) -> float | None:
+    """a / b; None where b is 0 (a group without decode time, say)."""
+    return a / b if b else None
+
+
+def group_figures(records: Sequence[Record], baseline: Mapping[tuple[str, int], tuple[int, ...]]) -> dict[str, Any]:
+    """One method's totals over one group of requests; `identical` counts those whose token ids equal the
+    baseline's (plain decoding's) for the same request."""
+    runs = [r.run for r in records]
+    tokens, decode_tokens = sum(len(r.token_ids) for r in runs), sum(r.decode_tokens for r in runs)
+    seconds, decode_seconds = sum(r.seconds for r in runs), sum(r.decode_seconds for r in runs)
+    rounds, proposed, accepted = (sum(getattr(r, f) for r in runs) for f in ("rounds", "proposed", "accepted"))
+    return {
+        "requests": len(runs),
+        "prompt_tokens": sum(r.prompt_tokens for r in runs),
+        "cached_tokens": sum(r.cached_tokens for r in runs),
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "decode_seconds": decode_seconds,
+        "tokens_per_s": ratio(tokens, seconds) or 0.0,
+        "decode_tokens_per_s": ratio(decode_tokens, decode_seconds) or 0.0,
+        "rounds": rounds,
+        "proposed": proposed,
+        "accepted": accepted,
+        "acceptance_rate": ratio(accepted, proposed) or 0.0,
+        "tokens_per_round": ratio(decode_tokens, rounds) or 0.0,
+        "identical": sum(r.run.token_ids == baseline.get(r.key) for r in records),
+    }
+
+
+def results(records: Sequence[Record], methods: Sequence[str], groups: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """{method: {group: figures}}, each with its speedups over plain decoding in the same group."""
+    baseline = {r.key: r.run.token_ids for r in records if r.method == OFF}
+    out = {m: {g: group_figures([r for r in records if r.method == m and r.group == g], baseline) for g in groups}
+           for m in methods}
+    for m in methods:
+        for g in groups:
+            figures, off = out[m][g], out[OFF][g]
+            figures["speedup"] = ratio(figures["tokens_per_s"], off["tokens_per_s"])
+            figures["decode_speedup"] = ratio(figures["decode_tokens_per_s"], off["decode_tokens_per_s"])
+    return out
+
+
+def hybrid_comparison(figures: Mapping[str, Mapping[str, Any]], group: str) -> dict[str, Any] | None:
+    """Hybrid's decode speed in `group` against the faster of its parts that ran; None without hybrid or parts."""
+    parts = [p for p in HYBRID_PARTS if p in figures]
+    if HYBRID not in figures or not parts:
+        return None
+    best = max(parts, key=lambda p: figures[p][group]["decode_tokens_per_s"])
+    rate, best_rate = figures[HYBRID][group]["decode_tokens_per_s"], figures[best][group]["decode_tokens_per_s"]
+    share = ratio(rate, best_rate)
+    return {"group": group, "best_part": best, "best_part_decode_tokens_per_s": best_rate,
+            "decode_tokens_per_s": rate, "ratio_to_best_part": share, "criterion": HYBRID_CRITERION,
+            "meets_criterion": share is not None and share >= HYBRID_CRITERION}
+
+
+def request_rows(records: Sequence[Record]) -> list[dict[str, Any]]:
+    baseline = {r.key: r.run.token_ids for r in records if r.method == OFF}
+    return [{"method": r.method, "item": r.item, "turn": r.turn, "group": r.group,
+             "prompt_tokens": r.run.prompt_tokens, "cached_tokens": r.run.cached_tokens,
+             "output_tokens": len(r.run.token_ids), "seconds": r.run.seconds, "decode_seconds": r.run.decode_seconds,
+             "rounds": r.run.rounds, "proposed": r.run.proposed, "accepted": r.run.accepted,
+             "identical": r.run.token_ids == baseline.get(r.key), "token_ids": list(r.run.token_ids),
+             "text": r.run.text}
+            for r in records]
+
+
+def _times(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def format_table(report: Mapping[str, Any]) -> str:
+    lines = [f"{'method':<12} {'group':<13} {'req':>4} {'out tok':>7} {'tok/s':>7} {'dec tok/s':>9} {'speedup':>7} "
+             f"{'dec spd':>7} {'acc/prop':>11} {'tok/rnd':>7} {'identical':>9}"]
+    for method, groups in report["results"].items():
+        for group, f in groups.items():
+            accepted = f"{f['accepted']}/{f['proposed']}" if f["proposed"] else "-"
+            lines.append(f"{method:<12} {group:<13} {f['requests']:>4} {f['output_tokens']:>7} "
+                         f"{f['tokens_per_s']:>7.2f} {f['decode_tokens_per_s']:>9.2f} {_times(f['speedup']):>7} "
+                         f"{_times(f['decode_speedup']):>7} {accepted:>11} {f['tokens_per_round']:>7.2f} "
+                         f"{str(f['identical']) + '/' + str(f['requests']):>9}")
+    hybrid = report.get("hybrid")
+    if hybrid is not None:
+        lines.append(f"hybrid / {hybrid['best_part']} (the faster part), decode tok/s in {hybrid['group']}: "
+                     f"{_times(hybrid['ratio_to_best_part'])} (criterion >= {hybrid['criterion']:.2f}x: "
+                     f"{'met' if hybrid['meets_criterion'] else 'NOT met'})")
+    return "\n".join(lines)
