@@ -32,6 +32,8 @@ def register(sub: Any) -> None:
     gen.add_argument("--max-tokens", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--num-speculative-tokens", default=None, help="N (0 = off) or auto; default: the server's")
+    gen.add_argument("--speculation-method", default="",
+                     help="auto, none, or a method the server runs (draft_model, suffix, ngram); default: auto")
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     gen.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
     gen.add_argument("--auth-token", default=auth_token(),
@@ -57,6 +59,7 @@ def build_request(args: argparse.Namespace) -> Any:
     return generate_request(
         prompt, messages=messages, raw=args.raw, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         max_tokens=args.max_tokens, stop=args.stop, speculation=parse_speculation(args.num_speculative_tokens),
+        speculation_method=args.speculation_method,
     )
 
 

@@ -139,10 +139,11 @@ def generate_request(
     speculation: Speculation = None,
     request_id: str = "",
     cache_salt: str = "",
+    speculation_method: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest; unset optional fields stay unset, so the server's defaults apply."""
     request = pb.GenerateRequest(request_id=request_id, raw_prompt=raw, prompt_token_ids=list(token_ids),
-                                 cache_salt=cache_salt)
+                                 cache_salt=cache_salt, speculation_method=speculation_method)
     if prompt is not None:
         request.prompt = prompt
     for role, content in messages:

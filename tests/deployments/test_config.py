@@ -24,6 +24,8 @@ def test_unknown_keys_are_named():
     [
         ({}, "target"),
         ({"target": {"model": "m"}, "draft": {"method": "draft_model"}}, "draft"),
+        ({"target": {"model": "m"}, "draft": {"method": "hybrid"}}, "draft"),  # hybrid runs a draft model too
+        ({"target": {"model": "m"}, "draft": {"method": "hybrid", "model": "d", "suffix_min_prob": 2}}, "draft.suffix_min_prob"),
         ({"target": {"model": "m"}, "draft": {"method": "beam"}}, "draft.method"),
         ({"target": {"model": "m", "dtype": "int4"}}, "target.dtype"),
         ({"target": {"model": "m"}, "grpc_port": 0}, "grpc_port"),

@@ -25,3 +25,16 @@ def test_specdec_generate_prints_the_text_and_the_stats(served):
         want = pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=60)
     assert result.stdout.rstrip("\n") == want.text.rstrip("\n")
     assert "proposed" in result.stderr and "accepted" in result.stderr
+
+
+def test_specdec_generate_sends_speculation_method(served):
+    """`none` is plain decoding (nothing proposed); a method the server does not run is refused naming the field."""
+    address, _ = served
+    command = [sys.executable, "-m", "specdec_tools.cli", "generate", "--address", address, "--max-tokens", "6"]
+    plain = subprocess.run([*command, "--speculation-method", "none", "hello there"], capture_output=True, text=True,
+                           timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    assert "proposed 0," in plain.stderr, plain.stderr
+    refused = subprocess.run([*command, "--speculation-method", "suffix", "hello there"], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode != 0 and "speculation_method" in refused.stderr
