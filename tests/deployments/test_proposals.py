@@ -66,7 +66,8 @@ APP = "specdec-log"
 
 @pytest.fixture(scope="module")
 def served_logging(served, tmp_path_factory):
-    """A second application on the session's Serve: the same pair, every request logged with probabilities."""
+    """A second application on the session's Serve: the same pair drafting by `hybrid` (draft workers for the model,
+    the suffix structure in the router), every request logged with probabilities."""
     from ray import serve
 
     from deployments.app import build_app
@@ -77,7 +78,7 @@ def served_logging(served, tmp_path_factory):
     config = parse_config({
         **base.model_dump(mode="json"),
         "app_name": APP,
-        "draft": {**base.draft.model_dump(mode="json"), "num_replicas": 1},
+        "draft": {**base.draft.model_dump(mode="json"), "method": "hybrid", "num_replicas": 1},
         "proposal_log": {"directory": str(directory), "sample_rate": 1.0, "include_probs": True},
     })
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
@@ -111,8 +112,10 @@ def test_served_records_carry_the_models_probabilities(served_logging, tiny_dir,
     target, draft = load_model(tiny_dir / "target", dtype="float32"), load_model(near_draft_dir, dtype="float32")
     prompt = list(range(5, 30))
     # top_k 50 < the drafter's q support (128): the q it draws from is exactly the processed distribution.
+    # The greedy request again: its answer is in the router's suffix structure now, which proposes it.
     cases = {"greedy": dict(max_tokens=20, ignore_eos=True),
-             "sampled": dict(max_tokens=20, temperature=0.8, top_k=50, seed=3, ignore_eos=True)}
+             "sampled": dict(max_tokens=20, temperature=0.8, top_k=50, seed=3, ignore_eos=True),
+             "greedy-again": dict(max_tokens=20, ignore_eos=True)}
     everything, accepted_with_probs = [], 0
     for name, sampling in cases.items():
         params = SamplingParams(**sampling)
@@ -128,6 +131,10 @@ def test_served_records_carry_the_models_probabilities(served_logging, tiny_dir,
             for i, token in enumerate(drafts):
                 row = len(prompt) + r["position"] + i - 1  # the logits that predict draft i
                 assert abs(r["p"][i] - reference_prob(target_logits[row], token, params)) < 1e-4
+                if r["method"] == "suffix":  # a point mass
+                    assert r["q"][i] == 1.0
+                    continue
+                assert r["method"] == "draft_model"
                 assert abs(r["q"][i] - reference_prob(draft_logits[row], token, params)) < 1e-4
                 if params.greedy:  # a greedy draft is the draft's argmax; an accepted one is the target's too
                     assert abs(r["q"][i] - float(draft_logits[row].softmax(-1).max())) < 1e-4
@@ -135,6 +142,7 @@ def test_served_records_carry_the_models_probabilities(served_logging, tiny_dir,
                         assert abs(r["p"][i] - float(target_logits[row].softmax(-1).max())) < 1e-4
         everything += records
         accepted_with_probs += sum(r["accepted"] for r in records)
+    assert {r["method"] for r in everything} == {"draft_model", "suffix"}
     summary = summarize(everything)
     assert summary["mean_probs"]["accepted"]["n"] == accepted_with_probs > 0
     assert "mean draft q / target p" in format_summary(summary)
