@@ -1,8 +1,9 @@
 """From logits to the distribution a request samples from, and drawing from it with randomness passed in.
 
 Speculative sampling is exact with respect to whatever distribution the target would sample from alone. Here that
-is the *processed* distribution: logits / temperature, then top-k, then top-p (nucleus), renormalised. The
-draft's q is processed the same way; rejection sampling is exact for any q, this only makes it agree more often.
+is the *processed* distribution: a grammar's mask if the request has one (structured output), then logits /
+temperature, then top-k, then top-p (nucleus), renormalised. The draft's q is processed the same way; rejection
+sampling is exact for any q, this only makes it agree more often.
 """
 
 from __future__ import annotations
@@ -14,12 +15,26 @@ import torch
 from specdec_core.config import TokenShaping
 
 
+def mask_logits(
+    logits: torch.Tensor,  # [N, V]
+    allowed: torch.Tensor,  # [N, V] bool, each row with at least one True
+) -> torch.Tensor:  # [N, V]
+    """Logits with the disallowed tokens at -inf: softmax then renormalises over the allowed ones, and argmax
+    picks among them."""
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def processed_probs(
     logits: torch.Tensor,  # [N, V] float32
     temperature: torch.Tensor,  # [N] > 0
     top_k: torch.Tensor,  # [N] long, 0 = off
     top_p: torch.Tensor,  # [N] in (0, 1], 1 = off
+    allowed: torch.Tensor | None = None,  # [N, V] bool: a grammar's mask, applied first
 ) -> torch.Tensor:  # [N, V] rows sum to 1
+    # The mask comes before temperature, top-k and top-p, which then shape the law *under the grammar*: a top-k or
+    # top-p applied first could keep only tokens the grammar forbids, and leave nothing to sample.
+    if allowed is not None:
+        logits = mask_logits(logits, allowed)
     logits = logits / temperature.unsqueeze(-1)
     use_k = bool((top_k > 0).any())
     use_p = bool((top_p < 1).any())

@@ -42,6 +42,26 @@ def test_processed_probs_matches_reference(temperature, top_k, top_p):
         torch.testing.assert_close(got[row], _reference(logits[row].tolist(), temperature, top_k, top_p))
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.5, 2, 1.0), (1.0, 0, 0.6), (0.8, 3, 0.9)])
+def test_a_mask_applies_before_shaping(temperature, top_k, top_p):
+    """Masked, the law is the shaped law of the allowed tokens alone: top-k and top-p rank only allowed tokens,
+    and nothing outside the mask keeps any mass."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 9, generator=gen, dtype=torch.float64)
+    allowed = torch.rand(5, 9, generator=gen) < 0.5  # [5, 9]
+    allowed[:, 0] = True  # never empty
+    allowed[4] = False
+    allowed[4, 7] = True  # a forced token: all the mass, whatever the logits
+    got = processed_probs(logits, torch.full((5,), temperature), torch.full((5,), top_k),
+                          torch.full((5,), top_p, dtype=torch.float64), allowed)
+    for row in range(5):
+        keep = allowed[row].nonzero().flatten()
+        want = torch.zeros(9, dtype=torch.float64)
+        want[keep] = _reference(logits[row, keep].tolist(), temperature, top_k, top_p)
+        torch.testing.assert_close(got[row], want)
+    assert got[4, 7] == 1.0
+
+
 def test_rows_keep_their_own_settings():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 3)
     got = processed_probs(logits, torch.tensor([1.0, 1.0, 1.0]), torch.tensor([1, 0, 2]), torch.tensor([1.0, 1.0, 1.0]))
