@@ -202,7 +202,15 @@ def decode_distributions(rows: Sequence[wpb.SparseDistribution], vocab_size: int
     return SparseQ.from_rows(ids, probs)
 
 
+def _refuse_masks(items: Sequence[PrefillItem | VerifyItem]) -> None:
+    """The wire has no field for a grammar's masks yet: a constrained row must fail rather than be sampled from the
+    unmasked p. (Requests reach the served engine without constraints, so none gets here.)"""
+    if any(item.allowed is not None for item in items):
+        raise InvalidArgument("constraint", "structured output is not served yet: a target worker cannot take masks")
+
+
 def encode_prefill(items: Sequence[PrefillItem]) -> wpb.PrefillRequest:
+    _refuse_masks(items)
     request = wpb.PrefillRequest()
     for item in items:
         msg = request.items.add(seq_id=item.seq_id, prompt_token_ids=list(item.prompt_ids))
@@ -262,6 +270,7 @@ def decode_started(response: wpb.StartResponse, num_items: int) -> list[int]:
 
 
 def encode_verify(items: Sequence[VerifyItem]) -> wpb.VerifyRequest:
+    _refuse_masks(items)
     request = wpb.VerifyRequest()
     for item in items:
         msg = request.items.add(

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from specdec_core.errors import InvalidArgument
+from specdec_core.grammar.constraint import Constraint
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -37,7 +38,10 @@ class TokenShaping:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens: the token shaping (see `TokenShaping`), then the request's seed and stopping rules."""
+    """How to pick tokens: the token shaping (see `TokenShaping`), then the request's seed and stopping rules, and
+    the language the output must belong to (`constraint`, None: any text). A constrained output ends where its
+    grammar does: eos is allowed only where the grammar can end, and is the only token allowed once it must. So
+    `ignore_eos` with a constraint is refused: an output past its end could only repeat eos."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -46,6 +50,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         _check_shaping(self.temperature, self.top_p, self.top_k)
@@ -62,6 +67,9 @@ class SamplingParams:
             if len(s) > MAX_STOP_LENGTH:
                 raise InvalidArgument("stop", f"a stop string is longer than {MAX_STOP_LENGTH} characters")
         object.__setattr__(self, "stop", stops)
+        if self.constraint is not None and self.ignore_eos:
+            raise InvalidArgument("ignore_eos", f"cannot be set with a {self.constraint.kind} constraint: the output "
+                                                "ends where the grammar does")
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,12 @@ pass per draft position), the target scores every row's last committed token plu
 forward, and rejection sampling decides what is kept. Sequences join (prefill) and leave between rounds.
 Plain decoding is the same round with k = 0, so the baseline shares every line of code but the drafter.
 
-The engine owns what is per request (randomness, k, stopping, text); the drafter and the `Target` own the
+A request may constrain its output (`SamplingParams.constraint`): its sequence then holds a `GrammarState`, moved
+by the tokens it commits, whose masks go with every call that samples for it (the target's prefill and verify, the
+draft model's steps). Tokens the grammar forces are verified as a proposal that needs no draft call, and where
+they end the output they are committed with no forward pass at all; docs/engine.md says why each step is exact.
+
+The engine owns what is per request (randomness, k, stopping, text, grammar); the drafter and the `Target` own the
 models. Both may run in this process or behind an RPC boundary (the server's router runs this same engine).
 """
 
@@ -23,12 +28,18 @@ from specdec_core.adaptive import AcceptanceEstimate, AdaptivePolicy, CostModel,
 from specdec_core.config import AUTO, SamplingParams, parse_num_speculative_tokens
 from specdec_core.drafters.base import DraftRequest, Drafter, Hybrid, Proposal
 from specdec_core.errors import InvalidArgument
+from specdec_core.grammar.compiler import CompiledGrammar, GrammarCompiler
+from specdec_core.grammar.constraint import Constraint
+from specdec_core.grammar.masks import draft_masks, verify_masks
+from specdec_core.grammar.state import GrammarState
 from specdec_core.stopping import FinishReason, IncrementalDetokenizer, StopChecker
 from specdec_core.target import PartialVerifyFailure, PrefillItem, Target, VerifyItem
 
 log = logging.getLogger(__name__)
 
 NO_SPECULATION = "none"  # a request's `speculation_method` for plain decoding
+FORCED = "forced"  # `RoundInfo.method` of a round that verified (or committed) the tokens a grammar forces
+FORCED_LOOKAHEAD = 32  # forced tokens looked for per round: a longer run is taken over several rounds
 UNTRIED_LABEL_TRIALS = 2.0  # a free proposal's label with fewer (decayed) trials at its first position is explored
 
 
@@ -113,6 +124,7 @@ class _Sequence:
     free_allowed: bool = True
     free_started: bool = False  # the free drafter holds state for it
     free_failed: bool = False  # the free drafter failed it: the request goes on without free proposals
+    grammar: GrammarState | None = None  # a constrained request's, after its committed output (never its drafts)
     stats: SpecStats = SpecStats()
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     emitted_text: int = 0
@@ -146,6 +158,7 @@ class SpecEngine:
         self.acceptance_by_label: dict[str, AcceptanceEstimate] = {}
         self._waiting: list[_Sequence] = []
         self._running: dict[str, _Sequence] = {}
+        self._grammars: GrammarCompiler | None = None  # built for the first constrained request (`_compile`)
 
     # -- requests ------------------------------------------------------------------------------------------------
 
@@ -163,12 +176,14 @@ class SpecEngine:
         `return_probs`: each round's `RoundInfo` carries q and p of the proposed tokens (a softmax per row more).
         `cache_salt`: the target and the drafter share cached prefixes only among requests of the same salt (None:
         the shared namespace of requests without one). `speculation_method`: narrows drafting to one of `methods`,
-        or "none" (plain decoding); None or "auto": the engine chooses among all it runs."""
+        or "none" (plain decoding); None or "auto": the engine chooses among all it runs. `params.constraint` is
+        compiled here: one that does not compile is `InvalidArgument` naming its kind."""
         if seq_id in self._running or any(s.seq_id == seq_id for s in self._waiting):
             raise InvalidArgument("seq_id", f"request {seq_id!r} is already running")
         prompt = self._check_prompt(prompt_ids, params)
         model_allowed, free_allowed = self._allowed(speculation_method)
         k = self._k_setting(num_speculative_tokens) if model_allowed or free_allowed else 0
+        grammar = None if params.constraint is None else GrammarState(self._compile(params.constraint))
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         stopper = StopChecker(
@@ -179,9 +194,17 @@ class SpecEngine:
             num_prompt_tokens=len(prompt),
         )
         seq = _Sequence(seq_id, list(prompt), len(prompt), params, k, generator, stopper, return_probs, cache_salt,
-                        model_allowed=model_allowed, free_allowed=free_allowed)
+                        model_allowed=model_allowed, free_allowed=free_allowed, grammar=grammar)
         seq.estimate = AcceptanceEstimate.starting_from(self.acceptance, self.config.max_speculative_tokens)
         self._waiting.append(seq)
+
+    def _compile(self, constraint: Constraint) -> CompiledGrammar:
+        """The compiler is built with the first constrained request: its tables of the tokenizer take seconds at a
+        large vocabulary, which an engine never asked for structured output should not pay. Its masks span the
+        target's logits (`vocab_size`), eos allowed exactly where the grammar can end."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars.compile(constraint)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -280,7 +303,8 @@ class SpecEngine:
             return []
         items = [
             PrefillItem(seq.seq_id, seq.tokens, seq.params.shaping,
-                        None if seq.params.greedy else float(seq.uniform(1)), seq.cache_salt)
+                        None if seq.params.greedy else float(seq.uniform(1)), seq.cache_salt,
+                        None if seq.grammar is None else verify_masks(seq.grammar, []))
             for seq in admitted
         ]
         try:
@@ -299,22 +323,42 @@ class SpecEngine:
 
     def _round(self, seqs: list[_Sequence]) -> list[RequestOutput]:
         """One round for `seqs`. Should the drafter or the target fail, every sequence of the round ends with
-        an error and its state is released: a failed call leaves caches in no known state."""
+        an error and its state is released: a failed call leaves caches in no known state. A constrained row whose
+        grammar forces the rest of its output commits it without taking part (`_commit_forced`)."""
         try:
-            offers = self._free_proposals(seqs)
+            forced = self._forced(seqs)
+        except Exception as exc:
+            return self._fail(seqs, exc)
+        ending = [self._completes(seq, chain) for seq, chain in zip(seqs, forced)]
+        outputs = [self._commit_forced(seq, chain) for seq, chain, end in zip(seqs, forced, ending) if end]
+        rest = [(seq, chain[: self._spec_cap(seq)]) for seq, chain, end in zip(seqs, forced, ending) if not end]
+        if rest:
+            outputs += self._speculate([seq for seq, _ in rest], [chain for _, chain in rest])
+        return outputs
+
+    def _fail(self, seqs: list[_Sequence], exc: Exception) -> list[RequestOutput]:
+        log.warning("a round of %d sequences failed: %s", len(seqs), exc, exc_info=True)
+        for seq in seqs:
+            self._free(seq)
+        return [self._final(seq, FinishReason.ERROR, exc) for seq in seqs]
+
+    def _speculate(self, seqs: list[_Sequence], forced: list[list[int]]) -> list[RequestOutput]:
+        """Draft, verify and accept for `seqs`; a row with `forced` tokens verifies them instead of drafting."""
+        try:
+            offers = self._free_proposals(seqs, forced)
             ks, takes_free = self._choose_ks(seqs, offers)
+            for i, chain in enumerate(forced):  # forced tokens: all a round can commit, for no draft call
+                if chain:
+                    ks[i], takes_free[i] = 0, True
             if self.drafter is not None and any(ks):
                 ks = self._start_drafting(seqs, ks)
-            proposals = [offer if free else self._trim(p, len(seqs))
-                         for p, offer, free in zip(self._propose(seqs, ks), offers, takes_free)]
+            proposals = [offer if free else self._trim(self._cut(seq, p), len(seqs))
+                         for seq, p, offer, free in zip(seqs, self._propose(seqs, ks), offers, takes_free)]
             items = [self._verify_item(seq, proposal) for seq, proposal in zip(seqs, proposals)]
             t0 = time.perf_counter()
             outcomes, failed = self._verify(items)
         except Exception as exc:
-            log.warning("a round of %d sequences failed: %s", len(seqs), exc, exc_info=True)
-            for seq in seqs:
-                self._free(seq)
-            return [self._final(seq, FinishReason.ERROR, exc) for seq in seqs]
+            return self._fail(seqs, exc)
         if not failed:
             self.costs.observe_verify(len(seqs), 1 + max(len(p.token_ids) for p in proposals), time.perf_counter() - t0)
         outputs = []
@@ -324,7 +368,7 @@ class SpecEngine:
                 outputs.append(self._final(seq, FinishReason.ERROR, failed[i]))
                 continue
             draft, n = proposal.token_ids, outcome.num_accepted
-            method = self.free_drafter.name if free else self.drafter.name if k > 0 else None
+            method = FORCED if forced[i] else self.free_drafter.name if free else self.drafter.name if k > 0 else None
             info = RoundInfo(k=len(draft) if free else k, proposed_token_ids=tuple(draft), num_accepted=n,
                              bonus=n == len(draft), draft_probs=proposal.draft_probs,
                              target_probs=outcome.target_probs, method=method)
@@ -349,7 +393,9 @@ class SpecEngine:
 
     @staticmethod
     def _verify_item(seq: _Sequence, proposal: Proposal) -> VerifyItem:
-        """The target's share of the round; randomness drawn in a fixed order (accept tests, then the sample)."""
+        """The target's share of the round; randomness drawn in a fixed order (accept tests, then the sample).
+        A constrained row's masks are its grammar's along the drafts (`verify_masks`: a proposal that leaves the
+        grammar here has a q, and is verified whole)."""
         n = len(proposal.token_ids)
         greedy = seq.params.greedy
         return VerifyItem(
@@ -361,7 +407,18 @@ class SpecEngine:
             uniform_accept=None if greedy else seq.uniform(n),
             uniform_sample=None if greedy else float(seq.uniform(1)),
             return_probs=seq.return_probs,
+            allowed=None if seq.grammar is None else verify_masks(seq.grammar, proposal.token_ids),
         )
+
+    @staticmethod
+    def _cut(seq: _Sequence, proposal: Proposal) -> Proposal:
+        """A constrained row's point-mass proposal (an n-gram's, a suffix's, greedy drafts) cut where it leaves the
+        grammar: exact, the cut position sampled from the masked p as the residual of a point mass would be. A
+        proposal with a q is never cut: drawn from the masked q it stays in the grammar, and one drawn from any
+        other q is exact only verified whole (`grammar/masks.py`)."""
+        if seq.grammar is None or proposal.q is not None or not proposal.token_ids:
+            return proposal
+        return proposal.prefix(draft_masks(seq.grammar, proposal.token_ids).num_valid)
 
     def _choose_ks(self, seqs: list[_Sequence], offers: list[Proposal | None]) -> tuple[list[int], list[bool]]:
         """Each sequence's k this round (its fixed k, or the batch's adaptive k; capped by its room left), and
@@ -401,16 +458,19 @@ class SpecEngine:
 
     # -- free proposals (hybrid drafting) -------------------------------------------------------------------------
 
-    def _free_proposals(self, seqs: list[_Sequence]) -> list[Proposal | None]:
-        """The free drafter's proposal for each sequence that may use one (None elsewhere), cut by its label's
-        record. A lookup, no model call: made before k is chosen, so the choice can weigh it."""
-        offers: list[Proposal | None] = [None] * len(seqs)
+    def _free_proposals(self, seqs: list[_Sequence], forced: list[list[int]]) -> list[Proposal | None]:
+        """Each row's proposal that costs no draft call (None where it has none): its `forced` tokens, else the free
+        drafter's, cut where it leaves the row's grammar and by its label's record. A lookup, no model call: made
+        before k is chosen, so the choice can weigh it."""
+        offers: list[Proposal | None] = [self._forced_proposal(seq, chain) if chain else None
+                                         for seq, chain in zip(seqs, forced)]
         if self.free_drafter is None:
             return offers
-        caps = [self._free_cap(seq) for seq in seqs]
+        caps = [0 if chain else self._free_cap(seq) for seq, chain in zip(seqs, forced)]
         rows = [i for i, cap in enumerate(caps) if cap > 0 and self._start_free(seqs[i])]
         if not rows:
             return offers
+        # Without the grammar: the free drafter's proposals are point masses, cut where they leave it (`_cut`).
         requests = [DraftRequest(seqs[i].seq_id, seqs[i].tokens, caps[i], seqs[i].params.shaping, None,
                                  seqs[i].return_probs) for i in rows]
         try:
@@ -422,16 +482,50 @@ class SpecEngine:
                 self._stop_free(seqs[i])
             return offers
         for i, proposal in zip(rows, proposals):
+            proposal = self._cut(seqs[i], proposal)
             if proposal.token_ids:
                 offers[i] = self._trim(proposal, len(seqs))
         return offers
 
     def _free_cap(self, seq: _Sequence) -> int:
-        """The longest free proposal `seq` may verify: its fixed k (else the largest), within its room."""
+        """The longest free proposal `seq` may verify (0 where it may not use the free drafter)."""
         if not seq.free_allowed or seq.free_failed or seq.k_setting == 0:
             return 0
+        return self._spec_cap(seq)
+
+    def _spec_cap(self, seq: _Sequence) -> int:
+        """The longest proposal `seq` may verify this round: its fixed k (else the largest), within its room."""
         k = self.config.max_speculative_tokens if seq.k_setting == AUTO else int(seq.k_setting)
         return max(0, min(k, self._room(seq) - 1))
+
+    # -- forced tokens (structured output) ------------------------------------------------------------------------
+
+    def _forced(self, seqs: list[_Sequence]) -> list[list[int]]:
+        """Per row, the tokens its grammar forces next (one allowed token at each position), at most its room.
+        Only for rows that speculate: a request at k = 0 (plain decoding) stays token by token."""
+        return [seq.grammar.forced(min(self._room(seq), FORCED_LOOKAHEAD))
+                if seq.grammar is not None and seq.k_setting != 0 else [] for seq in seqs]
+
+    def _completes(self, seq: _Sequence, chain: list[int]) -> bool:
+        """The forced tokens end the output: they reach an eos, or fill the room it has left."""
+        return bool(chain) and (chain[-1] in self.eos_token_ids or len(chain) >= self._room(seq))
+
+    @staticmethod
+    def _forced_proposal(seq: _Sequence, chain: list[int]) -> Proposal:
+        """Forced tokens as a point-mass proposal. Masked, p and q are 1 on each: always accepted, and the bonus
+        position after them is sampled from the masked p as any other. No label: its record would always be 1."""
+        return Proposal(list(chain), None, (1.0,) * len(chain) if seq.return_probs else None)
+
+    def _commit_forced(self, seq: _Sequence, chain: list[int]) -> RequestOutput:
+        """Commit forced tokens that end the output, with no forward pass: masked, p is 1 on each whatever the
+        target's logits, so verifying them could only accept them; their eos (or the room filled) ends the output,
+        so no later round needs the target's cache to hold them. `ignore_eos` is refused with a constraint."""
+        n = len(chain)
+        seq.stats = SpecStats(seq.stats.rounds + 1, seq.stats.proposed + n, seq.stats.accepted + n)
+        ones = (1.0,) * n if seq.return_probs else None
+        info = RoundInfo(k=n, proposed_token_ids=tuple(chain), num_accepted=n, bonus=False, draft_probs=ones,
+                         target_probs=ones, method=FORCED)
+        return self._commit(seq, chain, info)
 
     def _start_free(self, seq: _Sequence) -> bool:
         """Start `seq` on the free drafter (it indexes the context: no model runs). False where that failed."""
@@ -521,6 +615,7 @@ class SpecEngine:
                 shaping=seqs[i].params.shaping,
                 uniform=None if seqs[i].params.greedy else seqs[i].uniform(ks[i]),
                 return_probs=seqs[i].return_probs,
+                grammar=seqs[i].grammar,  # a draft model masks its q with it; point-mass drafters may ignore it
             )
             for i in rows
         ]
@@ -556,6 +651,12 @@ class SpecEngine:
     def _commit(self, seq: _Sequence, tokens: list[int], info: RoundInfo | None) -> RequestOutput:
         committed = seq.stopper.commit(tokens)
         seq.tokens.extend(committed)
+        if seq.grammar is not None and seq.grammar.advance(committed) != len(committed):
+            # Every token was sampled under the grammar's masks: one it refuses is the engine's fault (or a target
+            # that ignored the masks), and the grammar's state no longer says where the output is.
+            self._free(seq)
+            return self._final(seq, FinishReason.ERROR, RuntimeError(
+                f"{seq.seq_id}: committed tokens {committed} leave the {seq.params.constraint.kind} constraint"))
         reason = seq.stopper.finish_reason
         if reason is None:
             if seq.drafting:

@@ -16,9 +16,9 @@ from specdec_core.config import TokenShaping
 
 
 def mask_logits(
-    logits: torch.Tensor,  # [N, V]
-    allowed: torch.Tensor,  # [N, V] bool, each row with at least one True
-) -> torch.Tensor:  # [N, V]
+    logits: torch.Tensor,  # [..., V]
+    allowed: torch.Tensor,  # [..., V] bool, each row with at least one True
+) -> torch.Tensor:  # [..., V]
     """Logits with the disallowed tokens at -inf: softmax then renormalises over the allowed ones, and argmax
     picks among them."""
     return logits.masked_fill(~allowed, float("-inf"))

@@ -8,6 +8,10 @@ protocol.
 Per sequence the target's cache holds every committed token but the last, which the next `verify` reads
 together with the drafts; after acceptance the cache is rolled back to that invariant by moving its length.
 
+A constrained row (structured output) comes with the masks of its grammar, one per position it samples at; they
+apply to the logits before anything else (greedy argmax, the first token's sampling, rejection sampling: all of
+them then see the masked p), so the target never needs to know what grammar a row follows.
+
 With prefix caching a prefill starts each prompt from the longest prefix its salt has cached (all of the prompt but
 its last token at most: the last is computed for the first token's logits) and computes only the rest.
 """
@@ -21,9 +25,10 @@ import torch
 
 from specdec_core.config import TokenShaping
 from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.grammar.bits import PackedMasks
 from specdec_core.rejection import VerifyResult, greedy_accept, rejection_sample
 from specdec_core.runner import ModelRunner
-from specdec_core.sampling import processed_probs, sample_from, token_probs
+from specdec_core.sampling import mask_logits, processed_probs, sample_from, token_probs
 from specdec_core.sparse_q import SparseQ
 
 PREFILL_BATCH = 16  # prompts of one length prefilled together
@@ -36,6 +41,7 @@ class PrefillItem:
     shaping: TokenShaping
     uniform: float | None  # in [0, 1): draws the first token; None when greedy
     cache_salt: str | None = None  # prefix caching: share cached prefixes only with sequences of this salt
+    allowed: PackedMasks | None = None  # [1, W]: the tokens its grammar allows first; None: unconstrained
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,9 @@ class VerifyItem:
     uniform_accept: torch.Tensor | None  # [len(draft_token_ids)] float64 in [0, 1); None when greedy
     uniform_sample: float | None  # draws the recovered or bonus token; None when greedy
     return_probs: bool = False  # also report p of each draft token (`VerifyOutcome.target_probs`)
+    # [len(draft_token_ids) + 1, W]: the tokens its grammar allows at each position (row i masks the logits that
+    # judge draft i; the last, the bonus token's); None: unconstrained.
+    allowed: PackedMasks | None = None
 
 
 @dataclass(frozen=True)
@@ -133,7 +142,8 @@ class LocalTarget:
                 prompt = list(item.prompt_ids)
                 slot = self._slots[item.seq_id] = self.runner.allocate(prompt[:-1], item.cache_salt)
                 cached.append(self.runner.length(slot))
-            logits = self._prefill_logits(items, cached)  # [A, V]
+            logits = self._prefill_logits(items, cached).unsqueeze(1)  # [A, 1, V]
+            logits = _masked(logits, [item.allowed for item in items])[:, 0]  # [A, V]
         except Exception:
             for item in items:
                 self.release(item.seq_id)
@@ -173,7 +183,7 @@ class LocalTarget:
         slots = [self._slot(item.seq_id) for item in items]
         starts = [self.runner.length(slot) for slot in slots]
         feeds = [[item.last_token_id, *item.draft_token_ids] for item in items]
-        logits = self.runner.extend(slots, feeds, all_logits=True)  # [B, T, V]
+        logits = _masked(self.runner.extend(slots, feeds, all_logits=True), [i.allowed for i in items])  # [B, T, V]
         result = self._accept(items, logits)
         probs = _draft_token_probs(items, logits)
         outcomes = []
@@ -236,6 +246,21 @@ class LocalTarget:
             uniform_accept.to(device, p.dtype),
             uniform_sample.to(device, p.dtype),
         )
+
+
+def _masked(
+    logits: torch.Tensor,  # [B, T, V]
+    masks: Sequence[PackedMasks | None],  # per row: [<= T, W], or None
+) -> torch.Tensor:  # [B, T, V]
+    """The logits with what each row's grammar forbids at -inf; rows without masks, and positions past a row's
+    masks (padding), as they were."""
+    rows = [b for b, m in enumerate(masks) if m is not None]
+    if not rows:
+        return logits
+    allowed = torch.ones(logits.shape, dtype=torch.bool)  # [B, T, V]
+    for b in rows:
+        allowed[b, : len(masks[b])] = masks[b].dense()  # [n, V]
+    return mask_logits(logits, allowed.to(logits.device))
 
 
 def _dense_q(items: Sequence[VerifyItem], K: int, p: torch.Tensor) -> torch.Tensor | None:  # [S, K, V]

@@ -4,6 +4,11 @@ A drafter sees each sequence's committed tokens and proposes up to k more. It ma
 draft model keeps a KV cache) and learns which of its proposals were kept through `observe`, which gives the new
 committed length: state past that length must be rolled back.
 
+A constrained sequence (structured output) hands the drafter its grammar (`DraftGrammar`). A drafter that samples
+from a distribution must mask it with the grammar at each draft step and draw from the masked q: cutting a
+proposal drawn from an unmasked q where it leaves the grammar would bias the output (`grammar/masks.py`). A
+deterministic drafter may ignore the grammar: the engine cuts its proposals where they leave it, which is exact.
+
 Each drafting method also describes itself (`DraftMethod`), in its own file, for the registry
 (`drafters.registry`) that the in-process builder, the router and the Serve application choose from.
 """
@@ -22,6 +27,22 @@ if TYPE_CHECKING:
     from specdec_core.runner import ModelRunner
 
 
+class DraftGrammar(Protocol):
+    """A sequence's place in its grammar, as a drafter reads it (`grammar.GrammarState` is one). A drafter may move
+    it along its drafts, and must leave it where it found it: as many `rollback` as `advance`d."""
+
+    def allowed_mask(self) -> torch.Tensor:  # [V] bool: the tokens allowed next, on the target's vocabulary
+        ...
+
+    def advance(self, token_ids: list[int]) -> int:
+        """Take tokens in order while the grammar allows them; how many were taken."""
+
+    def rollback(self, n: int) -> None: ...
+
+    def is_terminated(self) -> bool:
+        """An eos was taken: nothing after it will be committed."""
+
+
 @dataclass(frozen=True)
 class DraftRequest:
     """One sequence's share of a batched `propose` call."""
@@ -32,6 +53,7 @@ class DraftRequest:
     shaping: TokenShaping  # the request's token shaping; the draft samples from q shaped alike
     uniform: torch.Tensor | None  # [k] in [0, 1): randomness for sampling drafts; None when greedy
     return_probs: bool = False  # also report q of each proposed token (`Proposal.draft_probs`)
+    grammar: DraftGrammar | None = None  # a constrained sequence's grammar after its committed tokens
 
 
 @dataclass(frozen=True)

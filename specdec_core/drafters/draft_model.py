@@ -11,7 +11,7 @@ from specdec_core.config import TokenShaping
 from specdec_core.drafters.base import DraftContext, DraftMethod, DraftRequest, Proposal
 from specdec_core.errors import InvalidArgument
 from specdec_core.runner import ModelRunner
-from specdec_core.sampling import processed_probs, sample_from, token_probs
+from specdec_core.sampling import mask_logits, processed_probs, sample_from, token_probs
 from specdec_core.sparse_q import SparseQ
 
 
@@ -37,7 +37,9 @@ class DraftModelDrafter:
     The draft cache holds every committed token the draft has read. Each round first feeds the committed tokens
     it has not read yet (usually the last round's recovered or bonus token, plus the last accepted draft), then
     one token per step; `observe` truncates it back to the committed prefix. With prefix caching on the runner,
-    `start` reads only what the cache lacks of the context, exactly as the target's prefill does.
+    `start` reads only what the cache lacks of the context, exactly as the target's prefill does. A constrained
+    row (`DraftRequest.grammar`) masks its logits at each step with its grammar after the drafts so far, and stops
+    at an eos: its q is the masked draft's, as exactness requires (`drafters/base.py`).
     """
 
     name = "draft_model"
@@ -85,22 +87,34 @@ class DraftModelDrafter:
         for i in rows:
             slot = self._slots[requests[i].seq_id]
             feeds[i] = self._catch_up(slot, self._readable(requests[i].token_ids[self.runner.length(slot) :]))
-        step = 0
-        while rows:
-            slots = [self._slots[requests[i].seq_id] for i in rows]
-            logits = self._align(self.runner.extend(slots, [feeds[i] for i in rows]))  # [len(rows), V]
-            batch = [requests[i] for i in rows]
-            picked, drawn = self._pick(logits, batch, step)
-            picked_probs = _picked_probs(logits, batch, picked, drawn)
-            for j, i in enumerate(rows):
-                tokens[i].append(picked[j])
-                if drawn[j] is not None:
-                    qs[i].append(drawn[j])
-                if picked_probs[j] is not None:
-                    chosen[i].append(picked_probs[j])
-                feeds[i] = [picked[j]]
-            step += 1
-            rows = [i for i in rows if requests[i].num_tokens > step]
+        advanced = [0] * len(requests)  # drafts each row's grammar was moved along: moved back before returning
+        try:
+            step = 0
+            while rows:
+                slots = [self._slots[requests[i].seq_id] for i in rows]
+                batch = [requests[i] for i in rows]
+                logits = _masked(self._align(self.runner.extend(slots, [feeds[i] for i in rows])), batch)  # [R, V]
+                picked, drawn = self._pick(logits, batch, step)
+                picked_probs = _picked_probs(logits, batch, picked, drawn)
+                ended = set()  # rows whose grammar ends with this draft (an eos): nothing after it is committed
+                for j, i in enumerate(rows):
+                    tokens[i].append(picked[j])
+                    if drawn[j] is not None:
+                        qs[i].append(drawn[j])
+                    if picked_probs[j] is not None:
+                        chosen[i].append(picked_probs[j])
+                    feeds[i] = [picked[j]]
+                    if (grammar := requests[i].grammar) is not None:
+                        taken = grammar.advance([picked[j]])
+                        advanced[i] += taken
+                        if not taken or grammar.is_terminated():
+                            ended.add(i)
+                step += 1
+                rows = [i for i in rows if requests[i].num_tokens > step and i not in ended]
+        finally:
+            for request, n in zip(requests, advanced):
+                if n:
+                    request.grammar.rollback(n)
         return [
             Proposal(token_ids=t, q=_stack(q), draft_probs=tuple(c) if r.return_probs else None)
             for t, q, c, r in zip(tokens, qs, chosen, requests)
@@ -160,6 +174,18 @@ class DraftModelDrafter:
         if self.q_support is None or self.q_support >= q.shape[-1]:
             return SparseQ.from_dense(q)
         return _truncate(q, self.q_support)
+
+
+def _masked(logits: torch.Tensor, requests: Sequence[DraftRequest]) -> torch.Tensor:  # [B, V] -> [B, V]
+    """Constrained rows' logits with what their grammar forbids at -inf: everything after (greedy argmax, q, its
+    support cut, the probabilities reported) is then the masked draft's, so every draft stays in the grammar."""
+    rows = [j for j, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return logits
+    allowed = torch.ones(logits.shape, dtype=torch.bool)  # [B, V]
+    for j in rows:
+        allowed[j] = requests[j].grammar.allowed_mask()  # [V]
+    return mask_logits(logits, allowed.to(logits.device))
 
 
 def _build(context: DraftContext) -> DraftModelDrafter:

@@ -81,6 +81,10 @@ class GrammarState:
         never allowed. Never empty: a terminated state allows the eos tokens."""
         return unpack_bitmask(self._packed_mask(), self.grammar.vocab_size)  # [V]
 
+    def allowed_words(self) -> np.ndarray:  # [W] uint32, read only (the state's cache)
+        """`allowed_mask`, packed (`bits.py`): over the tokenizer's ids, the model's padding ids left out."""
+        return self._packed_mask()
+
     def forced(self, limit: int = _MAX_FORCED) -> list[int]:
         """The tokens forced from here, one by one while the grammar allows exactly one token (at most `limit`,
         ending at an eos). Drafting them is free: masked, both p and q put all their mass on them."""

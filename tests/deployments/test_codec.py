@@ -150,3 +150,19 @@ def test_cache_salts_and_cached_counts_cross_to_the_workers_and_back():
     with pytest.raises(InvalidArgument) as err:
         codec.decode_generate(pb.GenerateRequest(prompt="x", cache_salt="s" * 257), 1)
     assert err.value.field == "cache_salt"
+
+
+def test_a_constrained_row_is_refused_rather_than_sent_without_its_masks():
+    """The wire has no field for a grammar's masks yet: encoding one must fail, never drop them."""
+    import numpy as np
+
+    from specdec_core.grammar.bits import PackedMasks
+    from specdec_core.target import PrefillItem
+
+    masks = PackedMasks(np.ones((1, 13), dtype=np.uint32), 400)
+    for encode, item in [(codec.encode_prefill, PrefillItem("a", [1, 2], TokenShaping(), None, allowed=masks)),
+                         (codec.encode_verify, VerifyItem("a", 1, [], None, TokenShaping(), None, None,
+                                                          allowed=masks))]:
+        with pytest.raises(InvalidArgument) as err:
+            encode([item])
+        assert err.value.field == "constraint"

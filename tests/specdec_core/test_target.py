@@ -1,11 +1,14 @@
 """The target's side of a round: a deterministic row verified in a batch with model-drafted rows is judged with
-its point masses (acceptance p(x)), exactly as when it is verified alone."""
+its point masses (acceptance p(x)), exactly as when it is verified alone; a constrained row's masks apply to every
+position it samples at."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specdec_core.config import TokenShaping
+from specdec_core.grammar.bits import PackedMasks
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.sparse_q import SparseQ
 from specdec_core.target import LocalTarget, PrefillItem, VerifyItem
@@ -39,3 +42,43 @@ def test_a_point_mass_row_next_to_a_model_drafted_row_is_judged_by_its_point_mas
     point, _ = mixed_target.verify([_point_mass_row("point", token, unlikely), model_row])
     assert alone.num_accepted == 0
     assert (point.num_accepted, point.token_ids) == (alone.num_accepted, alone.token_ids)
+
+
+def _packed(rows: list[list[int]], vocab: int) -> PackedMasks:
+    """Masks allowing `rows[i]` at position i, packed as a grammar packs them."""
+    allowed = np.zeros((len(rows), (vocab + 31) // 32 * 32), dtype=np.uint8)  # [n, 32W]
+    for i, tokens in enumerate(rows):
+        allowed[i, tokens] = 1
+    return PackedMasks(np.packbits(allowed, axis=-1, bitorder="little").view(np.uint32), vocab)  # [n, W]
+
+
+def test_masks_restrict_the_first_token_and_every_verified_position(tiny_target):
+    """Greedy rows: the prefill's token is the best allowed one, not the best; a draft its row's mask refuses is
+    rejected even where it is p's argmax, and the recovered token is the best the mask allows."""
+    vocab = tiny_target.model.vocab_size
+    logits = logits_after(tiny_target.model, PROMPT)[-1]  # [V]
+    ranked = logits.argsort(descending=True).tolist()
+    target = LocalTarget(ModelRunner(tiny_target.model, RunnerConfig(num_slots=2, max_seq_len=128)))
+    (first,) = target.prefill([PrefillItem("s", PROMPT, TokenShaping(), None, allowed=_packed([ranked[2:5]], vocab))])
+    assert first.first_token_id == ranked[2]
+    after = logits_after(tiny_target.model, PROMPT + [ranked[2]])[-1].argsort(descending=True).tolist()  # [V]
+    masks = _packed([after[1:], list(range(vocab))], vocab)  # the draft, p's argmax, refused at position 0
+    (outcome,) = target.verify([VerifyItem("s", ranked[2], [after[0]], None, TokenShaping(), None, None,
+                                           allowed=masks)])
+    assert (outcome.num_accepted, outcome.token_ids) == (0, (after[1],))
+
+
+def test_a_masked_sampled_row_samples_only_allowed_tokens(tiny_target):
+    vocab = tiny_target.model.vocab_size
+    allowed = [3, 40, 77]
+    target = LocalTarget(ModelRunner(tiny_target.model, RunnerConfig(num_slots=8, max_seq_len=128)))
+    items = [PrefillItem(str(i), PROMPT, SAMPLED, u, allowed=_packed([allowed], vocab))
+             for i, u in enumerate([0.0, 0.3, 0.6, 0.999])]
+    assert {first.first_token_id for first in target.prefill(items)} <= set(allowed)
+    drafts = [[77, 3], [5, 3]]  # the second row's first draft is refused: rejected whatever u, then resampled
+    outcomes = target.verify([
+        VerifyItem(str(i), 3, d, None, SAMPLED, torch.tensor([0.0, 0.0], dtype=torch.float64), 0.5,
+                   allowed=_packed([allowed] * 3, vocab))
+        for i, d in enumerate(drafts)])
+    assert all(set(o.token_ids) <= set(allowed) for o in outcomes)
+    assert outcomes[1].num_accepted == 0

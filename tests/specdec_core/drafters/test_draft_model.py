@@ -1,5 +1,5 @@
 """The draft-model drafter: a sequence that fell behind catches up without disturbing the rest of its batch; q
-stays sparse and changes no draw."""
+stays sparse and changes no draw; a constrained row drafts from its masked q."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import torch
 from specdec_core.config import TokenShaping
 from specdec_core.drafters.base import DraftRequest
 from specdec_core.drafters.draft_model import Q_SUPPORT, DraftModelDrafter, _truncate
+from specdec_core.grammar.compiler import GrammarCompiler
+from specdec_core.grammar.constraint import Constraint
+from specdec_core.grammar.state import GrammarState
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.sampling import sample_from
 
@@ -81,3 +84,41 @@ def test_a_start_reads_only_what_its_prefix_cache_lacks_and_drafts_the_same(tiny
     assert fresh.start("c", tokens) == 0
     (want,) = fresh.propose([_request("c", tokens, k=4)])
     assert got.token_ids == want.token_ids
+
+
+def _grammar(tiny_target, regex: str) -> GrammarState:
+    compiler = GrammarCompiler(tiny_target.tokenizer, tiny_target.model.vocab_size, sorted(tiny_target.eos_token_ids))
+    return GrammarState(compiler.compile(Constraint("regex", regex)))
+
+
+def test_a_constrained_row_draws_from_its_masked_q_and_leaves_the_grammar_where_it_was(tiny_target):
+    """Sampled beside an unconstrained row: every draft and all of q's mass stay on the allowed tokens (a or b:
+    nothing else spells `[ab]{6}` here), each position's mask the grammar's after the drafts before it."""
+    vocab = tiny_target.model.vocab_size
+    a, b = tiny_target.tokenizer.convert_tokens_to_ids(["a", "b"])
+    grammar = _grammar(tiny_target, "[ab]{6}")
+    drafter = _drafter(tiny_target.model)
+    for seq_id in ("constrained", "free"):
+        drafter.start(seq_id, [5, 6, 7])
+    shaping = TokenShaping(temperature=1.0)
+    requests = [DraftRequest(seq_id, [5, 6, 7], 4, shaping, torch.rand(4, dtype=torch.float64), grammar=g)
+                for seq_id, g in (("constrained", grammar), ("free", None))]
+    constrained, free = drafter.propose(requests)
+    assert set(constrained.token_ids) <= {a, b} and len(constrained.token_ids) == 4
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    allowed[[a, b]] = True
+    assert (constrained.q.dense(vocab)[:, ~allowed] == 0).all()
+    assert (free.q.dense(vocab)[:, ~allowed] > 0).any()  # the other row's q is its own: unmasked
+    assert grammar.num_tokens == 0
+
+
+def test_a_constrained_row_stops_drafting_at_its_eos(tiny_target):
+    """Greedy under `ab`: a and b are forced, then only the eos; nothing after it could be committed."""
+    a, b = tiny_target.tokenizer.convert_tokens_to_ids(["a", "b"])
+    (eos,) = tiny_target.eos_token_ids
+    grammar = _grammar(tiny_target, "ab")
+    drafter = _drafter(tiny_target.model)
+    drafter.start("s", [5, 6, 7])
+    (proposal,) = drafter.propose([DraftRequest("s", [5, 6, 7], 6, TokenShaping(), None, grammar=grammar)])
+    assert proposal.token_ids == [a, b, eos]
+    assert grammar.num_tokens == 0
