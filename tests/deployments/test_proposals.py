@@ -156,7 +156,8 @@ def test_hybrid_records_say_which_method_proposed(tmp_path, tiny_dir, near_draft
     methods = []
     for i in range(2):
         log.start(f"s{i}", f"req-{i}")
-        engine.add_request(f"s{i}", list(range(10, 30)), SamplingParams(max_tokens=40, ignore_eos=True), "auto")
+        # A fixed k: which method proposes then follows the acceptance records (not `auto`'s timings).
+        engine.add_request(f"s{i}", list(range(10, 30)), SamplingParams(max_tokens=40, ignore_eos=True), 4)
         while engine.has_work:
             for out in engine.step():
                 log.observe(out.seq_id, out)
