@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence, TypeVar
 
+import numpy as np
 import torch
 
 from specdec.v1 import generation_pb2 as pb
@@ -18,6 +19,8 @@ from specdec_core.config import AUTO, SamplingParams, TokenShaping
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.engine import RequestOutput, SpecStats
 from specdec_core.errors import InvalidArgument
+from specdec_core.grammar.bits import PackedMasks
+from specdec_core.grammar.constraint import Constraint
 from specdec_core.sparse_q import SparseQ
 from specdec_core.stopping import FinishReason
 from specdec_core.target import Prefilled, PrefillItem, VerifyItem, VerifyOutcome
@@ -77,7 +80,7 @@ def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> Gen
     return GenerateCall(
         request_id=request.request_id,
         prompt=prompt,
-        params=decode_sampling(request.sampling, default_max_tokens),
+        params=decode_sampling(request.sampling, default_max_tokens, decode_structured(request)),
         num_speculative_tokens=decode_speculation(request.speculation),
         cache_salt=decode_cache_salt(request.cache_salt),
         speculation_method=request.speculation_method or None,
@@ -106,8 +109,11 @@ def _sampling(kind: type[T], **values: Any) -> T:
         raise InvalidArgument(f"sampling.{exc.field}", exc.message) from None
 
 
-# Errors the engine raises name its own fields; a client knows the request's, which nest some of them.
-_REQUEST_FIELDS = {"max_tokens": "sampling.max_tokens", "num_speculative_tokens": "speculation.num_speculative_tokens"}
+# Errors the engine raises name its own fields; a client knows the request's, which nest some of them. A constraint
+# that does not compile is named by its kind (the engine compiles it when the request joins).
+_REQUEST_FIELDS = {"max_tokens": "sampling.max_tokens", "num_speculative_tokens": "speculation.num_speculative_tokens",
+                   "json_schema": "structured.json_schema", "json_object": "structured.json_object",
+                   "regex": "structured.regex", "grammar": "structured.grammar", "constraint": "structured"}
 
 
 def in_request_terms(error: InvalidArgument) -> InvalidArgument:
@@ -116,7 +122,8 @@ def in_request_terms(error: InvalidArgument) -> InvalidArgument:
     return error if field is None else InvalidArgument(field, error.message)
 
 
-def decode_sampling(sampling: pb.SamplingParams, default_max_tokens: int) -> SamplingParams:
+def decode_sampling(sampling: pb.SamplingParams, default_max_tokens: int,
+                    constraint: Constraint | None = None) -> SamplingParams:
     return _sampling(
         SamplingParams,
         temperature=float(sampling.temperature),
@@ -126,7 +133,40 @@ def decode_sampling(sampling: pb.SamplingParams, default_max_tokens: int) -> Sam
         max_tokens=int(sampling.max_tokens) if sampling.HasField("max_tokens") else default_max_tokens,
         stop=tuple(sampling.stop),
         ignore_eos=sampling.ignore_eos,
+        constraint=constraint,
     )
+
+
+JSON_KINDS = ("json_schema", "json_object")
+
+
+def decode_structured(request: pb.GenerateRequest) -> Constraint | None:
+    """The request's constraint (None: any text). Only checked for shape here: the engine compiles it, and refuses
+    what does not compile naming its kind (`structured.<kind>`, `in_request_terms`). JSON is compact by default:
+    with any whitespace allowed between tokens, a model can write whitespace until max_tokens."""
+    if not request.HasField("structured"):
+        return None
+    structured = request.structured
+    kind = structured.WhichOneof("kind")
+    if kind is None:  # a message sent without its kind is a mistake, never "unconstrained"
+        raise InvalidArgument("structured", "set one of json_schema, json_object, regex and grammar")
+    if kind == "json_object" and not structured.json_object:
+        raise InvalidArgument("structured.json_object", "must be true (leave structured unset for any text)")
+    if structured.lenient_schema and kind != "json_schema":
+        raise InvalidArgument("structured.lenient_schema", f"applies to json_schema only, not {kind}")
+    try:
+        return Constraint(kind, "" if kind == "json_object" else getattr(structured, kind),
+                          strict=not structured.lenient_schema, compact=kind in JSON_KINDS)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"structured.{kind}", exc.message) from None
+
+
+def encode_structured(constraint: Constraint) -> pb.StructuredOutput:
+    """The wire form of a constraint (clients, tests): `decode_structured`'s inverse for what it produces."""
+    if constraint.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    return pb.StructuredOutput(lenient_schema=constraint.kind == "json_schema" and not constraint.strict,
+                               **{constraint.kind: constraint.value})
 
 
 def decode_speculation(options: pb.SpeculationOptions) -> int | str | None:
@@ -202,15 +242,28 @@ def decode_distributions(rows: Sequence[wpb.SparseDistribution], vocab_size: int
     return SparseQ.from_rows(ids, probs)
 
 
-def _refuse_masks(items: Sequence[PrefillItem | VerifyItem]) -> None:
-    """The wire has no field for a grammar's masks yet: a constrained row must fail rather than be sampled from the
-    unmasked p. (Requests reach the served engine without constraints, so none gets here.)"""
-    if any(item.allowed is not None for item in items):
-        raise InvalidArgument("constraint", "structured output is not served yet: a target worker cannot take masks")
+def encode_masks(masks: PackedMasks) -> wpb.TokenMasks:
+    """The words as bytes, as they lie in memory: bytes of little-endian uint32 (`grammar.bits` refuses other
+    hosts), so no copy on either side; repeated fixed32 would cost a Python int per word (4,748 a position at 152k)."""
+    words = masks.words  # [n, W] uint32
+    return wpb.TokenMasks(words_per_position=words.shape[1], words=words.astype("<u4", copy=False).tobytes())
+
+
+def decode_masks(msg: wpb.TokenMasks, positions: int, vocab_size: int) -> PackedMasks:
+    """A row's masks at the `positions` it samples at, over the worker's `vocab_size` logits. A malformed mask, or
+    one that allows nothing somewhere (its softmax would be NaN), is refused: the router never sends one."""
+    width = msg.words_per_position
+    if not 0 < width <= (vocab_size + 31) // 32:
+        raise InvalidArgument("allowed", f"{width} words a position, for a vocabulary of {vocab_size}")
+    if len(msg.words) != 4 * positions * width:
+        raise InvalidArgument("allowed", f"{len(msg.words)} bytes for {positions} positions of {width} words")
+    words = np.frombuffer(msg.words, dtype="<u4").reshape(positions, width)  # [positions, W], read only
+    if not words.any(axis=1).all():
+        raise InvalidArgument("allowed", "a position allows no token")
+    return PackedMasks(words, vocab_size)
 
 
 def encode_prefill(items: Sequence[PrefillItem]) -> wpb.PrefillRequest:
-    _refuse_masks(items)
     request = wpb.PrefillRequest()
     for item in items:
         msg = request.items.add(seq_id=item.seq_id, prompt_token_ids=list(item.prompt_ids))
@@ -218,10 +271,12 @@ def encode_prefill(items: Sequence[PrefillItem]) -> wpb.PrefillRequest:
         if item.uniform is not None:
             msg.uniform = item.uniform
         msg.cache_salt = item.cache_salt or ""
+        if item.allowed is not None:
+            msg.allowed.CopyFrom(encode_masks(item.allowed))
     return request
 
 
-def decode_prefill(request: wpb.PrefillRequest) -> list[PrefillItem]:
+def decode_prefill(request: wpb.PrefillRequest, vocab_size: int) -> list[PrefillItem]:
     return [
         PrefillItem(
             seq_id=item.seq_id,
@@ -229,6 +284,7 @@ def decode_prefill(request: wpb.PrefillRequest) -> list[PrefillItem]:
             shaping=decode_token_sampling(item.sampling),
             uniform=item.uniform if item.HasField("uniform") else None,
             cache_salt=decode_cache_salt(item.cache_salt),
+            allowed=decode_masks(item.allowed, 1, vocab_size) if item.HasField("allowed") else None,
         )
         for item in request.items
     ]
@@ -270,7 +326,6 @@ def decode_started(response: wpb.StartResponse, num_items: int) -> list[int]:
 
 
 def encode_verify(items: Sequence[VerifyItem]) -> wpb.VerifyRequest:
-    _refuse_masks(items)
     request = wpb.VerifyRequest()
     for item in items:
         msg = request.items.add(
@@ -284,6 +339,8 @@ def encode_verify(items: Sequence[VerifyItem]) -> wpb.VerifyRequest:
         if item.uniform_sample is not None:
             msg.uniform_sample = item.uniform_sample
         msg.return_probs = item.return_probs
+        if item.allowed is not None:
+            msg.allowed.CopyFrom(encode_masks(item.allowed))
     return request
 
 
@@ -306,6 +363,7 @@ def decode_verify(request: wpb.VerifyRequest, vocab_size: int) -> list[VerifyIte
                 uniform_accept=None if shaping.greedy else torch.tensor(list(item.uniform_accept), dtype=torch.float64),
                 uniform_sample=item.uniform_sample if item.HasField("uniform_sample") else None,
                 return_probs=item.return_probs,
+                allowed=decode_masks(item.allowed, n + 1, vocab_size) if item.HasField("allowed") else None,
             )
         )
     return items
@@ -329,6 +387,8 @@ def decode_outcomes(response: wpb.VerifyResponse, return_probs: Sequence[bool]) 
 
 
 def encode_propose_item(request: DraftRequest, new_token_ids: Sequence[int]) -> wpb.ProposeRequest.Item:
+    """`request.grammar` stays in the router: draft workers draft unconstrained. Exact all the same: the engine cuts
+    a point-mass proposal where it leaves the grammar and verifies a sampled one (with its q) whole."""
     item = wpb.ProposeRequest.Item(
         seq_id=request.seq_id,
         new_token_ids=list(new_token_ids),

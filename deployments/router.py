@@ -147,6 +147,11 @@ class Router:
         # Tokenizing megabytes takes a while: off the event loop, which serves every other request.
         prompt_ids = await asyncio.to_thread(self._prompt_ids, call.prompt)
         self._check_limits(prompt_ids, call.params.max_tokens)
+        if call.params.constraint is not None:
+            # Off the engine thread: the first constrained request builds the tokenizer's tables (seconds at 152k ids)
+            # and a new schema takes a millisecond or more to compile, which every round would otherwise wait for.
+            # The engine then finds it compiled; one that does not compile is refused here.
+            await asyncio.to_thread(self.scheduler.engine.compile, call.params.constraint)
         if self.scheduler.num_active >= self.config.router.max_ongoing_requests:
             raise ResourceExhausted("requests", "the router is at max_ongoing_requests; retry later")
         loop = asyncio.get_running_loop()

@@ -195,7 +195,7 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
 
     @rpc
     def Prefill(self, request: wpb.PrefillRequest) -> wpb.PrefillResponse:
-        items = codec.decode_prefill(request)
+        items = codec.decode_prefill(request, self.target.vocab_size)
         for item in items:
             if not item.prompt_ids or max(item.prompt_ids) >= self.target.vocab_size:
                 raise InvalidArgument("prompt_token_ids", "empty, or a token id outside the vocabulary")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -158,7 +159,8 @@ class SpecEngine:
         self.acceptance_by_label: dict[str, AcceptanceEstimate] = {}
         self._waiting: list[_Sequence] = []
         self._running: dict[str, _Sequence] = {}
-        self._grammars: GrammarCompiler | None = None  # built for the first constrained request (`_compile`)
+        self._grammars: GrammarCompiler | None = None  # built for the first constrained request (`compile`)
+        self._grammars_lock = threading.Lock()
 
     # -- requests ------------------------------------------------------------------------------------------------
 
@@ -183,7 +185,7 @@ class SpecEngine:
         prompt = self._check_prompt(prompt_ids, params)
         model_allowed, free_allowed = self._allowed(speculation_method)
         k = self._k_setting(num_speculative_tokens) if model_allowed or free_allowed else 0
-        grammar = None if params.constraint is None else GrammarState(self._compile(params.constraint))
+        grammar = None if params.constraint is None else GrammarState(self.compile(params.constraint))
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         stopper = StopChecker(
@@ -198,12 +200,16 @@ class SpecEngine:
         seq.estimate = AcceptanceEstimate.starting_from(self.acceptance, self.config.max_speculative_tokens)
         self._waiting.append(seq)
 
-    def _compile(self, constraint: Constraint) -> CompiledGrammar:
-        """The compiler is built with the first constrained request: its tables of the tokenizer take seconds at a
-        large vocabulary, which an engine never asked for structured output should not pay. Its masks span the
-        target's logits (`vocab_size`), eos allowed exactly where the grammar can end."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, sorted(self.eos_token_ids))
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """`constraint` compiled (kept in the compiler's LRU), or `InvalidArgument` naming its kind. The compiler is
+        built with the first constrained request: its tables of the tokenizer take seconds at a large vocabulary,
+        which an engine never asked for structured output should not pay. Its masks span the target's logits
+        (`vocab_size`), eos allowed exactly where the grammar can end. Thread-safe, unlike the rest of the engine:
+        a server compiles a request's constraint on another thread first, so that `add_request` finds it compiled
+        and no round waits for the tables or a compile."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, sorted(self.eos_token_ids))
         return self._grammars.compile(constraint)
 
     @property

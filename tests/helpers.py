@@ -125,3 +125,25 @@ def wait_until_idle(served, timeout=30.0):
             return True
         time.sleep(0.2)
     return False
+
+
+# Structured output through the service: a JSON schema the tiny random models can finish (enums, bounded numbers and
+# strings), and whether a parsed value satisfies it. No "x-guidance": the served APIs write JSON compact already.
+SERVED_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "size", "tags"],
+    "properties": {
+        "name": {"enum": ["add", "mean", "count"]},
+        "size": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        "note": {"type": "string", "maxLength": 6},  # optional
+    },
+}
+
+
+def satisfies_served_schema(value) -> bool:
+    return (isinstance(value, dict) and {"name", "size", "tags"} <= set(value) <= {"name", "size", "tags", "note"}
+            and value["name"] in ("add", "mean", "count") and isinstance(value["size"], int)
+            and 0 <= value["size"] <= 99 and len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b"}
+            and len(value.get("note", "")) <= 6)

@@ -3,17 +3,19 @@ also produces (so both APIs reach the router by one path), engine outputs to res
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from deployments.codec import GenerateCall, Prompt
-from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
 from specdec_core.chat import ChatMessage
 from specdec_core.config import SamplingParams
 from specdec_core.engine import RequestOutput
 from specdec_core.errors import InvalidArgument
+from specdec_core.grammar.constraint import Constraint
 from specdec_core.stopping import FinishReason
 
 # OpenAI's documented defaults where a request leaves a field out.
@@ -60,6 +62,7 @@ def _call(body: Any, prompt: Prompt, max_tokens: int, chat: bool) -> Call:
             max_tokens=max_tokens,
             stop=body.stop_strings,
             ignore_eos=body.ignore_eos,
+            constraint=decode_response_format(body.response_format),
         )
     except InvalidArgument as exc:  # the engine's own names are the body's, but for the length limit
         field = {"max_tokens": "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"}
@@ -79,9 +82,24 @@ def _call(body: Any, prompt: Prompt, max_tokens: int, chat: bool) -> Call:
     )
 
 
-# The router names the gRPC request's fields in its errors; an HTTP client knows the body's.
+def decode_response_format(response_format: ResponseFormat | None) -> Constraint | None:
+    """The engine's constraint for OpenAI's `response_format` (None for text). JSON is compact, as the gRPC API's: with
+    any whitespace allowed between tokens, a model can write whitespace until max_tokens; a schema's own
+    "x-guidance" may still ask for it. The engine compiles the schema (errors: `response_format.json_schema.schema`)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    spec = response_format.json_schema
+    if spec is None:
+        return Constraint("json_object", compact=True)
+    return Constraint("json_schema", json.dumps(spec.json_schema), strict=bool(spec.strict), compact=True)
+
+
+# The router names the gRPC request's fields in its errors, and the engine its own (a constraint by its kind); an
+# HTTP client knows the body's.
 _HTTP_PARAMS = {"sampling.max_tokens": "max_tokens", "speculation.num_speculative_tokens": "num_speculative_tokens",
-                "prompt_token_ids": "prompt", "messages.role": "messages", "messages.content": "messages"}
+                "prompt_token_ids": "prompt", "messages.role": "messages", "messages.content": "messages",
+                "json_schema": "response_format.json_schema.schema", "json_object": "response_format",
+                "constraint": "response_format"}
 
 
 def http_param(field: str) -> str:

@@ -2,8 +2,8 @@
 
 Unknown fields are refused with a 400 naming them, never silently ignored. Three kinds of known field:
 - implemented: model, messages / prompt, max_tokens / max_completion_tokens, temperature, top_p, seed, stop, n (1),
-  stream, stream_options.include_usage, and vLLM's extensions top_k, ignore_eos, cache_salt, return_token_ids, plus
-  our num_speculative_tokens and speculation_method;
+  stream, stream_options.include_usage, response_format (text, json_object, json_schema), and vLLM's extensions
+  top_k, ignore_eos, cache_salt, return_token_ids, plus our num_speculative_tokens and speculation_method;
 - informational, accepted and ignored: user, metadata, store (false), service_tier, and per message `name`;
 - OpenAI features this server does not implement: accepted only at their no-op value (a harness that sends
   `frequency_penalty: 0` still works), refused naming the field at any other value.
@@ -30,7 +30,6 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),
@@ -51,6 +50,35 @@ def _unsupported(field: str, value: Any) -> InvalidArgument:
     return InvalidArgument(field, f"{value!r} is not supported by this server (only its no-op value is accepted)")
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`, as OpenAI defines it. `strict` false or unset (OpenAI's default): schema
+    keywords the server cannot enforce are dropped and the rest enforced; true: they are a 400 naming them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # OpenAI's rule
+    description: str | None = None  # informational: the model is not told (no prompt is rewritten)
+    # `schema` would shadow BaseModel.schema(): the alias keeps the body's name, which errors report.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: one model rather than a union on `type`, so that errors name the body's path
+    (`response_format.json_schema.schema`) with no union branch in it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise InvalidArgument("response_format.json_schema", "required with type json_schema, and only with it")
+        return self
+
+
 class _Body(BaseModel):
     # Unknown fields are collected (extra="allow") and refused in `_refuse_unknown`, which knows the informational
     # and no-op ones; pydantic's own "extra fields not permitted" could not tell them apart.
@@ -65,6 +93,7 @@ class _Body(BaseModel):
     n: StrictInt = 1  # one choice per request: other values are refused
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     # Extensions, as vLLM names them (OpenAI clients send them through extra_body).
     top_k: StrictInt | None = Field(None, ge=-1)  # -1 or 0: off
     ignore_eos: StrictBool = False

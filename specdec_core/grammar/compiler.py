@@ -91,8 +91,10 @@ class GrammarCompiler:
 def _grammar_text(constraint: Constraint) -> str:
     """llguidance's grammar for a constraint (not yet checked: the matcher does that)."""
     M = llguidance.LLMatcher
+    # Defaults apply before the schema's "x-guidance", which may still ask for flexible whitespace or other separators.
+    defaults = {"whitespace_flexible": False} if constraint.compact else None
     if constraint.kind == "json_object":
-        return M.grammar_from_json_schema('{"type": "object"}')
+        return M.grammar_from_json_schema('{"type": "object"}', defaults=defaults)
     if constraint.kind == "json_schema":
         try:
             schema = json.loads(constraint.value)
@@ -101,7 +103,7 @@ def _grammar_text(constraint: Constraint) -> str:
         if not isinstance(schema, dict):
             raise InvalidArgument("json_schema", f"must be a JSON object, got {type(schema).__name__}")
         # An override, so that an "x-guidance" key inside the schema cannot turn strict checking off.
-        return M.grammar_from_json_schema(schema, overrides={"lenient": not constraint.strict})
+        return M.grammar_from_json_schema(schema, defaults=defaults, overrides={"lenient": not constraint.strict})
     if constraint.kind == "regex":
         return M.grammar_from_regex(constraint.value)
     return llguidance.grammar_from("grammar", constraint.value)  # Lark as is, GBNF converted to Lark

@@ -22,11 +22,16 @@ class Constraint:
     strict (json_schema only): True, a schema keyword the grammar engine cannot enforce (say `not`) is an
     `InvalidArgument` naming it, so a strict request never gets output its schema would refuse. False, such
     keywords are dropped and the rest of the schema is still enforced: the "best effort" of a non-strict schema.
+
+    compact (json_schema, json_object): no whitespace between JSON tokens, "," and ":" as separators, unless the
+    schema's own "x-guidance" sets them (`whitespace_flexible`, `item_separator`, ...). False: any whitespace may
+    come between tokens (llguidance's default), which a model can write until `max_tokens`. The served APIs set it.
     """
 
     kind: str
     value: str = ""
     strict: bool = True
+    compact: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,8 +11,10 @@ from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import worker_pb2 as wpb
 from specdec_core.config import AUTO, MIN_TEMPERATURE, SamplingParams, TokenShaping
 from specdec_core.errors import InvalidArgument
+from specdec_core.grammar.bits import PackedMasks
+from specdec_core.grammar.constraint import Constraint
 from specdec_core.sparse_q import SparseQ
-from specdec_core.target import VerifyItem
+from specdec_core.target import PrefillItem, VerifyItem
 
 
 def _sparse_q(k: int, vocab: int, support: int, seed: int = 0) -> SparseQ:
@@ -137,7 +140,7 @@ def test_cache_salts_and_cached_counts_cross_to_the_workers_and_back():
     from specdec_core.target import Prefilled, PrefillItem
 
     items = [PrefillItem("a", [1, 2, 3], TokenShaping(), None, "tenant-1"), PrefillItem("b", [4, 5], TokenShaping(), None)]
-    back = codec.decode_prefill(wpb.PrefillRequest.FromString(codec.encode_prefill(items).SerializeToString()))
+    back = codec.decode_prefill(wpb.PrefillRequest.FromString(codec.encode_prefill(items).SerializeToString()), 400)
     assert [item.cache_salt for item in back] == ["tenant-1", None]  # no salt stays the shared namespace
     results = [Prefilled(7, 2), Prefilled(9, 0)]
     assert codec.decode_prefilled(codec.encode_prefilled(results)) == results
@@ -152,17 +155,103 @@ def test_cache_salts_and_cached_counts_cross_to_the_workers_and_back():
     assert err.value.field == "cache_salt"
 
 
-def test_a_constrained_row_is_refused_rather_than_sent_without_its_masks():
-    """The wire has no field for a grammar's masks yet: encoding one must fail, never drop them."""
-    import numpy as np
+def _masks(positions: int, vocab: int = 400, seed: int = 0) -> PackedMasks:
+    """Random packed masks as a grammar fills them: the bits past the vocabulary are 0, every position allows one."""
+    gen = np.random.default_rng(seed)
+    dense = gen.random((positions, vocab)) < 0.3  # [n, V]
+    dense[:, 7] = True
+    bits = np.zeros((positions, 32 * ((vocab + 31) // 32)), dtype=np.uint8)  # [n, 32W]
+    bits[:, :vocab] = dense
+    return PackedMasks(np.packbits(bits, axis=-1, bitorder="little").view(np.uint32), vocab)  # [n, W]
 
-    from specdec_core.grammar.bits import PackedMasks
-    from specdec_core.target import PrefillItem
 
-    masks = PackedMasks(np.ones((1, 13), dtype=np.uint32), 400)
-    for encode, item in [(codec.encode_prefill, PrefillItem("a", [1, 2], TokenShaping(), None, allowed=masks)),
-                         (codec.encode_verify, VerifyItem("a", 1, [], None, TokenShaping(), None, None,
-                                                          allowed=masks))]:
-        with pytest.raises(InvalidArgument) as err:
-            encode([item])
-        assert err.value.field == "constraint"
+def _same(a: PackedMasks, b: PackedMasks) -> bool:
+    return a.vocab_size == b.vocab_size and a.words.dtype == b.words.dtype and np.array_equal(a.words, b.words)
+
+
+def test_a_grammars_masks_cross_to_the_target_worker_bit_for_bit():
+    """Prefill (one position) and verify (drafts + 1 positions) rows carry their masks as bytes; unconstrained rows
+    beside them carry none."""
+    prefill = [PrefillItem("a", [1, 2], TokenShaping(), None, allowed=_masks(1)), PrefillItem("b", [3], TokenShaping(), None)]
+    message = wpb.PrefillRequest.FromString(codec.encode_prefill(prefill).SerializeToString())
+    assert len(message.items[0].allowed.words) == 4 * 13 and message.items[0].allowed.words_per_position == 13
+    back = codec.decode_prefill(message, 400)
+    assert _same(back[0].allowed, prefill[0].allowed) and back[1].allowed is None
+    assert torch.equal(back[0].allowed.dense(), prefill[0].allowed.dense())
+
+    masks = _masks(4, seed=1)
+    verify = [VerifyItem("a", 1, [5, 6, 7], None, TokenShaping(), None, None, allowed=masks),
+              VerifyItem("b", 1, [5], None, TokenShaping(), None, None)]
+    message = wpb.VerifyRequest.FromString(codec.encode_verify(verify).SerializeToString())
+    back = codec.decode_verify(message, 400)
+    assert _same(back[0].allowed, masks) and back[1].allowed is None
+    assert torch.equal(back[0].allowed.dense(), masks.dense())
+
+
+def test_a_tokenizer_narrower_than_the_logits_sends_fewer_words():
+    """A grammar's masks span the tokenizer's ids (W words); the worker reads them over its wider logits, ids past
+    the words never allowed."""
+    narrow = _masks(2, vocab=384)
+    item = VerifyItem("a", 1, [5], None, TokenShaping(), None, None, allowed=PackedMasks(narrow.words, 400))
+    back = codec.decode_verify(codec.encode_verify([item]), 400)[0].allowed
+    assert back.words.shape == (2, 12) and back.vocab_size == 400
+    assert not back.dense()[:, 384:].any()
+
+
+@pytest.mark.parametrize("allowed, why", [
+    (wpb.TokenMasks(words_per_position=13, words=bytes(4 * 13 * 2)), "allows no token"),
+    (wpb.TokenMasks(words_per_position=13, words=b"\xff" * (4 * 13 * 2 - 1)), "bytes"),
+    (wpb.TokenMasks(words_per_position=13, words=b"\xff" * (4 * 13 * 3)), "bytes"),  # a position too many
+    (wpb.TokenMasks(words_per_position=14, words=b"\xff" * (4 * 14 * 2)), "words a position"),  # wider than V
+    (wpb.TokenMasks(words_per_position=0, words=b""), "words a position"),
+])
+def test_malformed_masks_are_refused_naming_allowed(allowed, why):
+    message = codec.encode_verify([VerifyItem("a", 1, [5], None, TokenShaping(), None, None)])
+    message.items[0].allowed.CopyFrom(allowed)
+    with pytest.raises(InvalidArgument, match=why) as err:
+        codec.decode_verify(message, 400)
+    assert err.value.field == "allowed"
+
+
+STRUCTURED = [
+    (pb.StructuredOutput(json_schema='{"type": "integer"}'), Constraint("json_schema", '{"type": "integer"}', compact=True)),
+    (pb.StructuredOutput(json_schema='{"type": "integer"}', lenient_schema=True),
+     Constraint("json_schema", '{"type": "integer"}', strict=False, compact=True)),
+    (pb.StructuredOutput(json_object=True), Constraint("json_object", compact=True)),
+    (pb.StructuredOutput(regex="[a-z]+"), Constraint("regex", "[a-z]+")),
+    (pb.StructuredOutput(grammar='start: "yes"'), Constraint("grammar", 'start: "yes"')),
+]
+
+
+@pytest.mark.parametrize("structured, constraint", STRUCTURED)
+def test_structured_output_decodes_to_the_engines_constraint_and_back(structured, constraint):
+    request = pb.GenerateRequest.FromString(
+        pb.GenerateRequest(prompt="x", structured=structured).SerializeToString())
+    params = codec.decode_generate(request, 8).params
+    assert params.constraint == constraint
+    assert codec.encode_structured(constraint) == structured
+    assert codec.decode_generate(pb.GenerateRequest(prompt="x"), 8).params.constraint is None
+
+
+@pytest.mark.parametrize("structured, sampling, field", [
+    (pb.StructuredOutput(), {}, "structured"),
+    (pb.StructuredOutput(lenient_schema=True), {}, "structured"),
+    (pb.StructuredOutput(json_object=False), {}, "structured.json_object"),
+    (pb.StructuredOutput(regex="a", lenient_schema=True), {}, "structured.lenient_schema"),
+    (pb.StructuredOutput(json_schema="  "), {}, "structured.json_schema"),
+    (pb.StructuredOutput(grammar=""), {}, "structured.grammar"),
+    (pb.StructuredOutput(json_object=True), {"ignore_eos": True}, "sampling.ignore_eos"),
+])
+def test_bad_structured_output_is_refused_naming_the_field(structured, sampling, field):
+    request = pb.GenerateRequest(prompt="x", structured=structured, sampling=pb.SamplingParams(**sampling))
+    with pytest.raises(InvalidArgument) as err:
+        codec.decode_generate(request, 8)
+    assert err.value.field == field
+
+
+def test_compile_errors_are_named_as_structured_fields():
+    """The engine compiles the constraint and names its kind; the client reads its request's field."""
+    from deployments.codec import in_request_terms
+
+    for kind in ("json_schema", "json_object", "regex", "grammar"):
+        assert in_request_terms(InvalidArgument(kind, "bad")).field == f"structured.{kind}"

@@ -6,6 +6,7 @@ target replica must fail only its own requests, and a prefill that meets a dead 
 
 from __future__ import annotations
 
+import json
 import threading
 
 import grpc
@@ -17,10 +18,12 @@ from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.config import SamplingParams
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.engine import SpecEngine
+from specdec_core.grammar.constraint import Constraint
+from specdec_core.grammar.state import GrammarState
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.stopping import FinishReason
 from specdec_core.target import LocalTarget
-from tests.helpers import make_engine, run_to_completion
+from tests.helpers import SERVED_SCHEMA, make_engine, run_to_completion, satisfies_served_schema
 
 RUNNER = RunnerConfig(num_slots=4, max_seq_len=256)
 GREEDY = SamplingParams(max_tokens=60, ignore_eos=True)
@@ -231,3 +234,74 @@ def test_a_conversations_next_turn_goes_to_the_replica_that_holds_its_prefix(pai
     finally:
         s1.stop(0)
         s2.stop(0)
+
+
+STRUCTURED_PROMPTS = ["def add(a, b):", "The quick brown fox", "class Counter:", "x = 1\ny = 2\n"]
+
+
+def _structured(target, engine, params, k):
+    """The structured prompts through `engine` under `params`: {id: (tokens, text, last output)}, and every round."""
+    requests = [(str(i), target.tokenizer(p)["input_ids"], params, k) for i, p in enumerate(STRUCTURED_PROMPTS)]
+    for request_id, prompt, p, kk in requests:
+        engine.add_request(request_id, prompt, p, kk)
+    results, rounds = {r[0]: ([], "", None) for r in requests}, {r[0]: [] for r in requests}
+    while engine.has_work:
+        for out in engine.step():
+            tokens, text, _ = results[out.seq_id]
+            results[out.seq_id] = (tokens + list(out.new_token_ids), text + out.new_text, out)
+            rounds[out.seq_id].append((len(tokens), out.round))
+    return results, rounds
+
+
+def test_constrained_requests_over_the_workers_give_constrained_plain_decodings_tokens(pair):
+    """The grammar's masks cross to the target worker with every prefill and verify: at T = 0 the remote engine's
+    JSON is constrained greedy decoding's, token for token, though the draft worker drafts unconstrained."""
+    target, _ = pair
+    constraint = Constraint("json_schema", json.dumps(SERVED_SCHEMA), compact=True)
+    params = SamplingParams(max_tokens=80, constraint=constraint)
+    expected, _ = _structured(target, make_engine(target), params, 0)
+    assert any(last.finish_reason == FinishReason.EOS for _, _, last in expected.values())
+    tserver, taddr = _serve(_target(pair))
+    dserver, daddr = _serve(_draft(pair))
+    try:
+        engine, _ = _engine(pair, [taddr], [daddr])
+        got, _ = _structured(target, engine, params, 3)
+    finally:
+        tserver.stop(0)
+        dserver.stop(0)
+    assert sum(last.stats.proposed for _, _, last in got.values()) > 0
+    for request_id, (tokens, text, last) in expected.items():
+        assert got[request_id][0] == tokens and got[request_id][2].finish_reason == last.finish_reason
+        if last.finish_reason == FinishReason.EOS:
+            assert satisfies_served_schema(json.loads(text)), text
+
+
+def test_sampled_drafts_from_an_unconstrained_draft_worker_are_verified_whole(pair):
+    """At T = 1 the draft worker's proposals come with their q, drawn without the grammar: the engine never cuts
+    them (cutting would bias the output), so some leave the grammar and are rejected there by the masked p. The
+    output still belongs to the grammar."""
+    target, _ = pair
+    constraint = Constraint("json_schema", json.dumps(SERVED_SCHEMA), compact=True)
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=60, constraint=constraint)
+    tserver, taddr = _serve(_target(pair))
+    dserver, daddr = _serve(_draft(pair))
+    try:
+        engine, _ = _engine(pair, [taddr], [daddr])
+        got, rounds = _structured(target, engine, params, 3)
+        compiled = engine.compile(constraint)
+    finally:
+        tserver.stop(0)
+        dserver.stop(0)
+    left_the_grammar = 0
+    for request_id, (tokens, text, last) in got.items():
+        assert last.error is None and GrammarState(compiled).advance(tokens) == len(tokens)
+        for committed, info in rounds[request_id]:
+            if info is None or info.method != "draft_model" or not info.proposed_token_ids:
+                continue
+            state = GrammarState(compiled)
+            state.advance(tokens[:committed])
+            proposed = list(info.proposed_token_ids)
+            if state.advance(proposed) < len(proposed):  # an uncut proposal that leaves the grammar
+                left_the_grammar += 1
+                assert len(proposed) == info.k and info.num_accepted < len(proposed)
+    assert left_the_grammar > 0

@@ -8,6 +8,7 @@ is then freed by the cancellation, never by running to its end.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -24,10 +25,11 @@ from specdec_core.config import SamplingParams
 from specdec_core.drafters import registry as methods
 from specdec_core.drafters.base import DraftContext
 from specdec_core.engine import EngineConfig, SpecEngine
+from specdec_core.grammar.constraint import Constraint
 from specdec_core.models.loader import load_tokenizer
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
-from tests.helpers import make_engine, run_to_completion
+from tests.helpers import SERVED_SCHEMA, make_engine, run_to_completion, satisfies_served_schema
 
 TOKEN = "router-test-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -229,3 +231,115 @@ def test_the_cache_salt_reaches_the_engine_and_usage_counts_cached_tokens(make_r
         cached.append(asyncio.run(router.Generate(message, context)).usage.cached_tokens)
         assert context.code is None
     assert cached == [0, len(PROMPT) - 1, 0, 0]
+
+
+# -- structured output ---------------------------------------------------------------------------------------------
+
+STRUCTURED_PROMPT = "class Counter:"
+
+
+def _structured_request(structured: pb.StructuredOutput, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=STRUCTURED_PROMPT, raw_prompt=True, structured=structured,
+                              sampling=pb.SamplingParams(**sampling), speculation=pb.SpeculationOptions(
+                                  num_speculative_tokens=3))
+
+
+def test_a_json_schema_request_gives_constrained_plain_decodings_json(make_router, pair):
+    """Over gRPC at T = 0: valid JSON, token for token what constrained greedy decoding gives (compact: the served
+    default, which the expected run is given by hand). Streamed alike."""
+    router, _ = make_router()
+    schema = json.dumps(SERVED_SCHEMA)
+    target = pair[0]
+    params = SamplingParams(max_tokens=80, constraint=Constraint("json_schema", schema, compact=True))
+    prompt = target.tokenizer(STRUCTURED_PROMPT)["input_ids"]
+    expected = run_to_completion(make_engine(target), [("r", prompt, params, 0)])["r"][0]
+    message = _structured_request(pb.StructuredOutput(json_schema=schema), max_tokens=80)
+    context = Context(AUTH)
+    response = asyncio.run(router.Generate(message, context))
+    assert context.code is None and list(response.token_ids) == expected
+    assert response.finish_reason == pb.FINISH_REASON_EOS and satisfies_served_schema(json.loads(response.text))
+    assert response.speculation.proposed > 0
+    chunks = asyncio.run(_stream(router, message, Context(AUTH)))
+    assert [t for c in chunks for t in c.token_ids] == expected
+
+
+def test_max_tokens_cuts_the_json_with_finish_reason_length(make_router):
+    router, _ = make_router()
+    message = _structured_request(pb.StructuredOutput(json_schema=json.dumps(SERVED_SCHEMA)), max_tokens=5)
+    response = asyncio.run(router.Generate(message, Context(AUTH)))
+    assert response.finish_reason == pb.FINISH_REASON_LENGTH and len(response.token_ids) == 5
+    assert response.text.startswith("{")
+
+
+@pytest.mark.parametrize("structured, sampling, field", [
+    (pb.StructuredOutput(json_schema='{"type": "integer", "not": {"const": 3}}'), {}, "structured.json_schema"),
+    (pb.StructuredOutput(json_schema='{"type": '), {}, "structured.json_schema"),
+    (pb.StructuredOutput(regex="[a-"), {}, "structured.regex"),
+    (pb.StructuredOutput(grammar="start: item\n"), {}, "structured.grammar"),
+    (pb.StructuredOutput(lenient_schema=True), {}, "structured"),
+    (pb.StructuredOutput(json_object=True), {"ignore_eos": True}, "sampling.ignore_eos"),
+])
+def test_a_bad_constraint_is_invalid_argument_naming_the_field(make_router, structured, sampling, field):
+    router, engine = make_router()
+    context = Context(AUTH)
+    with pytest.raises(RequestFailed):
+        asyncio.run(router.Generate(_structured_request(structured, **sampling), context))
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and context.details.startswith(f"{field}: ")
+    assert router.scheduler.num_active == 0 and not engine.has_work
+
+
+def test_a_lenient_schema_drops_what_cannot_be_enforced(make_router):
+    router, _ = make_router()
+    schema = json.dumps({**SERVED_SCHEMA, "not": {"required": ["note"]}})
+    message = _structured_request(pb.StructuredOutput(json_schema=schema, lenient_schema=True), max_tokens=80)
+    context = Context(AUTH)
+    response = asyncio.run(router.Generate(message, context))
+    assert context.code is None and satisfies_served_schema(json.loads(response.text))
+
+
+async def _post(app, path: str, body: dict) -> tuple[int, dict]:
+    """One HTTP request through the router's ASGI app, in process (Serve's HTTP proxy does no more)."""
+    sent: list[dict] = []
+    request = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive() -> dict:
+        if request:
+            return request.pop()
+        await asyncio.Event().wait()  # the client never goes away
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"authorization", f"Bearer {TOKEN}".encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+def test_http_response_format_is_the_grpc_constraint(make_router):
+    """OpenAI's response_format reaches the engine as gRPC's structured does: same tokens; a schema the server
+    cannot enforce under strict is a 400 naming response_format.json_schema.schema."""
+    router, _ = make_router()
+    app = router.__serve_build_asgi_app__()
+    messages = [{"role": "user", "content": "a counter"}]
+    body = {"model": router.served_model_name, "messages": messages, "temperature": 0, "max_tokens": 80,
+            "return_token_ids": True, "num_speculative_tokens": 3,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "counter", "schema": SERVED_SCHEMA,
+                                                                       "strict": True}}}
+    status, reply = asyncio.run(_post(app, "/v1/chat/completions", body))
+    want = asyncio.run(router.Generate(pb.GenerateRequest(
+        messages=[pb.ChatMessage(**m) for m in messages], sampling=pb.SamplingParams(max_tokens=80),
+        structured=pb.StructuredOutput(json_schema=json.dumps(SERVED_SCHEMA))), Context(AUTH)))
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert choice["token_ids"] == list(want.token_ids) and choice["message"]["content"] == want.text
+    assert choice["finish_reason"] == "stop" and satisfies_served_schema(json.loads(want.text))
+
+    refused = {**body, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "counter", "schema": {"type": "integer", "not": {"const": 3}}, "strict": True}}}
+    status, error = asyncio.run(_post(app, "/v1/chat/completions", refused))
+    assert status == 400 and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["param"] == "response_format.json_schema.schema" and "not" in error["error"]["message"]
+    assert router.scheduler.num_active == 0

@@ -123,7 +123,7 @@ def test_the_grammar_follows_the_committed_output_across_rejected_rounds(tiny_ta
     requests = [(str(i), _ids(tiny_target, text), params, 4) for i, text in enumerate(PROMPTS)]
     outputs, rejected_rounds = _run_checking_grammar(make_engine(tiny_target, draft), requests)
     assert rejected_rounds >= 10
-    grammar = make_engine(tiny_target)._compile(constraint)
+    grammar = make_engine(tiny_target).compile(constraint)
     for tokens in outputs.values():
         assert GrammarState(grammar).advance(tokens) == len(tokens)
 

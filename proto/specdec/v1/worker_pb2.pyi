@@ -16,6 +16,14 @@ class TokenSampling(_message.Message):
     top_k: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
 
+class TokenMasks(_message.Message):
+    __slots__ = ("words_per_position", "words")
+    WORDS_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    WORDS_FIELD_NUMBER: _ClassVar[int]
+    words_per_position: int
+    words: bytes
+    def __init__(self, words_per_position: _Optional[int] = ..., words: _Optional[bytes] = ...) -> None: ...
+
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -89,18 +97,20 @@ class ProposeResponse(_message.Message):
 class PrefillRequest(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("seq_id", "prompt_token_ids", "sampling", "uniform", "cache_salt")
+        __slots__ = ("seq_id", "prompt_token_ids", "sampling", "uniform", "cache_salt", "allowed")
         SEQ_ID_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
         UNIFORM_FIELD_NUMBER: _ClassVar[int]
         CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+        ALLOWED_FIELD_NUMBER: _ClassVar[int]
         seq_id: str
         prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
         sampling: TokenSampling
         uniform: float
         cache_salt: str
-        def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+        allowed: TokenMasks
+        def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[float] = ..., cache_salt: _Optional[str] = ..., allowed: _Optional[_Union[TokenMasks, _Mapping]] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[PrefillRequest.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[PrefillRequest.Item, _Mapping]]] = ...) -> None: ...
@@ -116,7 +126,7 @@ class PrefillResponse(_message.Message):
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("seq_id", "last_token_id", "draft_token_ids", "q", "sampling", "uniform_accept", "uniform_sample", "return_probs")
+        __slots__ = ("seq_id", "last_token_id", "draft_token_ids", "q", "sampling", "uniform_accept", "uniform_sample", "return_probs", "allowed")
         SEQ_ID_FIELD_NUMBER: _ClassVar[int]
         LAST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
         DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +135,7 @@ class VerifyRequest(_message.Message):
         UNIFORM_ACCEPT_FIELD_NUMBER: _ClassVar[int]
         UNIFORM_SAMPLE_FIELD_NUMBER: _ClassVar[int]
         RETURN_PROBS_FIELD_NUMBER: _ClassVar[int]
+        ALLOWED_FIELD_NUMBER: _ClassVar[int]
         seq_id: str
         last_token_id: int
         draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -133,7 +144,8 @@ class VerifyRequest(_message.Message):
         uniform_accept: _containers.RepeatedScalarFieldContainer[float]
         uniform_sample: float
         return_probs: bool
-        def __init__(self, seq_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform_accept: _Optional[_Iterable[float]] = ..., uniform_sample: _Optional[float] = ..., return_probs: _Optional[bool] = ...) -> None: ...
+        allowed: TokenMasks
+        def __init__(self, seq_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform_accept: _Optional[_Iterable[float]] = ..., uniform_sample: _Optional[float] = ..., return_probs: _Optional[bool] = ..., allowed: _Optional[_Union[TokenMasks, _Mapping]] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[VerifyRequest.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyRequest.Item, _Mapping]]] = ...) -> None: ...

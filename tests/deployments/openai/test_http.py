@@ -13,6 +13,7 @@ import pytest
 
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc as pb_grpc
+from tests.helpers import SERVED_SCHEMA, satisfies_served_schema
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello there"}]
 
@@ -187,3 +188,32 @@ def test_cached_tokens_are_reported_and_salts_keep_caches_apart(api):
     assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
     assert other.usage.prompt_tokens_details.cached_tokens == 0
     assert again.choices[0].message.content == first.choices[0].message.content == other.choices[0].message.content
+
+
+def test_response_format_json_schema_equals_grpc_structured_output(api, stub):
+    """Through the served stack (remote target and draft workers): the JSON of a json_schema request at T = 0 is
+    the gRPC answer under the same constraint, and satisfies the schema unless max_tokens cut it; a schema the
+    server cannot enforce under strict is a 400 naming it."""
+    client, config, base = api
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": "counter", "schema": SERVED_SCHEMA, "strict": True}}
+    reply = client.chat.completions.create(model=config.served_name, messages=CHAT, temperature=0, max_tokens=80,
+                                           response_format=response_format,
+                                           extra_body={"num_speculative_tokens": 3, "return_token_ids": True})
+    want = stub.Generate(pb.GenerateRequest(
+        messages=[pb.ChatMessage(**m) for m in CHAT], sampling=pb.SamplingParams(max_tokens=80),
+        speculation=pb.SpeculationOptions(num_speculative_tokens=3),
+        structured=pb.StructuredOutput(json_schema=json.dumps(SERVED_SCHEMA))), timeout=60)
+    choice = reply.choices[0]
+    assert choice.message.content == want.text and choice.model_extra["token_ids"] == list(want.token_ids)
+    if choice.finish_reason == "length":
+        assert want.finish_reason == pb.FINISH_REASON_LENGTH and want.text.startswith("{")
+    else:
+        assert choice.finish_reason == "stop" and satisfies_served_schema(json.loads(choice.message.content))
+
+    bad = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "not": {"const": 3}},
+                                                  "strict": True}}
+    status, error = post(base, "/chat/completions", {"model": config.served_name, "messages": CHAT,
+                                                     "response_format": bad})
+    assert status == 400 and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["param"] == "response_format.json_schema.schema"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from deployments.openai.codec import DEFAULT_COMPLETION_MAX_TOKENS, DEFAULT_TEMPERATURE, decode_chat, decode_completion
@@ -9,6 +11,7 @@ from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest
 from specdec_core.chat import ChatMessage
 from specdec_core.config import AUTO
 from specdec_core.errors import InvalidArgument
+from specdec_core.grammar.constraint import Constraint
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -108,3 +111,58 @@ def test_bad_completion_bodies_are_refused_naming_the_parameter(body, param):
     with pytest.raises(InvalidArgument) as caught:
         decode_completion(parse_body(CompletionRequest, body))
     assert caught.value.field == param
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+@pytest.mark.parametrize(("response_format", "constraint"), [
+    ({"type": "text"}, None),
+    ({"type": "json_object"}, Constraint("json_object", compact=True)),
+    # OpenAI's strict defaults to false: keywords the server cannot enforce are dropped, the rest enforced.
+    ({"type": "json_schema", "json_schema": {"name": "n-1", "schema": SCHEMA}},
+     Constraint("json_schema", json.dumps(SCHEMA), strict=False, compact=True)),
+    ({"type": "json_schema", "json_schema": {"name": "n", "description": "a count", "schema": SCHEMA, "strict": True}},
+     Constraint("json_schema", json.dumps(SCHEMA), strict=True, compact=True)),
+])
+def test_response_format_becomes_the_engines_constraint(response_format, constraint):
+    assert chat(response_format=response_format).generate.params.constraint == constraint
+    completion = decode_completion(parse_body(CompletionRequest, {"model": "m", "prompt": "a",
+                                                                  "response_format": response_format}))
+    assert completion.generate.params.constraint == constraint
+
+
+@pytest.mark.parametrize(("response_format", "param"), [
+    ("json", "response_format"),
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_object", "schema": SCHEMA}, "response_format.schema"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_object", "json_schema": {"name": "n", "schema": SCHEMA}}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "n"}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": [1]}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": "{}"}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "a b", "schema": SCHEMA}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": "yes"}},
+     "response_format.json_schema.strict"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "format": 1}},
+     "response_format.json_schema.format"),
+])
+def test_a_bad_response_format_is_refused_naming_its_path(response_format, param):
+    with pytest.raises(InvalidArgument) as caught:
+        chat(response_format=response_format)
+    assert caught.value.field == param
+
+
+def test_ignore_eos_is_refused_with_a_response_format():
+    with pytest.raises(InvalidArgument) as caught:
+        chat(response_format={"type": "json_object"}, ignore_eos=True)
+    assert caught.value.field == "ignore_eos"
+
+
+def test_the_engines_constraint_errors_name_the_response_format():
+    """A schema that does not compile is refused by the engine naming its kind; the client reads its body's path."""
+    from deployments.openai.codec import http_param
+
+    assert http_param("json_schema") == "response_format.json_schema.schema"
+    assert http_param("json_object") == "response_format"

@@ -98,3 +98,16 @@ def test_vocabulary_and_eos_checks(tokenizer):
         GrammarCompiler(tokenizer, 300, [2])
     with pytest.raises(ValueError, match="eos"):
         GrammarCompiler(tokenizer, 400, [])
+
+
+def test_compact_json_takes_no_whitespace_unless_the_schema_asks(compiler, tokenizer):
+    """The served APIs' default: a model cannot write whitespace until max_tokens; a schema may still ask for it."""
+    for constraint in (Constraint("json_object", compact=True),
+                       Constraint("json_schema", json.dumps({"type": "object"}), compact=True)):
+        assert _takes(compiler, tokenizer, constraint, '{"a":[1,{"b":null}],"c":"x y"}')
+        assert not _takes(compiler, tokenizer, constraint, '{"a": 1}')
+        assert not _takes(compiler, tokenizer, constraint, '{"a":1 }')
+    flexible = json.dumps({"type": "object", "x-guidance": {"whitespace_flexible": True}})
+    assert _takes(compiler, tokenizer, Constraint("json_schema", flexible, compact=True), '{"a": 1 }')
+    spaced = json.dumps({"type": "object", "x-guidance": {"item_separator": ", ", "key_separator": ": "}})
+    assert _takes(compiler, tokenizer, Constraint("json_schema", spaced, compact=True), '{"a": 1, "b": 2}')
