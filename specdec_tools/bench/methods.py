@@ -34,6 +34,8 @@ def register(modes: Any) -> None:
                         help="request i of the run (prompt i, or turn i over all sessions) is sampled with seed + i")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--draft-quantization", choices=["none", "int8"], default="none",
+                        help="int8 weights and activations for the draft (CPU with AVX-512 VNNI), as the demo config")
     parser.add_argument("--num-speculative-tokens", default="auto", help="k, or auto")
     parser.add_argument("--max-seq-len", type=positive(int), default=4096,
                         help="tokens per sequence (prompt and output) each engine holds")
@@ -54,6 +56,7 @@ def main(args: argparse.Namespace) -> int:
         target=args.target, draft=args.draft, max_new_tokens=args.max_new_tokens, prompts=args.prompts,
         sessions=args.sessions, limit=args.num_prompts or args.num_sessions, methods=args.methods,
         temperature=args.temperature, seed=args.seed, dtype=args.dtype, device=args.device,
+        draft_quantization=args.draft_quantization,
         num_speculative_tokens=args.num_speculative_tokens, max_seq_len=args.max_seq_len)
     report = run_methods_bench(config)
     write_report(report, args.json)

@@ -67,6 +67,7 @@ class MethodsBenchConfig:
     seed: int = 0
     dtype: str = "bfloat16"
     device: str = "cpu"
+    draft_quantization: str = "none"
     num_speculative_tokens: int | str = "auto"
     max_seq_len: int = 4096
     progress: bool = True
@@ -126,7 +127,7 @@ def run_methods_bench(config: MethodsBenchConfig) -> dict[str, Any]:
     items = read_workload(config)
     needs_draft = any(m != OFF and registry.resolve(m).runs_draft_model for m in methods)
     target, draft = load_pair(config.target, config.draft if needs_draft else None, dtype=config.dtype,
-                              device=config.device)
+                              device=config.device, draft_quantization=config.draft_quantization)
     workload = encode_workload(config, items, target.tokenizer)
     engines = build_engines(config, methods, workload, target, draft)
     check_fits(workload, engines[OFF].target.max_seq_len, config.max_new_tokens)
@@ -145,6 +146,7 @@ def report(config: MethodsBenchConfig, methods: Sequence[str], workload: Workloa
     return {
         "target": config.target,
         "draft": config.draft,
+        "draft_quantization": config.draft_quantization,
         "dtype": config.dtype,
         "device": config.device,
         "temperature": config.temperature,
