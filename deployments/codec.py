@@ -14,7 +14,7 @@ import torch
 
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import worker_pb2 as wpb
-from specdec_core.chat import ChatMessage
+from specdec_core.chat import ChatMessage, Tool
 from specdec_core.config import AUTO, SamplingParams, TokenShaping
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.engine import RequestOutput, SpecStats
@@ -47,6 +47,7 @@ class Prompt:
     token_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None
     raw: bool = False  # text only: no chat template
+    tools: tuple[Tool, ...] = ()  # messages only: what the chat template tells the model it may call (HTTP only)
 
 
 @dataclass(frozen=True)

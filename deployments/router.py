@@ -24,6 +24,7 @@ from deployments.config import ServeConfig
 from deployments.discovery import WorkerFollower
 from deployments.metrics import ServingMetrics
 from deployments.openai.http import build_http_app
+from deployments.openai.tools import ToolCallFormat
 from deployments.proposals import ProposalLog
 from deployments.remote import ReplicaPool
 from deployments.scheduler import Admission, Scheduler
@@ -77,6 +78,7 @@ class Router:
         self.metrics = parts.metrics
         self.auth = parts.auth
         self.tokenizer = parts.tokenizer
+        self.tool_call_format = ToolCallFormat.of(parts.tokenizer.tokenizer)  # the HTTP API's forced tool calls
         self.max_seq_len = parts.max_seq_len
         self.target_pool = parts.target_pool
         self.draft_pool = parts.draft_pool
@@ -211,7 +213,7 @@ class Router:
                 raise InvalidArgument("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
             return list(prompt.token_ids)
         if prompt.messages is not None:
-            return encode_chat(self.tokenizer.tokenizer, prompt.messages)
+            return encode_chat(self.tokenizer.tokenizer, prompt.messages, prompt.tools)
         return encode_prompt(self.tokenizer.tokenizer, prompt.text, raw=prompt.raw)
 
     def _check_limits(self, prompt_ids: list[int], max_tokens: int) -> None:

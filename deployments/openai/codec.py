@@ -1,5 +1,6 @@
 """Between the OpenAI-compatible API's JSON and the engine: request bodies to the `GenerateCall` that the gRPC codec
-also produces (so both APIs reach the router by one path), engine outputs to response bodies and stream chunks."""
+also produces (so both APIs reach the router by one path), engine outputs to response bodies and stream chunks.
+A chat request with tools has its output read for calls (`tool_parser`), in its unary answer and its stream alike."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from deployments.codec import GenerateCall, Prompt
-from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
-from specdec_core.chat import ChatMessage
+from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, Message, ResponseFormat
+from deployments.openai.tool_parser import ParsedCall, ToolCallParser
+from deployments.openai.tools import ToolCallFormat, ToolPlan, forced_constraint, prompt_tools, tool_plan
+from specdec_core.chat import ChatMessage, ToolCall
 from specdec_core.config import SamplingParams
 from specdec_core.engine import RequestOutput
 from specdec_core.errors import InvalidArgument
@@ -38,12 +41,21 @@ class Call:
     continuous_usage: bool
     return_token_ids: bool
     cache_salt: str | None
+    tools: ToolPlan | None = None  # chat with tools (tool_choice not none): the output is read for calls
 
 
-def decode_chat(body: ChatCompletionRequest, default_max_tokens: int) -> Call:
+def decode_chat(body: ChatCompletionRequest, default_max_tokens: int,
+                tool_format: ToolCallFormat = ToolCallFormat()) -> Call:
+    """`tool_format`: how the served tokenizer spells the call markers (the default: as text)."""
+    prompt = Prompt(messages=tuple(_chat_message(m) for m in body.messages), tools=prompt_tools(body))
+    return _call(body, prompt, body.output_limit or default_max_tokens, chat=True,
+                 forced=forced_constraint(body, tool_format), tools=tool_plan(body))
+
+
+def _chat_message(m: Message) -> ChatMessage:
+    calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
     # "developer" is OpenAI's newer name for the system turn; chat templates know "system".
-    messages = tuple(ChatMessage("system" if m.role == "developer" else m.role, m.text) for m in body.messages)
-    return _call(body, Prompt(messages=messages), body.output_limit or default_max_tokens, chat=True)
+    return ChatMessage("system" if m.role == "developer" else m.role, m.text, calls, m.tool_call_id)
 
 
 def decode_completion(body: CompletionRequest) -> Call:
@@ -52,7 +64,8 @@ def decode_completion(body: CompletionRequest) -> Call:
     return _call(body, as_prompt, body.output_limit or DEFAULT_COMPLETION_MAX_TOKENS, chat=False)
 
 
-def _call(body: Any, prompt: Prompt, max_tokens: int, chat: bool) -> Call:
+def _call(body: Any, prompt: Prompt, max_tokens: int, chat: bool, forced: Constraint | None = None,
+          tools: ToolPlan | None = None) -> Call:
     try:
         params = SamplingParams(
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else float(body.temperature),
@@ -62,7 +75,7 @@ def _call(body: Any, prompt: Prompt, max_tokens: int, chat: bool) -> Call:
             max_tokens=max_tokens,
             stop=body.stop_strings,
             ignore_eos=body.ignore_eos,
-            constraint=decode_response_format(body.response_format),
+            constraint=forced or decode_response_format(body.response_format),  # never both (protocol)
         )
     except InvalidArgument as exc:  # the engine's own names are the body's, but for the length limit
         field = {"max_tokens": "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"}
@@ -79,6 +92,7 @@ def _call(body: Any, prompt: Prompt, max_tokens: int, chat: bool) -> Call:
         continuous_usage=bool(options and options.continuous_usage_stats),
         return_token_ids=body.return_token_ids,
         cache_salt=body.cache_salt,
+        tools=tools,
     )
 
 
@@ -99,7 +113,7 @@ def decode_response_format(response_format: ResponseFormat | None) -> Constraint
 _HTTP_PARAMS = {"sampling.max_tokens": "max_tokens", "speculation.num_speculative_tokens": "num_speculative_tokens",
                 "prompt_token_ids": "prompt", "messages.role": "messages", "messages.content": "messages",
                 "json_schema": "response_format.json_schema.schema", "json_object": "response_format",
-                "constraint": "response_format"}
+                "constraint": "response_format", "grammar": "tools"}  # HTTP's only grammars force tool calls
 
 
 def http_param(field: str) -> str:
@@ -131,7 +145,9 @@ def response(call: Call, response_id: str, outputs: Sequence[RequestOutput]) -> 
     last = outputs[-1]
     text = "".join(o.new_text for o in outputs)
     choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASONS.get(last.finish_reason), "logprobs": None}
-    if call.chat:
+    if call.tools is not None:
+        choice["message"], choice["finish_reason"] = _read_calls(call.tools, text, last)
+    elif call.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
@@ -141,12 +157,61 @@ def response(call: Call, response_id: str, outputs: Sequence[RequestOutput]) -> 
             "speculation": speculation(last)}
 
 
+def _read_calls(plan: ToolPlan, text: str, last: RequestOutput) -> tuple[dict[str, Any], str | None]:
+    """The assistant's message with the calls its text made (content null if it only called), and the reason."""
+    parser = ToolCallParser(plan)
+    events = parser.feed(text) + parser.finish()
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": "".join(e for e in events if isinstance(e, str)) or None}
+    calls = [e.as_openai() for e in events if isinstance(e, ParsedCall)]
+    if calls:
+        message["tool_calls"] = calls
+    return message, finish_reason(last, parser)
+
+
+def finish_reason(last: RequestOutput, parser: ToolCallParser) -> str | None:
+    """OpenAI's "tool_calls" where calls were made and the output ended of itself; a cut one is still "length"."""
+    if parser.num_calls and last.finish_reason in (FinishReason.EOS, FinishReason.STOP):
+        return "tool_calls"
+    return FINISH_REASONS.get(last.finish_reason)
+
+
 def first_chunk(call: Call, response_id: str) -> dict[str, Any] | None:
-    """Chat streams open with the assistant's role, as OpenAI's do; completion streams have no such chunk."""
+    """Chat streams open with the assistant's role, as OpenAI's do; completion streams have no such chunk. With
+    tools, content opens null, as the unary message's is when the model only called."""
     if not call.chat:
         return None
-    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
-    return _chunk(call, response_id, [choice])
+    delta = {"role": "assistant", "content": None if call.tools is not None else ""}
+    return _chunk(call, response_id, [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}])
+
+
+def chunks(call: Call, response_id: str, output: RequestOutput,
+           parser: ToolCallParser | None) -> list[dict[str, Any]]:
+    """One round's output as stream chunks: at most one without tools (`chunk`); with them (`parser`, which this
+    feeds), a chunk per piece of content or whole call the round decided, then one with the finish reason."""
+    if parser is None:
+        body = chunk(call, response_id, output)
+        return [] if body is None else [body]
+    events = parser.feed(output.new_text) + (parser.finish() if output.finished else [])
+    bodies = [_delta_chunk(call, response_id, _delta(event)) for event in events]
+    if output.finished:
+        bodies.append(_delta_chunk(call, response_id, {}, finish_reason(output, parser)))
+    if call.return_token_ids:
+        bodies = bodies or [_delta_chunk(call, response_id, {})]
+        bodies[0]["choices"][0]["token_ids"] = list(output.new_token_ids)  # the round's, with its first chunk
+    for body in bodies if call.continuous_usage else ():
+        body["usage"] = usage(output)
+    return bodies
+
+
+def _delta(event: str | ParsedCall) -> dict[str, Any]:
+    if isinstance(event, str):
+        return {"content": event}
+    return {"tool_calls": [{"index": event.index, **event.as_openai()}]}
+
+
+def _delta_chunk(call: Call, response_id: str, delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
+    return _chunk(call, response_id, [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}])
 
 
 def chunk(call: Call, response_id: str, output: RequestOutput) -> dict[str, Any] | None:

@@ -18,6 +18,8 @@ from starlette.routing import Route
 from deployments.codec import GenerateCall
 from deployments.openai import codec
 from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from deployments.openai.tool_parser import ToolCallParser
+from deployments.openai.tools import ToolCallFormat
 from deployments.status import status_of
 from specdec_core.engine import RequestOutput
 from specdec_core.errors import InvalidArgument, ResourceExhausted
@@ -34,6 +36,7 @@ class Backend(Protocol):
     max_model_len: int
     default_max_tokens: int
     started_at: int
+    tool_call_format: ToolCallFormat  # how a grammar spells the served tokenizer's call markers
 
     def authenticate(self, metadata: Sequence[tuple[str, str]]) -> None:
         """Raise `Unauthenticated` unless the headers carry the server's bearer token (when it has one)."""
@@ -97,7 +100,8 @@ def _check_model(backend: Backend, name: str) -> None:
 async def _complete(backend: Backend, request: Request, chat: bool) -> Response:
     body = await _json_body(request)
     if chat:
-        call = codec.decode_chat(parse_body(ChatCompletionRequest, body), backend.default_max_tokens)
+        call = codec.decode_chat(parse_body(ChatCompletionRequest, body), backend.default_max_tokens,
+                                 backend.tool_call_format)
     else:
         call = codec.decode_completion(parse_body(CompletionRequest, body))
     _check_model(backend, call.model)
@@ -128,18 +132,19 @@ async def _json_body(request: Request) -> Any:
 
 async def _events(call: codec.Call, response_id: str, first: RequestOutput,
                   rest: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per round, the usage chunk when asked, then `data: [DONE]`. A failure after
-    the first byte can no longer change the status: it is sent as an error event before [DONE]."""
+    """Server-sent events: a chunk per round (with tools, per piece of content or call it decided), the usage chunk
+    when asked, then `data: [DONE]`. A failure after the first byte can no longer change the status: it is sent as
+    an error event before [DONE]."""
     opening = codec.first_chunk(call, response_id)
     if opening is not None:
         yield _event(opening)
+    parser = ToolCallParser(call.tools) if call.tools is not None else None
     last = first
     try:
         output: RequestOutput | None = first
         while output is not None:
             last = output
-            body = codec.chunk(call, response_id, output)
-            if body is not None:
+            for body in codec.chunks(call, response_id, output, parser):
                 yield _event(body)
             output = await anext(rest, None)
         if call.include_usage:

@@ -2,8 +2,9 @@
 
 Unknown fields are refused with a 400 naming them, never silently ignored. Three kinds of known field:
 - implemented: model, messages / prompt, max_tokens / max_completion_tokens, temperature, top_p, seed, stop, n (1),
-  stream, stream_options.include_usage, response_format (text, json_object, json_schema), and vLLM's extensions
-  top_k, ignore_eos, cache_salt, return_token_ids, plus our num_speculative_tokens and speculation_method;
+  stream, stream_options.include_usage, response_format (text, json_object, json_schema), chat's tools, tool_choice
+  and parallel_tool_calls (`tool_protocol`), and vLLM's extensions top_k, ignore_eos, cache_salt,
+  return_token_ids, plus our num_speculative_tokens and speculation_method;
 - informational, accepted and ignored: user, metadata, store (false), service_tier, and per message `name`;
 - OpenAI features this server does not implement: accepted only at their no-op value (a harness that sends
   `frequency_penalty: 0` still works), refused naming the field at any other value.
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
+from deployments.openai.tool_protocol import MessageToolCall, ToolChoice, ToolDefinition
 from specdec_core.errors import InvalidArgument
 
 INFORMATIONAL = ("user", "metadata", "store", "service_tier")
@@ -30,7 +32,7 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
-    "tools": ([],),
+    "tools": ([],),  # completions: chat requests implement the three
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),
     "prediction": (),
@@ -44,6 +46,7 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 MAX_SALT_LENGTH = 256  # as the gRPC API's (deployments.codec.MAX_CACHE_SALT)
+MAX_TOOLS = 128  # OpenAI's limit
 
 
 def _unsupported(field: str, value: Any) -> InvalidArgument:
@@ -75,7 +78,7 @@ class ResponseFormat(BaseModel):
     @model_validator(mode="after")
     def _schema_with_its_type(self) -> "ResponseFormat":
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise InvalidArgument("response_format.json_schema", "required with type json_schema, and only with it")
+            raise InvalidArgument("json_schema", "required with type json_schema, and only with it")
         return self
 
 
@@ -145,18 +148,32 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None only where an assistant turn made tool calls
     name: str | None = None  # informational
-    tool_call_id: str | None = None  # informational until tool calls are implemented
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call answered (given to the chat template; not checked)
+
+    @model_validator(mode="after")
+    def _shape_of_the_role(self) -> "Message":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise InvalidArgument("tool_calls", f"only assistant messages carry tool calls, not {self.role}")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise InvalidArgument("content", "required (only an assistant message with tool_calls may leave it out)")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # None: auto with tools, none without (OpenAI's defaults)
+    parallel_tool_calls: StrictBool | None = None  # None: true (OpenAI's default)
 
     @model_validator(mode="after")
     def _one_length(self) -> "ChatCompletionRequest":
@@ -164,6 +181,30 @@ class ChatCompletionRequest(_Body):
         if both and self.max_tokens != self.max_completion_tokens:
             raise InvalidArgument("max_tokens", "max_tokens and max_completion_tokens disagree: send one of them")
         return self
+
+    @model_validator(mode="after")
+    def _tools_agree(self) -> "ChatCompletionRequest":
+        names = [tool.function.name for tool in self.tools or ()]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise InvalidArgument(f"tools[{i}].function.name", f"{name!r} is defined twice")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise InvalidArgument("tool_choice", "needs tools to choose from")
+        if isinstance(choice, BaseModel) and choice.function.name not in names:
+            raise InvalidArgument("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools")
+        if self.tool_mode != "none" and self.response_format is not None and self.response_format.type != "text":
+            raise InvalidArgument("response_format", "cannot be combined with tools unless tool_choice is none")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required, or "function" (the one `tool_choice` names)."""
+        if not self.tools:
+            return "none"
+        if self.tool_choice is None:
+            return "auto"
+        return self.tool_choice if isinstance(self.tool_choice, str) else "function"
 
     @property
     def output_limit(self) -> int | None:
@@ -204,8 +245,9 @@ def parse_body(cls: type[_Body], data: Any) -> Any:
     except ValidationError as exc:
         error = exc.errors()[0]
         cause = (error.get("ctx") or {}).get("error")
-        if isinstance(cause, InvalidArgument):
-            raise InvalidArgument(cause.field, cause.message) from None
+        if isinstance(cause, InvalidArgument):  # a model's own check: its field, under the model's place in the body
+            where = _param(error["loc"])
+            raise InvalidArgument(f"{where}.{cause.field}" if where else cause.field, cause.message) from None
         raise InvalidArgument(_param(error["loc"]) or "body", error["msg"]) from None
 
 

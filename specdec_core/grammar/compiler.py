@@ -88,6 +88,21 @@ class GrammarCompiler:
         return matcher
 
 
+def check(constraint: Constraint) -> None:
+    """Raise `InvalidArgument(constraint.kind, why)` if `constraint` cannot compile for any tokenizer: what an API's
+    edge can check before a request is queued (a JSON schema, say), where no compiler is at hand. Special tokens
+    (`<|...|>`, `<[id]>`) need a tokenizer, so only `GrammarCompiler.compile` checks grammars that name them."""
+    try:
+        grammar = _grammar_text(constraint)
+    except InvalidArgument:
+        raise
+    except ValueError as e:  # as in `GrammarCompiler._matcher`
+        raise InvalidArgument(constraint.kind, _short(str(e))) from None
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        raise InvalidArgument(constraint.kind, _short(messages[0]))
+
+
 def _grammar_text(constraint: Constraint) -> str:
     """llguidance's grammar for a constraint (not yet checked: the matcher does that)."""
     M = llguidance.LLMatcher

@@ -73,18 +73,21 @@ class GatedTarget(LocalTarget):
 @pytest.fixture()
 def make_router(tiny_dir, near_draft_dir, pair):
     """make_router(gated=False) -> (router, engine): the service's config for the tiny pair, its drafter built
-    through the registry as a router builds an in-process one, and the router over them."""
+    through the registry as a router builds an in-process one, and the router over them. `max_seq_len` up to the
+    tiny models' 512 positions (a prompt that lists tools takes a few hundred)."""
     routers = []
 
-    def make(gated: bool = False, prefix_caching: bool = False, method: str = "draft_model") -> tuple[Router, SpecEngine]:
+    def make(gated: bool = False, prefix_caching: bool = False, method: str = "draft_model",
+             max_seq_len: int = 256) -> tuple[Router, SpecEngine]:
         config = parse_config({
             "target": {"model": str(tiny_dir / "target"), "dtype": "float32"},
             "draft": {"method": method, "model": str(near_draft_dir), "dtype": "float32",
                       "num_speculative_tokens": 3},
-            "router": {"max_seq_len": 256, "default_max_tokens": 16, "max_output_tokens": 100, "calibrate": False},
+            "router": {"max_seq_len": max_seq_len, "default_max_tokens": 16, "max_output_tokens": 100,
+                       "calibrate": False},
         })
         target, draft = pair
-        runner_config = RunnerConfig(num_slots=SLOTS, max_seq_len=256, prefix_caching=prefix_caching)
+        runner_config = RunnerConfig(num_slots=SLOTS, max_seq_len=max_seq_len, prefix_caching=prefix_caching)
         runner = ModelRunner(target.model, runner_config)
         context = DraftContext(config.draft.spec, runner.vocab_size, ModelRunner(draft.model, runner_config))
         tokenizer = load_tokenizer(tiny_dir / "target")

@@ -217,3 +217,22 @@ def test_response_format_json_schema_equals_grpc_structured_output(api, stub):
                                                      "response_format": bad})
     assert status == 400 and error["error"]["type"] == "invalid_request_error"
     assert error["error"]["param"] == "response_format.json_schema.schema"
+
+
+def test_a_named_tool_call_through_the_served_stack(api):
+    """tools + tool_choice naming a function, by the official client, unary and streamed: the call it forces, with
+    the arguments its schema allows (the router's context is 256 tokens: a function without parameters fits)."""
+    client, config, _ = api
+    tools = [{"type": "function", "function": {"name": "noop", "strict": True}}]
+    args = dict(model=config.served_name, messages=[{"role": "user", "content": "hi"}], tools=tools,
+                tool_choice={"type": "function", "function": {"name": "noop"}}, temperature=0, max_tokens=64)
+    reply = client.chat.completions.create(**args)
+    choice = reply.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, json.loads(call.function.arguments)) == ("noop", {})
+    with client.chat.completions.stream(**args) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [("noop", "{}")]

@@ -64,7 +64,7 @@ def test_no_op_values_of_unimplemented_fields_are_accepted():
 @pytest.mark.parametrize(("extra", "param"), [
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"logprobs": True}, "logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
     ({"not_an_openai_field": 1}, "not_an_openai_field"),
     ({"store": True}, "store"),
     ({"n": 2}, "n"),

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from specdec_core.errors import InvalidArgument
-from specdec_core.grammar.compiler import GrammarCompiler
+from specdec_core.grammar.compiler import GrammarCompiler, check
 from specdec_core.grammar.constraint import Constraint
 from specdec_core.grammar.state import GrammarState
 
@@ -44,6 +44,15 @@ def test_refusals_name_the_kind_and_the_problem(compiler, kind, value, named):
     assert error.value.field == kind
     assert named in error.value.message, error.value.message
     assert len(error.value.message) <= 400
+
+
+@pytest.mark.parametrize("kind,value,named", REFUSED)
+def test_check_refuses_the_same_without_a_tokenizer(kind, value, named):
+    with pytest.raises(InvalidArgument) as error:
+        check(Constraint(kind, value))
+    assert error.value.field == kind and named in error.value.message
+    check(Constraint("json_schema", '{"type": "integer", "not": {"const": 3}}', strict=False))
+    check(Constraint("grammar", 'start: "a" <|im_end|>'))  # special tokens: only a compiler knows them
 
 
 def _takes(compiler, tokenizer, constraint: Constraint, text: str) -> bool:
