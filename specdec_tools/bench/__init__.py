@@ -1,7 +1,8 @@
 """`specdec bench offline` (one process, offline.py), `stack`, `tp` and `tracing` (the served stack, stack.py),
 `specdec bench serve`, the load generator (specdec_tools.loadgen), and `specdec bench sessions`, multi-turn
-conversations with prefix caching on vs off (sessions.py), and `specdec bench methods`, plain decoding and every
-drafting method side by side in one process (methods.py)."""
+conversations with prefix caching on vs off (sessions.py), `specdec bench methods`, plain decoding and every
+drafting method side by side in one process (methods.py), and `specdec bench structured`, constrained decoding
+plain and speculative, and speculative without the constraint, side by side (structured.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec_tools.bench import methods, sessions, stack
+from specdec_tools.bench import methods, sessions, stack, structured
 from specdec_tools.loadgen import cli as loadgen
 
 
@@ -43,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     loadgen.register(modes)
     sessions.register(modes)
     methods.register(modes)
+    structured.register(modes)
     stack.register_stack(modes)
     stack.register_tp(modes)
     stack.register_tracing(modes)
