@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from specdec_core.errors import InvalidArgument
-from specdec_tools.loadgen.command import non_negative_float, non_negative_int, positive
+from specdec_tools.bench.options import add_run_options
+from specdec_tools.loadgen.command import positive
 
 
 def register(modes: Any) -> None:
@@ -29,17 +30,8 @@ def register(modes: Any) -> None:
     parser.add_argument("--max-new-tokens", required=True, type=positive(int), help="per request (per turn)")
     parser.add_argument("--num-prompts", type=positive(int), default=None, help="the first N prompts (default all)")
     parser.add_argument("--num-sessions", type=positive(int), default=None, help="the first N sessions (default all)")
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
-    parser.add_argument("--seed", type=non_negative_int, default=0,
-                        help="request i of the run (prompt i, or turn i over all sessions) is sampled with seed + i")
-    parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--draft-quantization", choices=["none", "int8"], default="none",
-                        help="int8 weights and activations for the draft (CPU with AVX-512 VNNI), as the demo config")
-    parser.add_argument("--num-speculative-tokens", default="auto", help="k, or auto")
-    parser.add_argument("--max-seq-len", type=positive(int), default=4096,
-                        help="tokens per sequence (prompt and output) each engine holds")
-    parser.add_argument("--json", required=True, type=Path, help="where to write the report")
+    add_run_options(parser, seed_help="request i of the run (prompt i, or turn i over all sessions) is sampled with "
+                                      "seed + i")
     parser.set_defaults(func=main)
 
 
