@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from specdec_tools.bench.figures import add_speedups, ratio
+
 OFF = "off"  # plain decoding: the baseline every ratio is over
 
 # Prompts: one group. Sessions: a session's first turn (nothing of it is cached yet) apart from the later ones.
@@ -50,11 +52,6 @@ class Record:
         return self.item, self.turn
 
 
-def ratio(a: float, b: float) -> float | None:
-    """a / b; None where b is 0 (a group without decode time, say)."""
-    return a / b if b else None
-
-
 def group_figures(records: Sequence[Record], baseline: Mapping[tuple[str, int], tuple[int, ...]]) -> dict[str, Any]:
     """One method's totals over one group of requests; `identical` counts those whose token ids equal the
     baseline's (plain decoding's) for the same request."""
@@ -85,11 +82,7 @@ def results(records: Sequence[Record], methods: Sequence[str], groups: Sequence[
     baseline = {r.key: r.run.token_ids for r in records if r.method == OFF}
     out = {m: {g: group_figures([r for r in records if r.method == m and r.group == g], baseline) for g in groups}
            for m in methods}
-    for m in methods:
-        for g in groups:
-            figures, off = out[m][g], out[OFF][g]
-            figures["speedup"] = ratio(figures["tokens_per_s"], off["tokens_per_s"])
-            figures["decode_speedup"] = ratio(figures["decode_tokens_per_s"], off["decode_tokens_per_s"])
+    add_speedups(out, OFF)
     return out
 
 

@@ -27,6 +27,7 @@ from specdec_core.drafters import registry
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
 from specdec_core.runner import RunnerConfig
+from specdec_tools.bench.figures import run_settings
 from specdec_tools.bench.methods_report import OFF, Record, hybrid_comparison, request_rows, results
 from specdec_tools.bench.methods_workloads import (PromptsWorkload, Runner, SessionsWorkload, Workload, check_fits,
                                                    run_request)
@@ -144,16 +145,7 @@ def report(config: MethodsBenchConfig, methods: Sequence[str], workload: Workloa
     figures = results(records, methods, workload.groups)
     headline = workload.groups[-1]  # all prompts; turns >= 2 of sessions
     return {
-        "target": config.target,
-        "draft": config.draft,
-        "draft_quantization": config.draft_quantization,
-        "dtype": config.dtype,
-        "device": config.device,
-        "temperature": config.temperature,
-        "seed": config.seed,
-        "max_new_tokens": config.max_new_tokens,
-        "num_speculative_tokens": config.num_speculative_tokens,
-        "max_seq_len": config.max_seq_len,
+        **run_settings(config),
         "prefix_caching": workload.prefix_caching,
         **workload.describe(),
         "methods": list(methods),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from specdec_tools.bench.figures import add_speedups, ratio
 from specdec_tools.bench.structured_timing import DRAFTED_ROUND, FORCED_ROUND, ROUND_KINDS, StructuredRun
 
 CONSTRAINED_PLAIN, CONSTRAINED_SPEC, UNCONSTRAINED_SPEC = "constrained_plain", "constrained_spec", "unconstrained_spec"
@@ -38,11 +39,6 @@ class Record:
     def valid(self) -> bool | None:
         """None where the output did not end of itself: unfinished, not invalid."""
         return self.problem is None if self.complete else None
-
-
-def ratio(a: float, b: float) -> float | None:
-    """a / b; None where b is 0."""
-    return a / b if b else None
 
 
 def _sum(records: Sequence[Record], field: str) -> Any:
@@ -109,11 +105,7 @@ def results(records: Sequence[Record], groups: Sequence[str]) -> dict[str, dict[
     baseline = {r.item: r.run.token_ids for r in records if r.mode == CONSTRAINED_PLAIN}
     out = {m: {g: group_figures([r for r in records if r.mode == m and g in (ALL, r.kind)], baseline)
                for g in groups} for m in MODES}
-    for m in MODES:
-        for g in groups:
-            figures, plain = out[m][g], out[CONSTRAINED_PLAIN][g]
-            figures["speedup"] = ratio(figures["tokens_per_s"], plain["tokens_per_s"])
-            figures["decode_speedup"] = ratio(figures["decode_tokens_per_s"], plain["decode_tokens_per_s"])
+    add_speedups(out, CONSTRAINED_PLAIN)
     return out
 
 

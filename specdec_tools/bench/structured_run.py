@@ -26,6 +26,7 @@ from specdec_core.drafters import registry
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
 from specdec_core.runner import RunnerConfig
+from specdec_tools.bench.figures import run_settings
 from specdec_tools.bench.methods_workloads import rotated
 from specdec_tools.bench.offline import machine_info
 from specdec_tools.bench.structured_report import (ALL, COMPLETE, CONSTRAINED_PLAIN, MODES, UNCONSTRAINED_SPEC, Record,
@@ -163,17 +164,8 @@ def report(config: StructuredBenchConfig, requests: Sequence[StructuredRequest],
     kinds = [kind for kind in (SCHEMA, TOOL) if any(r.kind == kind for r in requests)]
     figures = results(records, (ALL, *kinds))
     return {
-        "target": config.target,
-        "draft": config.draft,
-        "draft_quantization": config.draft_quantization,
+        **run_settings(config),
         "method": config.method,
-        "dtype": config.dtype,
-        "device": config.device,
-        "temperature": config.temperature,
-        "seed": config.seed,
-        "max_new_tokens": config.max_new_tokens,
-        "num_speculative_tokens": config.num_speculative_tokens,
-        "max_seq_len": config.max_seq_len,
         "workload_file": str(config.prompts),
         "num_prompts": len(requests),
         "num_by_kind": {kind: sum(r.kind == kind for r in requests) for kind in kinds},
