@@ -36,6 +36,7 @@ from specdec_core.drafters.base import DraftContext
 from specdec_core.drafters import registry as methods
 from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.environment import auth_token
+from specdec_core.grammar.compiler import GrammarCompiler
 from specdec_core.models.loader import load_tokenizer
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
@@ -163,7 +164,9 @@ class DraftWorker(_Worker):
         target_vocab = max(_target_vocab_size(target), len(target.tokenizer))
         runner = ModelRunner(loaded.model, _runner_config(cfg, cfg.draft))
         drafter = cfg.draft.drafting.build(DraftContext(cfg.draft.spec, target_vocab, runner))
-        self._serve(cfg, DraftServicer(drafter, cfg.draft.model, cfg.session_idle_timeout_s))
+        # The router's engine compiles for the same tokenizer, vocabulary and eos: the draft's masks are the target's.
+        grammars = GrammarCompiler(target.tokenizer, target_vocab, sorted(target.eos_token_ids))
+        self._serve(cfg, DraftServicer(drafter, cfg.draft.model, cfg.session_idle_timeout_s, grammars))
 
 
 def _target_vocab_size(target: Any) -> int:

@@ -16,7 +16,7 @@ from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import worker_pb2 as wpb
 from specdec_core.chat import ChatMessage, Tool
 from specdec_core.config import AUTO, SamplingParams, TokenShaping
-from specdec_core.drafters.base import DraftRequest, Proposal
+from specdec_core.drafters.base import DraftGrammar, DraftRequest, Proposal
 from specdec_core.engine import RequestOutput, SpecStats
 from specdec_core.errors import InvalidArgument
 from specdec_core.grammar.bits import PackedMasks
@@ -387,9 +387,8 @@ def decode_outcomes(response: wpb.VerifyResponse, return_probs: Sequence[bool]) 
     ]
 
 
-def encode_propose_item(request: DraftRequest, new_token_ids: Sequence[int]) -> wpb.ProposeRequest.Item:
-    """`request.grammar` stays in the router: draft workers draft unconstrained. Exact all the same: the engine cuts
-    a point-mass proposal where it leaves the grammar and verifies a sampled one (with its q) whole."""
+def encode_propose_item(request: DraftRequest, new_token_ids: Sequence[int], send_grammar: bool = False) -> wpb.ProposeRequest.Item:
+    """`send_grammar`: the worker does not hold the session's grammar yet (`request.grammar` is set): send it."""
     item = wpb.ProposeRequest.Item(
         seq_id=request.seq_id,
         new_token_ids=list(new_token_ids),
@@ -400,16 +399,33 @@ def encode_propose_item(request: DraftRequest, new_token_ids: Sequence[int]) -> 
     if request.uniform is not None:
         item.uniform.extend(request.uniform.tolist())
     item.return_probs = request.return_probs
+    if send_grammar and request.grammar is not None:
+        c = request.grammar.constraint
+        item.grammar.CopyFrom(wpb.Grammar(kind=c.kind, value=c.value, strict=c.strict, compact=c.compact,
+                                          output_start=len(request.token_ids) - request.grammar.num_tokens))
     return item
 
 
-def decode_propose_item(item: wpb.ProposeRequest.Item, token_ids: Sequence[int]) -> DraftRequest:
-    """`token_ids`: the session's committed tokens, which the draft worker keeps."""
+def decode_propose_item(item: wpb.ProposeRequest.Item, token_ids: Sequence[int],
+                        grammar: DraftGrammar | None = None) -> DraftRequest:
+    """`token_ids`: the session's committed tokens, which the draft worker keeps; `grammar`: the session's, after them
+    (`decode_grammar` reads the one an item brings)."""
     shaping = decode_token_sampling(item.sampling)
     if not shaping.greedy and len(item.uniform) != item.num_tokens:
         raise InvalidArgument("uniform", f"{len(item.uniform)} uniforms for {item.num_tokens} sampled drafts")
     uniform = None if shaping.greedy else torch.tensor(list(item.uniform), dtype=torch.float64)
-    return DraftRequest(item.seq_id, token_ids, item.num_tokens, shaping, uniform, item.return_probs)
+    return DraftRequest(item.seq_id, token_ids, item.num_tokens, shaping, uniform, item.return_probs, grammar)
+
+
+def decode_grammar(item: wpb.ProposeRequest.Item) -> tuple[Constraint, int] | None:
+    """The grammar an item brings and where its output starts; None when it brings none."""
+    if not item.HasField("grammar"):
+        return None
+    g = item.grammar
+    try:
+        return Constraint(g.kind, g.value, g.strict, g.compact), g.output_start
+    except InvalidArgument as e:
+        raise InvalidArgument("items.grammar", e.message) from None
 
 
 def encode_proposal(proposal: Proposal) -> wpb.Proposal:

@@ -350,6 +350,7 @@ class RemoteDrafter:
         self._sent: dict[str, int] = {}  # sessions held by a draft worker: committed tokens it has been told about
         self._homeless: dict[str, float] = {}  # sessions no draft worker holds: when to try to place them again
         self._salts: dict[str, str | None] = {}  # every session's cache salt, for placing it again
+        self._constrained: set[str] = set()  # sessions whose draft worker holds their grammar
 
     def start(self, seq_id: str, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Place the session on a draft replica, which prefills it (the engine starts a session the first time it
@@ -379,6 +380,7 @@ class RemoteDrafter:
             log.warning("draft session %s not started: %s", seq_id, failures[replica.address])
             return None
         self._sent[seq_id] = len(token_ids)
+        self._constrained.discard(seq_id)  # a new session: its grammar goes with its first Propose
         return codec.decode_started(responses[replica.address], 1)[0]
 
     def observe(self, seq_id: str, num_committed: int) -> None:
@@ -400,7 +402,8 @@ class RemoteDrafter:
             message = wpb.ProposeRequest()
             for i in idx:
                 r = requests[i]
-                message.items.append(codec.encode_propose_item(r, r.token_ids[self._sent[r.seq_id] :]))
+                message.items.append(codec.encode_propose_item(r, r.token_ids[self._sent[r.seq_id] :],
+                                                               send_grammar=r.seq_id not in self._constrained))
             messages[address] = (self.pool.replica_of(requests[idx[0]].seq_id), message)
         all_ids = [r.seq_id for r in requests]
         start = time.perf_counter()
@@ -419,6 +422,8 @@ class RemoteDrafter:
         for address, response in responses.items():
             for i, msg in zip(groups[address], response.proposals):
                 self._sent[requests[i].seq_id] = len(requests[i].token_ids)
+                if requests[i].grammar is not None:
+                    self._constrained.add(requests[i].seq_id)
                 proposals[i] = codec.decode_proposal(msg, vocab, requests[i].return_probs)
         return proposals
 
@@ -438,11 +443,13 @@ class RemoteDrafter:
     def _evict(self, seq_id: str) -> None:
         """The session's draft state is lost or in doubt: free it where possible, and place it again later."""
         self._sent.pop(seq_id, None)
+        self._constrained.discard(seq_id)
         self.pool.release(seq_id)  # a no-op for a replica marked failed (its sessions are already unpinned)
         self._homeless[seq_id] = time.monotonic() + self.retry_s
 
     def release(self, seq_id: str) -> None:
         self._sent.pop(seq_id, None)
+        self._constrained.discard(seq_id)
         self._homeless.pop(seq_id, None)
         self._salts.pop(seq_id, None)
         self.pool.release(seq_id)

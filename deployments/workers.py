@@ -30,6 +30,8 @@ from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.grammar.compiler import GrammarCompiler
+from specdec_core.grammar.state import GrammarState
 from specdec_core.runner import ModelRunner
 from specdec_core.target import LocalTarget
 
@@ -217,17 +219,23 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
 
 
 class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
-    """A draft model's sessions: the committed tokens it has been told about, and its cache."""
+    """A draft model's sessions: the committed tokens it has been told about, its cache, and a constrained session's
+    grammar, which masks its drafts (`grammars` compiles them, for the target's tokenizer and vocabulary: without
+    one, a constrained session is refused)."""
 
     kind = "draft"
 
-    def __init__(self, drafter: DraftModelDrafter, model_name: str, idle_timeout_s: float = 300.0) -> None:
+    def __init__(self, drafter: DraftModelDrafter, model_name: str, idle_timeout_s: float = 300.0,
+                 grammars: GrammarCompiler | None = None) -> None:
         super().__init__(model_name, idle_timeout_s)
         self.drafter = drafter
+        self.grammars = grammars
         self._tokens: dict[str, list[int]] = {}
+        self._grammar_states: dict[str, GrammarState] = {}
 
     def _free(self, seq_id: str) -> None:
         self._tokens.pop(seq_id, None)
+        self._grammar_states.pop(seq_id, None)
         self.drafter.release(seq_id)
 
     @property
@@ -264,9 +272,28 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
                     "num_committed", f"session {item.seq_id!r} has {len(tokens)} tokens, router says {item.num_committed}"
                 )
             self.drafter.observe(item.seq_id, len(tokens))
-            requests.append(codec.decode_propose_item(item, tokens))
+            requests.append(codec.decode_propose_item(item, tokens, self._grammar(item, tokens)))
         proposals = self.drafter.propose(requests)
         return wpb.ProposeResponse(proposals=[codec.encode_proposal(p) for p in proposals])
+
+    def _grammar(self, item: wpb.ProposeRequest.Item, tokens: list[int]) -> GrammarState | None:
+        """The session's grammar after its committed tokens: the one the item brings, moved along the output so
+        far, or the one it holds, moved along the item's new tokens. Committed tokens the grammar refuses mean the
+        router and this worker disagree: refused (the router then drops the session here)."""
+        brought = codec.decode_grammar(item)
+        if brought is not None:
+            constraint, start = brought
+            if self.grammars is None:
+                raise InvalidArgument("items.grammar", "this draft worker cannot compile grammars")
+            if start > len(tokens):
+                raise InvalidArgument("items.grammar.output_start", f"{start} is past the {len(tokens)} committed tokens")
+            state, new = GrammarState(self.grammars.compile(constraint)), tokens[start:]
+            self._grammar_states[item.seq_id] = state
+        else:
+            state, new = self._grammar_states.get(item.seq_id), list(item.new_token_ids)
+        if state is not None and state.advance(new) != len(new):
+            raise InvalidArgument("items.new_token_ids", f"session {item.seq_id!r}: committed tokens its grammar refuses")
+        return state
 
     def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
         runner = self.drafter.runner

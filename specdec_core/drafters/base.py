@@ -24,12 +24,21 @@ from specdec_core.config import TokenShaping
 from specdec_core.sparse_q import SparseQ
 
 if TYPE_CHECKING:
+    from specdec_core.grammar.constraint import Constraint
     from specdec_core.runner import ModelRunner
 
 
 class DraftGrammar(Protocol):
     """A sequence's place in its grammar, as a drafter reads it (`grammar.GrammarState` is one). A drafter may move
     it along its drafts, and must leave it where it found it: as many `rollback` as `advance`d."""
+
+    @property
+    def constraint(self) -> Constraint:  # what the grammar was compiled from (a remote drafter sends it on)
+        ...
+
+    @property
+    def num_tokens(self) -> int:  # output tokens it has taken: the sequence's committed output, when handed over
+        ...
 
     def allowed_mask(self) -> torch.Tensor:  # [V] bool: the tokens allowed next, on the target's vocabulary
         ...

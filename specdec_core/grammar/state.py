@@ -9,6 +9,7 @@ import torch
 
 from specdec_core.grammar.bits import has, only_token, popcount, set_bit, unpack_bitmask
 from specdec_core.grammar.compiler import CompiledGrammar
+from specdec_core.grammar.constraint import Constraint
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,10 @@ class GrammarState:
         self._trail: list[int] = []  # the last path explored; the state is at its prefix of length `_n`
         self._n = 0
         self._packed: dict[int, np.ndarray] = {}  # position on the trail -> [W] uint32 mask
+
+    @property
+    def constraint(self) -> Constraint:
+        return self.grammar.constraint
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.config import SamplingParams
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.engine import SpecEngine
+from specdec_core.grammar.compiler import GrammarCompiler
 from specdec_core.grammar.constraint import Constraint
 from specdec_core.grammar.state import GrammarState
 from specdec_core.runner import ModelRunner, RunnerConfig
@@ -59,8 +60,11 @@ def _target(pair, name="target"):
     return TargetServicer(LocalTarget(ModelRunner(pair[0].model, RUNNER)), name)
 
 
-def _draft(pair, cls=DraftServicer, name="draft"):
-    return cls(DraftModelDrafter(ModelRunner(pair[1].model, RUNNER), pair[0].model.vocab_size), name)
+def _draft(pair, cls=DraftServicer, name="draft", grammars=True):
+    target = pair[0]
+    compiler = GrammarCompiler(target.tokenizer, target.model.vocab_size, sorted(target.eos_token_ids))
+    return cls(DraftModelDrafter(ModelRunner(pair[1].model, RUNNER), target.model.vocab_size), name,
+               grammars=compiler if grammars else None)
 
 
 def _engine(pair, target_addresses, draft_addresses, draft_timeout_s=30.0):
@@ -254,8 +258,8 @@ def _structured(target, engine, params, k):
 
 
 def test_constrained_requests_over_the_workers_give_constrained_plain_decodings_tokens(pair):
-    """The grammar's masks cross to the target worker with every prefill and verify: at T = 0 the remote engine's
-    JSON is constrained greedy decoding's, token for token, though the draft worker drafts unconstrained."""
+    """The grammar's masks cross to the target worker with every prefill and verify, and the grammar to the draft
+    worker: at T = 0 the remote engine's JSON is constrained greedy decoding's, token for token."""
     target, _ = pair
     constraint = Constraint("json_schema", json.dumps(SERVED_SCHEMA), compact=True)
     params = SamplingParams(max_tokens=80, constraint=constraint)
@@ -276,15 +280,16 @@ def test_constrained_requests_over_the_workers_give_constrained_plain_decodings_
             assert satisfies_served_schema(json.loads(text)), text
 
 
-def test_sampled_drafts_from_an_unconstrained_draft_worker_are_verified_whole(pair):
-    """At T = 1 the draft worker's proposals come with their q, drawn without the grammar: the engine never cuts
-    them (cutting would bias the output), so some leave the grammar and are rejected there by the masked p. The
-    output still belongs to the grammar."""
+def test_the_draft_worker_samples_its_drafts_from_the_grammars_masked_q(pair):
+    """At T = 1 the draft worker gets each session's grammar with its first Propose and masks q with it at every
+    step: every proposal stays in the grammar (drawn from the unmasked q, some leave it), and the output belongs to
+    it. The worker's grammar follows the committed tokens across rounds of partial acceptance."""
     target, _ = pair
     constraint = Constraint("json_schema", json.dumps(SERVED_SCHEMA), compact=True)
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=60, constraint=constraint)
     tserver, taddr = _serve(_target(pair))
-    dserver, daddr = _serve(_draft(pair))
+    draft = _draft(pair)
+    dserver, daddr = _serve(draft)
     try:
         engine, _ = _engine(pair, [taddr], [daddr])
         got, rounds = _structured(target, engine, params, 3)
@@ -292,7 +297,7 @@ def test_sampled_drafts_from_an_unconstrained_draft_worker_are_verified_whole(pa
     finally:
         tserver.stop(0)
         dserver.stop(0)
-    left_the_grammar = 0
+    drafted, partial = 0, 0
     for request_id, (tokens, text, last) in got.items():
         assert last.error is None and GrammarState(compiled).advance(tokens) == len(tokens)
         for committed, info in rounds[request_id]:
@@ -301,7 +306,28 @@ def test_sampled_drafts_from_an_unconstrained_draft_worker_are_verified_whole(pa
             state = GrammarState(compiled)
             state.advance(tokens[:committed])
             proposed = list(info.proposed_token_ids)
-            if state.advance(proposed) < len(proposed):  # an uncut proposal that leaves the grammar
-                left_the_grammar += 1
-                assert len(proposed) == info.k and info.num_accepted < len(proposed)
-    assert left_the_grammar > 0
+            assert state.advance(proposed) == len(proposed), (request_id, committed, proposed)
+            drafted += 1
+            partial += info.num_accepted < len(proposed)
+    assert drafted > 0 and partial > 0
+    assert draft.active_sessions == 0 and not draft._grammar_states
+
+
+def test_a_draft_worker_without_a_compiler_costs_speculation_not_the_request(pair):
+    """A draft worker that cannot compile grammars refuses constrained sessions (INVALID_ARGUMENT naming `grammar`):
+    the router drops them there and decodes them plainly, with the constrained greedy tokens."""
+    target, _ = pair
+    constraint = Constraint("json_schema", json.dumps(SERVED_SCHEMA), compact=True)
+    params = SamplingParams(max_tokens=40, constraint=constraint)
+    expected, _ = _structured(target, make_engine(target), params, 0)
+    tserver, taddr = _serve(_target(pair))
+    dserver, daddr = _serve(_draft(pair, grammars=False))
+    try:
+        engine, _ = _engine(pair, [taddr], [daddr])
+        got, rounds = _structured(target, engine, params, 3)
+    finally:
+        tserver.stop(0)
+        dserver.stop(0)
+    assert {r: g[0] for r, g in got.items()} == {r: e[0] for r, e in expected.items()}
+    methods = {info.method for per in rounds.values() for _, info in per if info is not None and info.proposed_token_ids}
+    assert methods == {"forced"}  # the grammar's forced tokens still need no draft

@@ -5,6 +5,8 @@ An engine whose target and drafter are remote must produce exactly what the in-p
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -15,10 +17,12 @@ from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.config import SamplingParams
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.engine import SpecEngine
+from specdec_core.grammar.compiler import GrammarCompiler
+from specdec_core.grammar.constraint import Constraint
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.stopping import FinishReason
 from specdec_core.target import LocalTarget
-from tests.helpers import make_engine, run_to_completion
+from tests.helpers import SERVED_SCHEMA, make_engine, run_to_completion
 
 RUNNER = RunnerConfig(num_slots=4, max_seq_len=256)
 
@@ -27,7 +31,9 @@ def _serve_pair(pair, runner: RunnerConfig):
     """Both workers over the tiny pair, each on its own gRPC server: yields {kind: (servicer, address)}."""
     target, draft = pair
     t = TargetServicer(LocalTarget(ModelRunner(target.model, runner)), "tiny-target")
-    d = DraftServicer(DraftModelDrafter(ModelRunner(draft.model, runner), target.model.vocab_size), "tiny-draft")
+    grammars = GrammarCompiler(target.tokenizer, target.model.vocab_size, sorted(target.eos_token_ids))
+    d = DraftServicer(DraftModelDrafter(ModelRunner(draft.model, runner), target.model.vocab_size), "tiny-draft",
+                      grammars=grammars)
     (ts, tport), (ds, dport) = start_server(t, "127.0.0.1"), start_server(d, "127.0.0.1")
     yield {"target": (t, f"127.0.0.1:{tport}"), "draft": (d, f"127.0.0.1:{dport}")}
     ts.stop(0)
@@ -65,6 +71,48 @@ def test_remote_engine_matches_the_in_process_engine(pair, servers):
     assert sum(out.stats.accepted for _, _, out in remote.values()) > 0  # the drafts were used, not just sent
     for servicer, _ in servers.values():
         assert servicer.active_sessions == 0  # finished sessions were released in both workers
+
+
+def test_constrained_sampled_requests_through_the_workers_match_the_in_process_engine(pair, servers):
+    """The draft worker masks its q with the grammar the router sends, as the in-process drafter masks it: at
+    T > 0 (seeded) and greedy alike, the remote engine's tokens and counts are the in-process engine's."""
+    target, draft = pair
+    constraint = Constraint("json_schema", json.dumps(SERVED_SCHEMA), compact=True)
+    requests = [
+        ("json-sampled", list(range(5, 25)), SamplingParams(temperature=1.0, seed=5, max_tokens=40, constraint=constraint), 3),
+        ("json-greedy", list(range(30, 44)), SamplingParams(max_tokens=40, constraint=constraint), 4),
+        ("regex-sampled", list(range(50, 60)), SamplingParams(temperature=0.9, seed=9, max_tokens=30,
+                                                              constraint=Constraint("regex", "[a-c]{2,9}( [a-c]+)*")), 3),
+    ]
+    local = run_to_completion(make_engine(target, draft.model, num_slots=8), requests)
+    remote = run_to_completion(remote_engine(pair, servers), requests)
+    for request_id, *_ in requests:
+        assert remote[request_id][0] == local[request_id][0], request_id
+        assert remote[request_id][2].stats == local[request_id][2].stats, request_id
+    assert sum(out.stats.proposed for _, _, out in remote.values()) > 0
+    assert servers["draft"][0].active_sessions == 0 and not servers["draft"][0]._grammar_states
+
+
+def test_a_draft_worker_refuses_a_grammar_its_session_left(pair, servers):
+    """Committed tokens the session's grammar refuses mean router and worker disagree: INVALID_ARGUMENT, nothing
+    drafted under a wrong state."""
+    _, address = servers["draft"]
+    stub = wpb_grpc.DraftServiceStub(grpc.insecure_channel(address))
+    stub.Start(wpb.StartRequest(items=[wpb.StartRequest.Item(seq_id="g", prompt_token_ids=[5, 6, 7])]), timeout=10)
+    try:
+        item = wpb.ProposeRequest.Item(seq_id="g", new_token_ids=[8], num_committed=4, num_tokens=2,
+                                       grammar=wpb.Grammar(kind="regex", value="[0-9]+", output_start=3))
+        item.sampling.temperature = 0.0
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Propose(wpb.ProposeRequest(items=[item]), timeout=10)
+        code, details = err.value.code(), err.value.details()
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "new_token_ids" in details, details
+        bad = wpb.ProposeRequest.Item(seq_id="g", num_committed=4, num_tokens=2, grammar=wpb.Grammar(kind="regex"))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Propose(wpb.ProposeRequest(items=[bad]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "items.grammar" in err.value.details()
+    finally:
+        stub.Release(wpb.ReleaseRequest(seq_ids=["g"]), timeout=10)
 
 
 def test_aborted_requests_free_both_workers(pair, servers):

@@ -24,6 +24,20 @@ class TokenMasks(_message.Message):
     words: bytes
     def __init__(self, words_per_position: _Optional[int] = ..., words: _Optional[bytes] = ...) -> None: ...
 
+class Grammar(_message.Message):
+    __slots__ = ("kind", "value", "strict", "compact", "output_start")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    value: str
+    strict: bool
+    compact: bool
+    output_start: int
+    def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ..., strict: _Optional[bool] = ..., compact: _Optional[bool] = ..., output_start: _Optional[int] = ...) -> None: ...
+
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -56,7 +70,7 @@ class StartResponse(_message.Message):
 class ProposeRequest(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("seq_id", "new_token_ids", "num_committed", "num_tokens", "sampling", "uniform", "return_probs")
+        __slots__ = ("seq_id", "new_token_ids", "num_committed", "num_tokens", "sampling", "uniform", "return_probs", "grammar")
         SEQ_ID_FIELD_NUMBER: _ClassVar[int]
         NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +78,7 @@ class ProposeRequest(_message.Message):
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
         UNIFORM_FIELD_NUMBER: _ClassVar[int]
         RETURN_PROBS_FIELD_NUMBER: _ClassVar[int]
+        GRAMMAR_FIELD_NUMBER: _ClassVar[int]
         seq_id: str
         new_token_ids: _containers.RepeatedScalarFieldContainer[int]
         num_committed: int
@@ -71,7 +86,8 @@ class ProposeRequest(_message.Message):
         sampling: TokenSampling
         uniform: _containers.RepeatedScalarFieldContainer[float]
         return_probs: bool
-        def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[_Iterable[float]] = ..., return_probs: _Optional[bool] = ...) -> None: ...
+        grammar: Grammar
+        def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[_Iterable[float]] = ..., return_probs: _Optional[bool] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ProposeRequest.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest.Item, _Mapping]]] = ...) -> None: ...

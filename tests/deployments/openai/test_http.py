@@ -219,6 +219,24 @@ def test_response_format_json_schema_equals_grpc_structured_output(api, stub):
     assert error["error"]["param"] == "response_format.json_schema.schema"
 
 
+@pytest.mark.parametrize("structured", [
+    pb.StructuredOutput(json_schema=json.dumps(SERVED_SCHEMA)),
+    pb.StructuredOutput(regex="(add|mean|count)\\([a-z]{1,3}(, [a-z]{1,3}){0,3}\\)"),
+])
+def test_constrained_speculation_in_the_served_stack_is_constrained_plain_decoding(stub, structured):
+    """The draft workers draft under the grammar the router sends them: at T = 0, speculative output (draft model
+    only) is constrained plain decoding's (`speculation_method: none`), token for token."""
+    def generate(method: str) -> pb.GenerateResponse:
+        return stub.Generate(pb.GenerateRequest(
+            messages=[pb.ChatMessage(**m) for m in CHAT], sampling=pb.SamplingParams(max_tokens=60),
+            speculation=pb.SpeculationOptions(num_speculative_tokens=3), speculation_method=method,
+            structured=structured), timeout=60)
+
+    plain, speculative = generate("none"), generate("draft_model")
+    assert list(speculative.token_ids) == list(plain.token_ids) and speculative.text == plain.text
+    assert plain.speculation.proposed == 0 and speculative.speculation.proposed > 0
+
+
 def test_a_named_tool_call_through_the_served_stack(api):
     """tools + tool_choice naming a function, by the official client, unary and streamed: the call it forces, with
     the arguments its schema allows (the router's context is 256 tokens: a function without parameters fits)."""
