@@ -15,8 +15,23 @@ AUTH_TOKEN = "SPECDEC_AUTH_TOKEN"
 
 
 def specdec_home() -> Path:
-    """`$SPECDEC_HOME`, else `~/.cache/specdec`: models and compiled kernels are cached there."""
+    """`$SPECDEC_HOME`, else `~/.cache/specdec`: models are cached there (compiled kernels are not: `kernel_dir`)."""
     return Path(os.environ.get("SPECDEC_HOME") or Path.home() / ".cache" / "specdec").expanduser()
+
+
+def kernel_dir() -> Path:
+    """`$SPECDEC_KERNEL_DIR`, else `$XDG_CACHE_HOME/specdec/kernels`, else `~/.cache/specdec/kernels`: the private
+    (0700) cache of the compiled CPU kernels.
+
+    Never derived from `$SPECDEC_HOME`: in the Kubernetes manifests that is the models volume every pod mounts, and
+    whoever can write a cached library runs code in every worker that loads it. Point it at storage private to the
+    pod (its own disk or an emptyDir), never at a shared volume.
+    """
+    if explicit := os.environ.get("SPECDEC_KERNEL_DIR"):
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    cache = Path(xdg) if Path(xdg).is_absolute() else Path.home() / ".cache"  # the XDG spec ignores a relative one
+    return cache / "specdec" / "kernels"
 
 
 def pip_args() -> list[str]:

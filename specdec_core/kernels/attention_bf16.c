@@ -10,7 +10,9 @@
  * attention output is bit for bit the same in plain decoding and in verification.
  *
  * Layouts: q, out [B, T, H, D] bf16 contiguous; kc, vc [num_slots, Hkv, capacity, D] bf16. D % 16 == 0.
+ * Returns 0, or ENOMEM when a thread cannot allocate its scores (out is then partly unwritten).
  */
+#include <errno.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -51,21 +53,31 @@ static void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
 
 int specdec_attention_max_head_dim(void) { return MAX_D; }
 
-void specdec_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *slots,
-                            const int64_t *starts, uint16_t *out, int64_t B, int64_t T, int64_t H, int64_t Hkv,
-                            int64_t D, int64_t capacity, float scale, int nthreads) {
+int specdec_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *slots,
+                           const int64_t *starts, uint16_t *out, int64_t B, int64_t T, int64_t H, int64_t Hkv,
+                           int64_t D, int64_t capacity, float scale, int nthreads) {
+    if ((uint64_t)capacity > SIZE_MAX / sizeof(float)) return ENOMEM; /* the scratch size would wrap around */
     int64_t group = H / Hkv;
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = malloc(sizeof(float) * capacity);
+        /* Scratch per thread. A thread whose allocation fails still takes part in the work-sharing loop (every
+         * thread of the team must reach it) but skips its rows; the caller gets ENOMEM, never a NULL write. */
+        float *scores = malloc(sizeof(float) * (size_t)(capacity > 0 ? capacity : 1));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static) collapse(3)
         for (int64_t b = 0; b < B; b++)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t h = 0; h < H; h++) {
+                    if (scores == NULL) continue;
                     int64_t kv = (slots[b] * Hkv + h / group) * capacity * D;
                     int64_t row = ((b * T + t) * H + h) * D;
                     attend_one(q + row, kc + kv, vc + kv, out + row, starts[b] + t + 1, D, scale, scores);
                 }
         free(scores);
     }
+    return failed ? ENOMEM : 0;
 }

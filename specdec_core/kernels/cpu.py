@@ -5,7 +5,8 @@ so verifying k+1 tokens costs k+1 decode steps and speculation cannot pay; and i
 for the single query row of decoding. `gemm.c` streams each weight once for all rows; `attention_bf16.c`
 attends each (row, head) alone in fp32. Both compute a row the same way whatever else is in the batch, so
 verification reproduces plain decoding bit for bit. They are compiled on first use with the system C compiler
-and cached; where that is impossible (no compiler, no AVX-512) the model keeps torch's code paths.
+and cached in a private directory, checked before every load (`library.py`); where that is impossible (no
+compiler, no AVX-512, a cache directory refused) the model keeps torch's code paths.
 
 Like tensor parallelism, this is a transformation of a built model: the model code knows nothing of it.
 """
@@ -13,12 +14,11 @@ Like tensor parallelism, this is a transformation of a built model: the model co
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import errno
 import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from specdec_core import environment
+from specdec_core.kernels import library
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in ("gemm.c", "gemm_int8.c", "attention_bf16.c", "elementwise_bf16.c")
 ]
-HEADER = Path(__file__).with_name("bf16.h")
+HEADERS = [Path(__file__).with_name("bf16.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -53,51 +54,64 @@ def _cpu_has_avx512() -> bool:
     return {"avx512f", "avx512bw"} <= _cpu_flags()
 
 
-def _cache_dir() -> Path:
-    return environment.specdec_home() / "kernels"
+def library_spec() -> library.LibrarySpec:
+    """The kernels' build: the sources, the flags (with `$SPECDEC_KERNEL_CFLAGS`) and this CPU's features, since
+    -march=native builds for the compiling CPU and a library built on one may not run on another."""
+    return library.LibrarySpec(
+        name="libspecdec_cpu",
+        sources=tuple(SOURCES),
+        headers=tuple(HEADERS),
+        flags=(*FLAGS, *environment.kernel_cflags()),
+        libraries=("-lm",),
+        context=" ".join(sorted(_cpu_flags())),
+    )
 
 
 @lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
-    """Compile (once per source and flags) and load the kernel; None when this machine cannot run it."""
+    """Compile (once per source, compiler and flags) and load the kernels; None when this machine cannot run them."""
     if environment.cpu_kernels_disabled() or not _cpu_has_avx512():
         return None
     compiler = shutil.which(environment.c_compiler()) or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: CPU bf16 kernels disabled (decoding works, slower)")
         return None
-    source = b"".join(path.read_bytes() for path in [*SOURCES, HEADER])
-    # -march=native: a library built on one CPU may not run on another (a cache shared between machines).
-    flags = [*FLAGS, *environment.kernel_cflags()]
-    build = " ".join([*flags, *sorted(_cpu_flags())]).encode()
-    digest = hashlib.sha256(source + build).hexdigest()[:16]
-    lib_path = _cache_dir() / digest / "libspecdec_gemm.so"
     try:
-        if not lib_path.exists():
-            _compile(compiler, flags, lib_path)
-        lib = ctypes.CDLL(str(lib_path))
-    except (OSError, subprocess.CalledProcessError) as exc:
+        lib = library.load(library_spec(), compiler, environment.kernel_dir())
+    except (OSError, subprocess.SubprocessError) as exc:
         log.warning("CPU bf16 kernels unavailable (%s): using torch's matmul", exc)
         return None
+    _declare(lib)
+    if lib.specdec_k_multiple() != _K_MULTIPLE:
+        raise RuntimeError("gemm.c and cpu.py disagree on the K multiple")
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The C signatures. The kernels that allocate scratch memory return a status, checked on every call."""
     lib.specdec_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.specdec_gemm_bf16.restype = None
-    lib.specdec_block_rows.restype = ctypes.c_int
-    lib.specdec_k_multiple.restype = ctypes.c_int
     lib.specdec_gemm_w8a8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.specdec_gemm_w8a8.restype = None
-    lib.specdec_has_vnni.restype = ctypes.c_int
-    lib.specdec_has_native_bf16.restype = ctypes.c_int
     lib.specdec_attention_bf16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-    lib.specdec_attention_bf16.restype = None
-    lib.specdec_attention_max_head_dim.restype = ctypes.c_int
+    for fn in ("specdec_gemm_bf16", "specdec_gemm_w8a8", "specdec_attention_bf16"):
+        getattr(lib, fn).restype = ctypes.c_int
+        getattr(lib, fn).errcheck = _check_status
     lib.specdec_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     lib.specdec_rope_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.specdec_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-    if lib.specdec_k_multiple() != _K_MULTIPLE:
-        raise RuntimeError("gemm.c and cpu.py disagree on the K multiple")
     for fn in ("specdec_rms_norm_bf16", "specdec_rope_bf16", "specdec_silu_mul_bf16"):
         getattr(lib, fn).restype = None
-    return lib
+    for fn in ("specdec_block_rows", "specdec_k_multiple", "specdec_has_vnni", "specdec_has_native_bf16",
+               "specdec_attention_max_head_dim"):
+        getattr(lib, fn).restype = ctypes.c_int
+
+
+def _check_status(status: int, func, args) -> int:
+    """ctypes errcheck: a kernel returns 0, or an errno value (ENOMEM: its scratch memory could not be allocated)."""
+    if status == errno.ENOMEM:
+        raise MemoryError(f"{func.__name__}: could not allocate its scratch memory")
+    if status:
+        raise RuntimeError(f"{func.__name__} failed: {os.strerror(status)}")
+    return status
 
 
 def kernel_info() -> dict[str, bool]:
@@ -108,16 +122,6 @@ def kernel_info() -> dict[str, bool]:
         "native_bf16": bool(lib is not None and lib.specdec_has_native_bf16()),
         "vnni": bool(lib is not None and lib.specdec_has_vnni()),
     }
-
-
-def _compile(compiler: str, flags: list[str], lib_path: Path) -> None:
-    lib_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-        out = Path(tmp) / lib_path.name
-        sources = [str(path) for path in SOURCES]
-        subprocess.run([compiler, *flags, *sources, "-o", str(out), "-lm"], check=True, capture_output=True)
-        os.replace(out, lib_path)  # atomic: concurrent builders never see half a library
-    log.info("compiled CPU bf16 kernels into %s", lib_path)
 
 
 class FastCPULinear(nn.Module):

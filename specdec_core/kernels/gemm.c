@@ -21,7 +21,9 @@
  * depend on which other rows share the call (plain decoding and verification agree bit for bit).
  *
  * Requires AVX-512F/BW; K must be a multiple of 32 and N a multiple of NB (the caller checks).
+ * Returns 0, or ENOMEM when the fp32 path cannot allocate its widened inputs (y is then unwritten).
  */
+#include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -135,8 +137,9 @@ int specdec_k_multiple(void) { return KV; }
 
 /* Walks N in blocks of NB and, inside each, M in blocks of MB: a weight block is read from memory once and
  * from cache for the remaining row blocks. */
-void specdec_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, int64_t M,
-                       int64_t N, int64_t K, int nthreads) {
+int specdec_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, int64_t M,
+                      int64_t N, int64_t K, int nthreads) {
+    if (M <= 0) return 0;
 #ifdef __AVX512BF16__
     static const block_fn blocks[MB + 1] = {0, block_8_1, block_8_2, block_4_3, block_4_4, block_4_5, block_4_6};
     static const int halves[MB + 1] = {0, 0, 0, 1, 1, 1, 1}; /* blocks of 4 weight rows: run twice */
@@ -144,7 +147,11 @@ void specdec_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, 
 #else
     static const block_fn blocks[MB + 1] = {0, block_8_1, block_8_2, block_8_3, block_4_4, block_4_5, block_4_6};
     static const int halves[MB + 1] = {0, 0, 0, 0, 1, 1, 1};
-    float *xf = aligned_alloc(64, (size_t)(M * K) * sizeof(float));
+    /* A size that would wrap around is a failed allocation; a size of 0 (K = 0) may return NULL, so ask for 64. */
+    if (K > 0 && (uint64_t)M > SIZE_MAX / sizeof(float) / (uint64_t)K) return ENOMEM;
+    size_t bytes = (size_t)M * (size_t)K * sizeof(float); /* a multiple of 64, as aligned_alloc needs: K % 32 == 0 */
+    float *xf = aligned_alloc(64, bytes > 0 ? bytes : 64);
+    if (xf == NULL) return ENOMEM;
     widen_inputs(x, xf, M, K);
     const xrow_t *xs = xf;
 #endif
@@ -160,6 +167,7 @@ void specdec_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, 
 #ifndef __AVX512BF16__
     free(xf);
 #endif
+    return 0;
 }
 
 /* 1 when the library was built to use native bf16 dot products. */

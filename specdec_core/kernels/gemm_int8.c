@@ -14,7 +14,9 @@
  * is subtracted at the end (integer arithmetic, so exact). Per lane the sum stays below 2^31 for K < 2^16.
  *
  * Requires AVX-512 VNNI (`specdec_has_vnni`); K a multiple of 64 and N a multiple of NB (the caller checks).
+ * Returns 0; ENOMEM when the quantized inputs cannot be allocated, ENOSYS when built without VNNI (y unwritten).
  */
+#include <errno.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -77,11 +79,20 @@ DEFINE_BLOCK(4, 6)
 typedef void (*block_fn)(const uint8_t *, const float *, const int8_t *, const float *, const int32_t *,
                          const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
 
-void specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const int32_t *wsum,
-                       const uint16_t *b, uint16_t *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+int specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const int32_t *wsum,
+                      const uint16_t *b, uint16_t *y, int64_t M, int64_t N, int64_t K, int nthreads) {
     static const block_fn blocks[MB + 1] = {0, block_1, block_2, block_3, block_4, block_5, block_6};
-    uint8_t *xu = aligned_alloc(64, (size_t)(M * K));
+    if (M <= 0) return 0;
+    /* A size that would wrap around is a failed allocation; a size of 0 (K = 0) may return NULL, so ask for 64. */
+    if ((uint64_t)M > SIZE_MAX / sizeof(float) || (K > 0 && (uint64_t)M > SIZE_MAX / (uint64_t)K)) return ENOMEM;
+    size_t bytes = (size_t)M * (size_t)K; /* a multiple of 64, as aligned_alloc needs: K % 64 == 0 */
+    uint8_t *xu = aligned_alloc(64, bytes > 0 ? bytes : 64);
     float *sx = malloc((size_t)M * sizeof(float));
+    if (xu == NULL || sx == NULL) {
+        free(xu);
+        free(sx);
+        return ENOMEM;
+    }
     for (int64_t m = 0; m < M; m++) sx[m] = quantize_row(x + m * K, xu + m * K, K);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NB)
@@ -95,15 +106,17 @@ void specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, cons
         }
     free(xu);
     free(sx);
+    return 0;
 }
 
 #else
 
 int specdec_has_vnni(void) { return 0; }
 
-void specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const int32_t *wsum,
-                       const uint16_t *b, uint16_t *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+int specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const int32_t *wsum,
+                      const uint16_t *b, uint16_t *y, int64_t M, int64_t N, int64_t K, int nthreads) {
     (void)x, (void)w, (void)sw, (void)wsum, (void)b, (void)y, (void)M, (void)N, (void)K, (void)nthreads;
+    return ENOSYS;
 }
 
 #endif

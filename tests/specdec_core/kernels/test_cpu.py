@@ -65,6 +65,13 @@ batched = layer(x)
 assert all(torch.equal(layer(x[i : i + 1]), batched[i : i + 1]) for i in range(13))
 want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
 assert (batched.float() - want).norm() / want.norm() < 5e-3
+y = torch.empty(1, 48, dtype=torch.bfloat16)
+try:  # the widened inputs of 2^53 rows (2^62 bytes) cannot be allocated: an error, not a crash
+    lib.specdec_gemm_bf16(x.data_ptr(), linear.weight.data_ptr(), None, y.data_ptr(), 1 << 53, 48, 128, 1)
+except MemoryError:
+    pass
+else:
+    raise AssertionError("no MemoryError")
 """
 
 
@@ -77,7 +84,7 @@ def test_the_path_for_cpus_without_native_bf16(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "SPECDEC_KERNEL_CFLAGS": "-mno-avx512bf16", "SPECDEC_HOME": str(tmp_path)}
+    env = {**os.environ, "SPECDEC_KERNEL_CFLAGS": "-mno-avx512bf16", "SPECDEC_KERNEL_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", _FP32_PATH_CHECK], env=env, check=True, timeout=300)
 
 
@@ -96,6 +103,24 @@ def test_fused_projection_equals_its_parts_bit_for_bit(rows):
 def test_linear_kernels_refuse_shapes_they_cannot_run():
     with pytest.raises(ValueError, match="in_features"):
         cpu.FastCPULinear(torch.nn.Linear(80, 40).to(torch.bfloat16), cpu.load_library())
+
+
+def test_kernels_that_cannot_allocate_their_scratch_raise_memory_error():
+    """Sizes whose scratch (2^62 bytes) no machine can allocate: the kernel returns ENOMEM before touching the
+    (small) tensors, and the call raises instead of writing through a NULL pointer."""
+    lib = cpu.load_library()
+    q, out = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16), torch.empty(1, 1, 1, 16, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 1, 4, 16, dtype=torch.bfloat16)
+    zeros = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(MemoryError, match="specdec_attention_bf16"):
+        lib.specdec_attention_bf16(q.data_ptr(), kv.data_ptr(), kv.data_ptr(), zeros.data_ptr(), zeros.data_ptr(),
+                                   out.data_ptr(), 1, 1, 1, 1, 16, 1 << 60, 0.25, 2)
+    if lib.specdec_has_vnni():
+        x, y = torch.zeros(1, 64, dtype=torch.bfloat16), torch.empty(1, 8, dtype=torch.bfloat16)
+        w, sw, wsum = torch.zeros(8, 64, dtype=torch.int8), torch.ones(8), torch.zeros(8, dtype=torch.int32)
+        with pytest.raises(MemoryError, match="specdec_gemm_w8a8"):
+            lib.specdec_gemm_w8a8(x.data_ptr(), w.data_ptr(), sw.data_ptr(), wsum.data_ptr(), None, y.data_ptr(),
+                                  1 << 56, 8, 64, 1)
 
 
 def test_fused_elementwise_ops_match_torch():
