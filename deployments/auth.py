@@ -13,6 +13,7 @@ cluster, so they admit nothing that the cluster does not already trust. TLS keep
 tokens, off the wire; the secret stays as a second check behind it (defence in depth: it still holds where TLS is
 switched off, `internal_tls: false`, or a mounted certificate is shared more widely than the application).
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -58,7 +58,7 @@ class Authority:
     """An application's CA: its certificate and its signing key (PEM). Held by the registry actor only."""
 
     cert: bytes
-    key: bytes = field(repr=False)  # never in a log line or a traceback's locals
+    key: bytes = field(repr=False)  # kept out of reprs, so out of any log line or error that prints the object
 
 
 @dataclass(frozen=True)

@@ -303,7 +303,8 @@ def worker_credentials(app_name: str) -> InternalCredentials:
     return registry.credentials(app_name, Role.CLIENT)
 
 
-def read_stats(worker: WorkerProcess, credentials: InternalCredentials, timeout_s: float = 10.0) -> wpb.WorkerStats | None:
+def read_stats(worker: WorkerProcess, credentials: InternalCredentials,
+               timeout_s: float = 10.0) -> wpb.WorkerStats | None:
     from deployments.auth import dial
 
     if worker.address is None:

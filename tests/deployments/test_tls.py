@@ -143,7 +143,8 @@ def test_get_stats_wants_the_secret_as_well_as_the_certificate(kind, servers, cl
 
 REQUESTS = [
     ("greedy-k3", list(range(5, 25)), SamplingParams(max_tokens=20, ignore_eos=True), 3),
-    ("sampled", list(range(60, 75)), SamplingParams(temperature=1.0, top_k=50, seed=3, max_tokens=16, ignore_eos=True), 4),
+    ("sampled", list(range(60, 75)),
+     SamplingParams(temperature=1.0, top_k=50, seed=3, max_tokens=16, ignore_eos=True), 4),
     ("greedy-auto", list(range(40, 47)), SamplingParams(max_tokens=12, ignore_eos=True), "auto"),
 ]
 
