@@ -28,6 +28,7 @@ from deployments.proposals import ProposalLog
 from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool
 from deployments.router import RouterDeployment, RouterParts
 from deployments.telemetry import RequestTracer, otel_environment, setup_tracing
+from deployments.tls import Role
 from deployments.workers import DraftServicer, TargetServicer, start_server
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.build import prepare_draft, prepare_model
@@ -89,8 +90,8 @@ class _Worker:
         setup_tracing(f"{config.app_name}-{self.kind}")
         self.servicer = servicer
         self._stop_metrics = threading.Event()
-        secret = ray.get(registry.registry().secret.remote(config.app_name))
-        self.server, port = start_server(servicer, port=config.worker_grpc_port, secret=secret)
+        credentials = registry.credentials(config.app_name, Role.SERVER, config.tls_setting)
+        self.server, port = start_server(servicer, port=config.worker_grpc_port, credentials=credentials)
         self.address = f"{ray.util.get_node_ip_address()}:{port}"
         self.app = config.app_name
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -185,15 +186,15 @@ def connect_router(config: dict[str, Any]) -> RouterParts:
     auth = BearerAuth(load_public_token(cfg.auth_token_file))
     tokenizer = load_tokenizer(cfg.target.model)
     timeout = cfg.router.rpc_timeout_s
-    secret = ray.get(registry.registry().secret.remote(cfg.app_name))  # the workers serve only its holders
+    credentials = registry.credentials(cfg.app_name, Role.CLIENT, cfg.tls_setting)  # the workers serve only these
     start_s = cfg.router.worker_start_timeout_s
     target_addresses = wait_for_workers(cfg.app_name, "target", cfg.target.num_replicas, start_s)
-    target_pool = ReplicaPool("target", target_addresses, wpb_grpc.TargetServiceStub, timeout, secret)
+    target_pool = ReplicaPool("target", target_addresses, wpb_grpc.TargetServiceStub, timeout, credentials)
     target = RemoteTarget(target_pool, tracer, metrics)
     method, drafter, draft_pool = cfg.draft.drafting, None, None
     if method is not None and method.runs_draft_model:
         addresses = wait_for_workers(cfg.app_name, "draft", cfg.draft.num_replicas, start_s)
-        draft_pool = ReplicaPool("draft", addresses, wpb_grpc.DraftServiceStub, timeout, secret)
+        draft_pool = ReplicaPool("draft", addresses, wpb_grpc.DraftServiceStub, timeout, credentials)
         remote = RemoteDrafter(draft_pool, tracer, metrics, timeout_s=cfg.router.draft_timeout_s)
         drafter = methods.assemble(method, remote, DraftContext(cfg.draft.spec, target.vocab_size))
     elif method is not None:

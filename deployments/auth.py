@@ -1,31 +1,35 @@
-"""Who may call what: a bearer token on the public API, and a shared secret on the internal worker services.
+"""Who may call what: a bearer token on the public API; mutual TLS and a shared secret on the internal services.
 
 Public: when SPECDEC_AUTH_TOKEN is set in the router's environment (or `auth_token_file` names a file), every
 call must carry `authorization: Bearer <token>`; anything else is UNAUTHENTICATED. Tokens are compared as
 SHA-256 digests with `hmac.compare_digest`: constant time, and the length of the token leaks nothing either.
 
-Internal: the draft and target workers serve only callers that present the application's internal secret in
-`specdec-internal-token` metadata. The secret is made at random by the registry actor, once per application,
-and handed to the router and the workers through Ray; a process that can read it is one that can already run
-code in the Ray cluster, so it admits nothing that the cluster does not already trust. GetStats stays open:
-it returns counters only, and probes and the soak tool read it.
+Internal: the draft and target workers serve only over mutual TLS (`deployments.tls`: a handshake needs a client
+certificate from the application's CA, and the router checks the worker's), and only callers that also present
+the application's internal secret in `specdec-internal-token` metadata, every method alike (GetStats included).
+Both are made by the registry actor, once per application, and handed to routers, workers and tools through Ray
+(`deployments.registry.credentials`): a process that can get them is one that can already run code in the Ray
+cluster, so they admit nothing that the cluster does not already trust. TLS keeps them, and every session's
+tokens, off the wire; the secret stays as a second check behind it (defence in depth: it still holds where TLS is
+switched off, `internal_tls: false`, or a mounted certificate is shared more widely than the application).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import grpc
 
+from deployments.tls import TlsBundle, channel_credentials, channel_options
 from specdec_core import environment
 from specdec_core.errors import InvalidArgument
 
 ENV_TOKEN = environment.AUTH_TOKEN
 INTERNAL_KEY = "specdec-internal-token"
-OPEN_METHODS = frozenset({"GetStats"})  # internal methods that need no secret
 
 
 class Unauthenticated(Exception):
@@ -72,8 +76,17 @@ class BearerAuth:
             raise Unauthenticated("missing or invalid bearer token (metadata `authorization: Bearer <token>`)")
 
 
+@dataclass(frozen=True)
+class InternalCredentials:
+    """What one process of an application holds for the internal services: the secret, and its TLS material
+    (a worker's server certificate or a client's; None: plaintext, `internal_tls: false`)."""
+
+    secret: str = field(repr=False)
+    tls: TlsBundle | None = None
+
+
 class InternalAuthInterceptor(grpc.ServerInterceptor):
-    """Server side of the internal secret: refuses every method but OPEN_METHODS without it."""
+    """Server side of the internal secret: refuses every method without it."""
 
     def __init__(self, secret: str) -> None:
         self._digest = _digest(secret)
@@ -84,9 +97,6 @@ class InternalAuthInterceptor(grpc.ServerInterceptor):
         self._refusal = grpc.unary_unary_rpc_method_handler(refuse)
 
     def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
-        method = handler_call_details.method.rsplit("/", 1)[-1]
-        if method in OPEN_METHODS:
-            return continuation(handler_call_details)
         presented = next((v for k, v in handler_call_details.invocation_metadata or () if k == INTERNAL_KEY), "")
         if hmac.compare_digest(_digest(presented), self._digest):
             return continuation(handler_call_details)
@@ -104,6 +114,17 @@ class _AddSecret(grpc.UnaryUnaryClientInterceptor):
         return continuation(details._replace(metadata=metadata), request)
 
 
-def internal_channel(channel: grpc.Channel, secret: str | None) -> grpc.Channel:
-    """`channel` with the internal secret added to every call (unchanged when there is no secret)."""
-    return channel if secret is None else grpc.intercept_channel(channel, _AddSecret(secret))
+def dial(address: str, credentials: InternalCredentials | None,
+         options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A channel to the worker at `address` presenting `credentials`: mutual TLS with its certificate (when it has
+    TLS material), every call carrying the secret. None: plaintext and no secret, for a worker served without
+    credentials (tests of the services alone)."""
+    if credentials is None:
+        return grpc.insecure_channel(address, options=list(options))
+    if credentials.tls is None:
+        channel = grpc.insecure_channel(address, options=list(options))
+    else:
+        bundle = credentials.tls
+        channel = grpc.secure_channel(address, channel_credentials(bundle),
+                                      options=[*options, *channel_options(bundle)])
+    return grpc.intercept_channel(channel, _AddSecret(credentials.secret))

@@ -11,6 +11,7 @@ from typing import Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from deployments.tls import TlsSetting
 from specdec_core.drafters import registry as drafters
 from specdec_core.drafters.base import DraftMethod, DraftSpec
 from specdec_core.errors import InvalidArgument
@@ -184,6 +185,12 @@ class ServeConfig(_Strict):
     # Bearer-token auth on the public API: a file holding the token (SPECDEC_AUTH_TOKEN in the router's
     # environment takes precedence). Neither set: no auth.
     auth_token_file: str | None = None
+    # Mutual TLS between the router and the workers (`deployments.tls`): certificates from a CA the registry actor
+    # makes for the application. false: internal traffic in plaintext (the secret check stays), with a warning.
+    internal_tls: bool = True
+    # A mounted directory holding ca.crt, tls.crt and tls.key (a Kubernetes TLS Secret, e.g. cert-manager's) to
+    # use instead of the made certificates; read on every node that runs a worker, a router or a tool.
+    internal_tls_dir: str | None = Field(None, min_length=1)
     # Prefix caching in the target and draft workers (every rank): the KV of ended sessions stays, within the KV
     # budget, as cache entries (least recently used evicted first), and a new session computes only what the
     # longest cached prefix of its tokens lacks; requests share prefixes only within one `cache_salt`. The tokens
@@ -194,9 +201,19 @@ class ServeConfig(_Strict):
     router: RouterConfig = RouterConfig()
     proposal_log: ProposalLogConfig | None = None
 
+    @model_validator(mode="after")
+    def _tls(self) -> "ServeConfig":
+        if self.internal_tls_dir is not None and not self.internal_tls:
+            raise ValueError("internal_tls_dir needs internal_tls: true")
+        return self
+
     @property
     def served_name(self) -> str:
         return self.served_model_name or self.target.model
+
+    @property
+    def tls_setting(self) -> TlsSetting:
+        return TlsSetting(self.internal_tls, self.internal_tls_dir)
 
 
 def parse_config(data: Any) -> ServeConfig:

@@ -1,15 +1,24 @@
-"""Where the workers' gRPC servers are: a small named Ray actor that worker replicas register with.
+"""Where the workers' gRPC servers are, and what it takes to call them: a small named Ray actor.
 
 Routers talk to workers over gRPC, not through Serve handles, so they need addresses. Each worker replica
 registers (app, kind, replica id) -> "ip:port" when it starts and unregisters when it stops; routers read the
-addresses and refresh them. It also hands out each application's internal secret (`deployments.auth`). Detached, so it outlives whichever replica created it; `shutdown` removes it.
+addresses and refresh them. It also hands out each application's internal credentials (`credentials`): the
+secret (`deployments.auth`), and the certificates of mutual TLS, which it issues from the application's CA
+(`deployments.tls`), made on first ask; the CA's key never leaves the actor. Detached, so it outlives whichever
+replica created it; `shutdown` removes it.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 
 import ray
+
+from deployments import tls
+from deployments.auth import InternalCredentials
+
+log = logging.getLogger(__name__)
 
 NAME = "specdec-registry"
 NAMESPACE = "specdec"
@@ -20,6 +29,8 @@ class _Registry:
     def __init__(self) -> None:
         self._addresses: dict[tuple[str, str], dict[str, str]] = {}
         self._secrets: dict[str, str] = {}
+        self._settings: dict[str, tls.TlsSetting] = {}
+        self._authorities: dict[str, tls.Authority] = {}
 
     def register(self, app: str, kind: str, replica_id: str, address: str) -> None:
         self._addresses.setdefault((app, kind), {})[replica_id] = address
@@ -34,9 +45,38 @@ class _Registry:
         """The application's internal secret (`deployments.auth`), made on first ask."""
         return self._secrets.setdefault(app, secrets.token_urlsafe(32))
 
+    def credentials(self, app: str, role: tls.Role,
+                    setting: tls.TlsSetting | None) -> tuple[str, tls.TlsSetting, tls.TlsBundle | None]:
+        """The application's secret, its TLS setting, and, when TLS is on without a mounted directory, a fresh
+        certificate for `role` signed by the application's CA. `setting`: from the application's config (its
+        workers and routers give it); None: as they gave it (tools, which know only the application's name)."""
+        if setting is not None:
+            self._settings[app] = setting
+        known = self._settings.get(app)
+        if known is None:
+            raise LookupError(f"application {app!r}: no worker or router has started, its internal_tls is unknown")
+        issued = None
+        if known.enabled and known.directory is None:
+            if app not in self._authorities:
+                self._authorities[app] = tls.make_authority(app)
+            issued = tls.issue(self._authorities[app], role, app)
+        return self.secret(app), known, issued
+
 
 def registry() -> "ray.actor.ActorHandle":
     return _Registry.options(name=NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True).remote()
+
+
+def credentials(app: str, role: tls.Role, setting: tls.TlsSetting | None = None) -> InternalCredentials:
+    """What this process presents on `app`'s internal services as `role`, from the registry actor (`setting`:
+    as there). A mounted certificate directory is read here, in this process: its key never travels through Ray,
+    so it must be mounted where every worker, router and tool of the application runs."""
+    secret, known, issued = ray.get(registry().credentials.remote(app, role, setting))
+    if not known.enabled:
+        log.warning("application %s: internal_tls is false, so traffic between its router and workers (the "
+                    "internal secret, every session's tokens) crosses the network in plaintext", app)
+        return InternalCredentials(secret)
+    return InternalCredentials(secret, issued if known.directory is None else tls.load_dir(known.directory))
 
 
 def shutdown() -> None:

@@ -16,7 +16,7 @@ import grpc
 
 from deployments import codec, status
 from deployments.affinity import Candidate, PrefixAffinity
-from deployments.auth import internal_channel
+from deployments.auth import InternalCredentials, dial
 from deployments.status import WorkerUnavailable
 from deployments.telemetry import RequestTracer, carrier_metadata
 from deployments.workers import GRPC_OPTIONS
@@ -54,10 +54,12 @@ class ReplicaPool:
     """The replicas of one worker deployment, the sessions pinned to each, and batched fan-out."""
 
     def __init__(self, kind: str, addresses: Sequence[str], stub_type: type, timeout_s: float,
-                 secret: str | None = None) -> None:
+                 credentials: InternalCredentials | None = None) -> None:
+        """`credentials`: what the router presents to the workers (`deployments.auth.dial`); None for workers
+        served without any."""
         self.kind = kind
         self.timeout_s = timeout_s
-        self.secret = secret
+        self._credentials = credentials
         self.failure = threading.Event()  # set when a replica fails: the router re-reads the replicas at once
         self._stub_type = stub_type
         self._replicas: dict[str, Replica] = {}
@@ -90,7 +92,7 @@ class ReplicaPool:
         for address in addresses:
             if address in self._replicas:
                 continue
-            channel = internal_channel(grpc.insecure_channel(address, options=GRPC_OPTIONS), self.secret)
+            channel = dial(address, self._credentials, GRPC_OPTIONS)
             stub = self._stub_type(channel)
             stats = self._probe(stub, address)
             if stats is None:

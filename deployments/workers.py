@@ -23,9 +23,10 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from deployments import codec
-from deployments.auth import InternalAuthInterceptor
+from deployments.auth import InternalAuthInterceptor, InternalCredentials
 from deployments.status import UnknownSession, grpc_status_of
 from deployments.telemetry import context_from_metadata, tracer
+from deployments.tls import server_credentials
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.drafters.draft_model import DraftModelDrafter
@@ -301,17 +302,22 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
 
 
 def start_server(servicer: Any, host: str = "0.0.0.0", port: int = 0, max_workers: int = 8,
-                 secret: str | None = None) -> tuple[grpc.Server, int]:
+                 credentials: InternalCredentials | None = None) -> tuple[grpc.Server, int]:
     """Serve `servicer` (either worker) on host:port (0: any free port); returns the server and its port.
-    With `secret`, only callers presenting it are served (`deployments.auth`)."""
-    interceptors = [InternalAuthInterceptor(secret)] if secret is not None else []
+    With `credentials`, only callers presenting the secret are served (`deployments.auth`), and with their TLS
+    material only over mutual TLS: the port then speaks nothing else, so a plaintext caller or one without a
+    certificate from the application's CA fails its handshake before any method runs. None: plaintext, open."""
+    interceptors = [InternalAuthInterceptor(credentials.secret)] if credentials is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
                          interceptors=interceptors)
     if isinstance(servicer, TargetServicer):
         wpb_grpc.add_TargetServiceServicer_to_server(servicer, server)
     else:
         wpb_grpc.add_DraftServiceServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if credentials is not None and credentials.tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", server_credentials(credentials.tls))
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind a gRPC server on {host}:{port}")
     server.start()

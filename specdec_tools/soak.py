@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import grpc
 
@@ -43,6 +43,8 @@ from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 
 # ray, psutil and the stack are imported where they are used: `specdec` builds every subcommand's parser on start.
+if TYPE_CHECKING:
+    from deployments.auth import InternalCredentials
 
 OK = "ok"
 CANCELLED_ON_PURPOSE = "cancelled_on_purpose"  # not gRPC's CANCELLED, which would be an error: the server gave up
@@ -292,19 +294,31 @@ def read_rss(pid: int | None) -> int | None:
         return None
 
 
-def read_stats(worker: WorkerProcess, timeout_s: float = 10.0) -> wpb.WorkerStats | None:
+def worker_credentials(app_name: str) -> InternalCredentials:
+    """What the soak presents to the workers' GetStats: a client's credentials, from the registry as a router gets
+    them (`deployments.auth.InternalCredentials`)."""
+    from deployments import registry
+    from deployments.tls import Role
+
+    return registry.credentials(app_name, Role.CLIENT)
+
+
+def read_stats(worker: WorkerProcess, credentials: InternalCredentials,
+               timeout_s: float = 10.0) -> wpb.WorkerStats | None:
+    from deployments.auth import dial
+
     if worker.address is None:
         return None
     stub_class = wpb_grpc.TargetServiceStub if worker.kind == "target" else wpb_grpc.DraftServiceStub
     try:
-        with grpc.insecure_channel(worker.address) as channel:
+        with dial(worker.address, credentials) as channel:
             return stub_class(channel).GetStats(wpb.GetStatsRequest(), timeout=timeout_s)
     except grpc.RpcError:
         return None
 
 
-def sample(workers: tuple[WorkerProcess, ...]) -> dict[WorkerProcess, WorkerSample]:
-    return {w: WorkerSample(read_rss(w.pid), read_stats(w)) for w in workers}
+def sample(workers: tuple[WorkerProcess, ...], credentials: InternalCredentials) -> dict[WorkerProcess, WorkerSample]:
+    return {w: WorkerSample(read_rss(w.pid), read_stats(w, credentials)) for w in workers}
 
 
 def wait_until_idle(app_name: str, timeout_s: float) -> tuple[dict[WorkerProcess, WorkerSample], float]:
@@ -312,9 +326,10 @@ def wait_until_idle(app_name: str, timeout_s: float) -> tuple[dict[WorkerProcess
     moment after the client went away. Returns the last sample of each worker there was then, and the seconds
     waited."""
     start = time.monotonic()
+    credentials = worker_credentials(app_name)
     while True:
         workers = find_workers(app_name)  # again: a replica may have been replaced during the load
-        samples = sample(workers)
+        samples = sample(workers, credentials)
         idle = all(s.stats is not None and s.stats.active_sessions == 0 for s in samples.values())
         waited = time.monotonic() - start
         if idle or waited >= timeout_s:

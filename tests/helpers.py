@@ -96,20 +96,80 @@ def run_to_completion(engine, requests):
     return results
 
 
+def serve_pair(pair, runner, credentials=None):
+    """Both workers over the tiny pair, each on its own gRPC server on loopback (with `credentials`: mutual TLS and
+    the secret, as `deployments.workers.start_server` takes them): yields {kind: (servicer, address)}."""
+    from deployments.workers import DraftServicer, TargetServicer, start_server
+    from specdec_core.drafters.draft_model import DraftModelDrafter
+    from specdec_core.grammar.compiler import GrammarCompiler
+    from specdec_core.runner import ModelRunner
+    from specdec_core.target import LocalTarget
+
+    target, draft = pair
+    t = TargetServicer(LocalTarget(ModelRunner(target.model, runner)), "tiny-target")
+    grammars = GrammarCompiler(target.tokenizer, target.model.vocab_size, sorted(target.eos_token_ids))
+    d = DraftServicer(DraftModelDrafter(ModelRunner(draft.model, runner), target.model.vocab_size), "tiny-draft",
+                      grammars=grammars)
+    (ts, tport), (ds, dport) = (start_server(t, "127.0.0.1", credentials=credentials),
+                                start_server(d, "127.0.0.1", credentials=credentials))
+    yield {"target": (t, f"127.0.0.1:{tport}"), "draft": (d, f"127.0.0.1:{dport}")}
+    ts.stop(0)
+    ds.stop(0)
+
+
+def operator_tls_dir(directory, name="specdec.example.internal", usages=None, key_of_other=False):
+    """What an operator's issuer (cert-manager) writes into a Kubernetes TLS Secret, as a directory: ca.crt, and one
+    certificate (DNS name `name`, extended key usages `usages`: both ends by default) with its key (another key
+    with `key_of_other`)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "operator CA")])
+
+    def builder(subject, public_key):
+        return (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name).public_key(public_key)
+                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=1)))
+
+    ca = (builder(ca_name, ca_key.public_key()).add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+          .sign(ca_key, hashes.SHA256()))
+    usages = usages or [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    leaf = (builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "specdec")]), key.public_key())
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), False)
+            .add_extension(x509.ExtendedKeyUsage(usages), False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    written_key = ec.generate_private_key(ec.SECP256R1()) if key_of_other else key
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "ca.crt").write_bytes(ca.public_bytes(pem))
+    (directory / "tls.crt").write_bytes(leaf.public_bytes(pem))
+    (directory / "tls.key").write_bytes(written_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                                  serialization.NoEncryption()))
+    return directory
+
+
 def worker_stats(served, kind):
     """GetStats of every `kind` ("target" or "draft") worker replica of the `served` stack."""
-    import grpc
     import ray
 
     from deployments import registry
+    from deployments.auth import dial
+    from deployments.tls import Role
     from specdec.v1 import worker_pb2 as wpb
     from specdec.v1 import worker_pb2_grpc as wpb_grpc
 
     _, config = served
     addresses = ray.get(registry.registry().addresses.remote(config.app_name, kind))
+    credentials = registry.credentials(config.app_name, Role.CLIENT)  # as a router or a tool gets them
     stats = []
     for address in addresses:
-        with grpc.insecure_channel(address) as channel:
+        with dial(address, credentials) as channel:
             method = wpb_grpc.TargetServiceStub if kind == "target" else wpb_grpc.DraftServiceStub
             stats.append(method(channel).GetStats(wpb.GetStatsRequest(), timeout=10))
     return stats

@@ -116,15 +116,18 @@ def _timed(stub: Any, request: pb.GenerateRequest, mode: Mode) -> None:
 
 def _worker_stubs(config: Any) -> list[Any]:
     from deployments import registry
+    from deployments.auth import dial
+    from deployments.tls import Role
 
     reg = registry.registry()
+    credentials = registry.credentials(config.app_name, Role.CLIENT)  # as a router gets them: GetStats wants them
     stubs = []
     kinds = [("target", wpb_grpc.TargetServiceStub)]
     if config.draft.runs_draft_model:
         kinds.append(("draft", wpb_grpc.DraftServiceStub))
     for kind, stub_type in kinds:
         for address in ray.get(reg.addresses.remote(config.app_name, kind)):
-            stubs.append(stub_type(grpc.insecure_channel(address)))
+            stubs.append(stub_type(dial(address, credentials)))
     return stubs
 
 

@@ -33,6 +33,8 @@ def test_unknown_keys_are_named():
         ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_max_depth": 1}}, "draft.suffix_max_depth"),
         ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_min_prob": 2}}, "draft.suffix_min_prob"),
         ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_max_depth": 8, "suffix_min_match": 5}}, "suffix_min_match"),
+        ({"target": {"model": "m"}, "internal_tls": False, "internal_tls_dir": "/etc/specdec/tls"}, "internal_tls_dir"),
+        ({"target": {"model": "m"}, "internal_tls": "sometimes"}, "internal_tls"),
     ],
 )
 def test_bad_values_name_the_key(config, field):
@@ -111,3 +113,12 @@ def test_prefix_caching_is_on_by_default_and_reaches_both_workers_runners(given,
     assert _runner_config(config, config.draft).prefix_caching is expected
     with pytest.raises(InvalidArgument, match="prefix_caching"):
         parse_config({"target": {"model": "m"}, "prefix_caching": "sometimes"})
+
+
+def test_internal_tls_is_on_by_default_with_made_certificates():
+    from deployments.tls import TlsSetting
+
+    assert parse_config({"target": {"model": "m"}}).tls_setting == TlsSetting(enabled=True, directory=None)
+    mounted = parse_config({"target": {"model": "m"}, "internal_tls_dir": "/etc/specdec/tls"})
+    assert mounted.tls_setting == TlsSetting(True, "/etc/specdec/tls")
+    assert parse_config({"target": {"model": "m"}, "internal_tls": False}).tls_setting == TlsSetting(False, None)

@@ -91,17 +91,26 @@ def test_the_public_api_wants_the_bearer_token(rel):
 
 
 def test_the_internal_services_refuse_calls_from_outside(rel):
+    """The served workers speak mutual TLS only (the default): a plaintext caller fails its handshake, a caller
+    with the application's client certificate but not its secret is UNAUTHENTICATED, for GetStats too."""
     from deployments import registry
+    from deployments.auth import InternalCredentials, dial
+    from deployments.tls import Role
     from specdec.v1 import worker_pb2 as wpb
     from specdec.v1 import worker_pb2_grpc as wpb_grpc
 
     address = ray.get(registry.registry().addresses.remote(APP, "target"))[0]
-    with grpc.insecure_channel(address) as channel:
-        stub = wpb_grpc.TargetServiceStub(channel)
-        item = wpb.PrefillRequest.Item(seq_id="intruder", prompt_token_ids=[5, 6, 7])
-        code, _ = code_of(lambda: stub.Prefill(wpb.PrefillRequest(items=[item]), timeout=10))
-        assert code == grpc.StatusCode.UNAUTHENTICATED
-        assert stub.GetStats(wpb.GetStatsRequest(), timeout=10).active_sessions == 0
+    item = wpb.PrefillRequest.Item(seq_id="intruder", prompt_token_ids=[5, 6, 7])
+    issued = registry.credentials(APP, Role.CLIENT)
+    assert issued.tls is not None
+    for credentials, refused in ((None, grpc.StatusCode.UNAVAILABLE),
+                                 (InternalCredentials("guessed", issued.tls), grpc.StatusCode.UNAUTHENTICATED)):
+        with dial(address, credentials) as channel:
+            stub = wpb_grpc.TargetServiceStub(channel)
+            assert code_of(lambda: stub.Prefill(wpb.PrefillRequest(items=[item]), timeout=10))[0] == refused
+            assert code_of(lambda: stub.GetStats(wpb.GetStatsRequest(), timeout=10))[0] == refused
+    with dial(address, issued) as channel:
+        assert wpb_grpc.TargetServiceStub(channel).GetStats(wpb.GetStatsRequest(), timeout=10).active_sessions == 0
 
 
 def test_prompt_and_output_limits_name_the_field(rel):

@@ -12,6 +12,7 @@ import threading
 import grpc
 import pytest
 
+from deployments.auth import InternalCredentials
 from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool
 from deployments.workers import DraftServicer, TargetServicer, start_server
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
@@ -180,8 +181,9 @@ def test_a_prefill_that_meets_a_dead_replica_is_retried_on_a_live_one(two_target
 
 
 def test_the_internal_services_refuse_callers_without_the_secret(pair):
+    """Plaintext (`internal_tls: false`): the secret alone guards every method, GetStats included."""
     servicer = _target(pair)
-    server, port = start_server(servicer, "127.0.0.1", secret="s3cret")
+    server, port = start_server(servicer, "127.0.0.1", credentials=InternalCredentials("s3cret"))
     address = f"127.0.0.1:{port}"
     try:
         from specdec.v1 import worker_pb2 as wpb
@@ -192,9 +194,13 @@ def test_the_internal_services_refuse_callers_without_the_secret(pair):
             with pytest.raises(grpc.RpcError) as err:
                 stub.Prefill(wpb.PrefillRequest(items=[item]), timeout=10, metadata=metadata)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetStats(wpb.GetStatsRequest(), timeout=10, metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert servicer.active_sessions == 0  # refused before any work
-        assert stub.GetStats(wpb.GetStatsRequest(), timeout=10).num_slots == RUNNER.num_slots  # stats stay open
-        pool = ReplicaPool("target", [address], wpb_grpc.TargetServiceStub, timeout_s=10, secret="s3cret")
+        pool = ReplicaPool("target", [address], wpb_grpc.TargetServiceStub, timeout_s=10,
+                           credentials=InternalCredentials("s3cret"))
+        assert pool.info.num_slots == RUNNER.num_slots  # its probe (GetStats) carried the secret
         target, _ = pair
         engine = SpecEngine(RemoteTarget(pool), None, target.tokenizer, target.eos_token_ids)
         out = run_to_completion(engine, [("r", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), 0)])["r"]

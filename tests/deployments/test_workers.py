@@ -11,38 +11,23 @@ import grpc
 import pytest
 
 from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool, WorkerUnavailable
-from deployments.workers import DraftServicer, TargetServicer, start_server
+from deployments.workers import TargetServicer, start_server
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.config import SamplingParams
-from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.engine import SpecEngine
-from specdec_core.grammar.compiler import GrammarCompiler
 from specdec_core.grammar.constraint import Constraint
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.stopping import FinishReason
 from specdec_core.target import LocalTarget
-from tests.helpers import SERVED_SCHEMA, make_engine, run_to_completion
+from tests.helpers import SERVED_SCHEMA, make_engine, run_to_completion, serve_pair
 
 RUNNER = RunnerConfig(num_slots=4, max_seq_len=256)
 
 
-def _serve_pair(pair, runner: RunnerConfig):
-    """Both workers over the tiny pair, each on its own gRPC server: yields {kind: (servicer, address)}."""
-    target, draft = pair
-    t = TargetServicer(LocalTarget(ModelRunner(target.model, runner)), "tiny-target")
-    grammars = GrammarCompiler(target.tokenizer, target.model.vocab_size, sorted(target.eos_token_ids))
-    d = DraftServicer(DraftModelDrafter(ModelRunner(draft.model, runner), target.model.vocab_size), "tiny-draft",
-                      grammars=grammars)
-    (ts, tport), (ds, dport) = start_server(t, "127.0.0.1"), start_server(d, "127.0.0.1")
-    yield {"target": (t, f"127.0.0.1:{tport}"), "draft": (d, f"127.0.0.1:{dport}")}
-    ts.stop(0)
-    ds.stop(0)
-
-
 @pytest.fixture(scope="module")
 def servers(pair):
-    yield from _serve_pair(pair, RUNNER)
+    yield from serve_pair(pair, RUNNER)
 
 
 def remote_engine(pair, servers, **config):
@@ -209,7 +194,7 @@ def test_the_pool_follows_replicas_that_come_and_go(pair, servers):
 @pytest.fixture(scope="module")
 def cached_servers(pair):
     """Both workers with prefix caching, as the service runs them by default."""
-    yield from _serve_pair(pair, RunnerConfig(num_slots=4, max_seq_len=256, prefix_caching=True))
+    yield from serve_pair(pair, RunnerConfig(num_slots=4, max_seq_len=256, prefix_caching=True))
 
 
 def _stats(servers, kind):
