@@ -1,12 +1,13 @@
 """Every overlay renders, and what it renders is valid: the RayService against KubeRay's CRD schema, the core
-resources (and the RayService's pod templates) against Kubernetes' schemas, and serveConfigV2 against Ray Serve's
-deploy schema and the project's own config model, the one `specdec serve` accepts."""
+resources (and the RayService's pod templates) against Kubernetes' schemas, the Gateway API and cert-manager
+resources against hand-written shapes (tests/k8s/shapes.py: their CRDs are not in ../shared/k8s-schemas), and
+serveConfigV2 against Ray Serve's deploy schema and the project's own config model, the one `specdec serve` accepts."""
 
 from __future__ import annotations
 
+import functools
 import shutil
-import subprocess
-from pathlib import Path
+from pathlib import PurePosixPath
 
 import jsonschema
 import kubernetes_validate
@@ -15,19 +16,13 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.config import parse_config
+from tests.k8s.manifests import OVERLAYS, ROOT, env, one, pod_templates, render, volume_at
+from tests.k8s.shapes import SHAPES
 
-ROOT = Path(__file__).resolve().parents[2]
-OVERLAYS = sorted(p.name for p in (ROOT / "k8s" / "overlays").iterdir() if p.is_dir())
 CRDS = ROOT.parent / "shared" / "k8s-schemas"
 K8S_VERSION = "1.32"
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="renders overlays with `kubectl kustomize`")
-
-
-def render(overlay: str) -> list[dict]:
-    out = subprocess.run(["kubectl", "kustomize", str(ROOT / "k8s" / "overlays" / overlay)],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
 def _no_unknown_fields(schema: dict) -> dict:
@@ -45,6 +40,7 @@ def _no_unknown_fields(schema: dict) -> dict:
     return schema
 
 
+@functools.lru_cache(maxsize=None)
 def crd_schema(kind: str) -> dict:
     path = CRDS / "ray.io_rayservices.yaml"
     if not path.exists():
@@ -54,19 +50,19 @@ def crd_schema(kind: str) -> dict:
     return _no_unknown_fields(next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"])
 
 
-def test_there_are_the_two_overlays():
-    assert OVERLAYS == ["cpu-dev", "gpu"]
+def test_there_are_the_three_overlays():
+    assert OVERLAYS == ["cpu-dev", "gpu", "gpu-tls-gateway"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_rayservice_matches_the_kuberay_crd(overlay):
-    [service] = [d for d in render(overlay) if d["kind"] == "RayService"]
+    service = one(render(overlay), "RayService")
     assert service["apiVersion"] == "ray.io/v1"
     jsonschema.Draft7Validator(crd_schema("RayService")).validate(service)
 
 
 def test_the_crd_check_catches_a_misspelt_key():
-    [service] = [d for d in render("cpu-dev") if d["kind"] == "RayService"]
+    service = one(render("cpu-dev"), "RayService")
     service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 3
     with pytest.raises(jsonschema.ValidationError, match="maxReplica"):
         jsonschema.Draft7Validator(crd_schema("RayService")).validate(service)
@@ -76,10 +72,10 @@ def test_the_crd_check_catches_a_misspelt_key():
 def test_core_resources_and_pod_templates_match_kubernetes_schemas(overlay):
     docs = render(overlay)
     for doc in docs:
-        if doc["apiVersion"].startswith("ray.io/"):
+        if doc["apiVersion"].startswith("ray.io/") or (doc["apiVersion"], doc["kind"]) in SHAPES:
             continue
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    [service] = [d for d in docs if d["kind"] == "RayService"]
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # an unknown kind fails here: none slips through
+    service = one(docs, "RayService")
     cluster = service["spec"]["rayClusterConfig"]
     templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
     for template in templates:
@@ -94,8 +90,90 @@ def test_core_resources_and_pod_templates_match_kubernetes_schemas(overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_api_and_cert_manager_resources_match_their_hand_written_shapes(overlay):
+    for doc in render(overlay):
+        if (doc["apiVersion"], doc["kind"]) in SHAPES:
+            jsonschema.Draft7Validator(SHAPES[doc["apiVersion"], doc["kind"]]).validate(doc)
+
+
+@pytest.mark.parametrize(("kind", "path", "value", "error"), [
+    ("Gateway", ["spec", "listeners", 0, "tls", "mode"], "Terminated", "Terminated"),
+    ("Gateway", ["spec", "listeners", 0, "allowedRoute"], {}, "allowedRoute"),
+    ("Gateway", ["spec", "gatewayClassName"], None, "gatewayClassName"),
+    ("GRPCRoute", ["spec", "rules", 0, "matches", 0, "method"], {"type": "Exact"}, "required"),
+    ("HTTPRoute", ["spec", "rules", 0, "backendRefs", 0, "port"], 70000, "70000"),
+    ("Certificate", ["spec", "secretName"], None, "secretName"),
+    ("Certificate", ["spec", "privateKey", "rotationPolicy"], "Sometimes", "Sometimes"),
+])
+def test_the_hand_written_shapes_catch_a_broken_resource(kind, path, value, error):
+    doc = next(d for d in render("gpu-tls-gateway") if d["kind"] == kind)
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    if value is None:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError, match=error):
+        jsonschema.Draft7Validator(SHAPES[doc["apiVersion"], doc["kind"]]).validate(doc)
+
+
+def test_the_base_overlay_needs_neither_gateway_api_nor_cert_manager():
+    groups = {d["apiVersion"].split("/")[0] for d in render("cpu-dev") if "/" in d["apiVersion"]}
+    assert groups == {"ray.io"}
+    assert not any(d["apiVersion"].startswith("gateway.networking.k8s.io/") for d in render("gpu"))
+
+
+def kernel_dir_problems(template: dict) -> list[str]:
+    """Where a container that runs specdec would cache compiled kernels off its own pod, or nowhere."""
+    problems = []
+    spec = template["spec"]
+    for container in spec["containers"][:1] + spec.get("initContainers", []):
+        variables = env(container)
+        if "SPECDEC_HOME" not in variables:
+            continue  # runs no specdec code (the TLS init container)
+        if "SPECDEC_KERNEL_DIR" not in variables:
+            problems.append(f"{container['name']}: no SPECDEC_KERNEL_DIR")
+            continue
+        path = variables["SPECDEC_KERNEL_DIR"]["value"]
+        home = variables["SPECDEC_HOME"]["value"]
+        found = volume_at(template, container, path)
+        if PurePosixPath(path).is_relative_to(home) or PurePosixPath(path).is_relative_to("/models"):
+            problems.append(f"{container['name']}: {path} is on the models volume")
+        elif found is None or "emptyDir" not in found[1]:
+            problems.append(f"{container['name']}: {path} is not on an emptyDir of the pod")
+        elif found[0]["mountPath"] == path:
+            problems.append(f"{container['name']}: {path} is the mount point itself (root's, 0777), not in it")
+    return problems
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_ray_container_caches_kernels_in_its_own_pod(overlay):
+    service = one(render(overlay), "RayService")
+    for group, template in pod_templates(service).items():
+        assert "SPECDEC_HOME" in env(template["spec"]["containers"][0]), group  # the Ray container is checked
+        assert kernel_dir_problems(template) == [], group
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ("/models/kernels", "models volume"),
+    ("/home/ray/.cache/specdec/kernels", "not on an emptyDir"),
+    ("/var/cache/specdec", "mount point itself"),
+    (None, "no SPECDEC_KERNEL_DIR"),
+])
+def test_the_kernel_dir_check_catches_a_shared_or_missing_directory(value, problem):
+    template = pod_templates(one(render("cpu-dev"), "RayService"))["draft"]
+    ray = template["spec"]["containers"][0]
+    if value is None:
+        ray["env"] = [e for e in ray["env"] if e["name"] != "SPECDEC_KERNEL_DIR"]
+    else:
+        env(ray)["SPECDEC_KERNEL_DIR"]["value"] = value
+    assert problem in " ".join(kernel_dir_problems(template))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_serve_config_is_valid_for_ray_serve_and_for_specdec(overlay):
-    [service] = [d for d in render(overlay) if d["kind"] == "RayService"]
+    service = one(render(overlay), "RayService")
     serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(serve_config) if hasattr(ServeDeploySchema, "model_validate") \
         else ServeDeploySchema.parse_obj(serve_config)
@@ -113,14 +191,14 @@ def test_serve_config_is_valid_for_ray_serve_and_for_specdec(overlay):
 
 def test_the_auth_token_comes_from_a_secret():
     docs = render("cpu-dev")
-    [service] = [d for d in docs if d["kind"] == "RayService"]
+    service = one(docs, "RayService")
     auth = service["spec"]["rayClusterConfig"]["authOptions"]
     assert auth["mode"] == "token"
     assert any(d["kind"] == "Secret" and d["metadata"]["name"] == auth["secretName"] for d in docs)
 
 
 def test_gpu_overlay_reserves_tensor_parallel_gpus():
-    [service] = [d for d in render("gpu") if d["kind"] == "RayService"]
+    service = one(render("gpu"), "RayService")
     config = parse_config(yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"])
     target_group = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     gpus = int(target_group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
