@@ -15,7 +15,6 @@ import threading
 from typing import Any
 
 import ray
-import torch
 from ray import serve
 from ray.serve.config import gRPCOptions
 
@@ -38,11 +37,16 @@ from specdec_core.drafters import registry as methods
 from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.environment import auth_token
 from specdec_core.grammar.compiler import GrammarCompiler
+from specdec_core.hardware import use_threads, worker_summary
+from specdec_core.kernels.cpu import kernel_path
 from specdec_core.models.loader import load_tokenizer
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
 
 log = logging.getLogger(__name__)
+# What a replica must show at start goes through Serve's logger: into the replica's log file and the console of
+# `specdec serve`. (Module loggers stay under the root's WARNING level in Ray's worker processes.)
+serve_log = logging.getLogger("ray.serve")
 
 SERVICER_FUNCTIONS = ["specdec.v1.generation_pb2_grpc.add_GenerationServiceServicer_to_server"]
 
@@ -71,11 +75,6 @@ def _runner_config(config: ServeConfig, placement: Placement) -> RunnerConfig:
         max_cache_bytes=placement.kv_cache_max_bytes,
         prefix_caching=config.prefix_caching,
     )
-
-
-def _use_cpus(num_cpus: float) -> None:
-    """Ray starts workers with OMP_NUM_THREADS=1; a CPU worker should use the cores it was given."""
-    torch.set_num_threads(max(1, int(num_cpus)))
 
 
 METRICS_INTERVAL_S = 5.0  # how often a worker exports its prefix cache's counters
@@ -134,16 +133,19 @@ class TargetWorker(_Worker):
     def __init__(self, config: dict[str, Any]) -> None:
         cfg = parse_config(config)
         t = cfg.target
-        _use_cpus(t.num_cpus)
+        # Ray starts workers with OMP_NUM_THREADS=1, and its num_cpus reservation pins no cores: set the threads.
+        threads, cores = use_threads(t.threads, share=t.tensor_parallel_size)
         if t.tensor_parallel_size > 1:
             from deployments.tensor_parallel import TensorParallelTarget
 
             target: Any = TensorParallelTarget(t.model, t.dtype, t.device, t.tensor_parallel_size,
                                                _runner_config(cfg, t), t.num_cpus, t.num_gpus, cfg.router.rpc_timeout_s,
-                                               t.resources)
+                                               t.resources, threads=t.threads)
         else:
             loaded = prepare_model(t.model, dtype=t.dtype, device=t.device)
             target = LocalTarget(ModelRunner(loaded.model, _runner_config(cfg, t)))
+        who = self.kind if t.tensor_parallel_size == 1 else f"{self.kind} rank 0"
+        serve_log.info("%s", worker_summary(who, threads, cores, kernel_path(target.runner.model)))
         self._serve(cfg, TargetServicer(target, t.model, cfg.session_idle_timeout_s))
 
     def check_health(self) -> None:
@@ -157,11 +159,12 @@ class DraftWorker(_Worker):
 
     def __init__(self, config: dict[str, Any]) -> None:
         cfg = parse_config(config)
-        _use_cpus(cfg.draft.num_cpus)
+        threads, cores = use_threads(cfg.draft.threads)
         target = load_tokenizer(cfg.target.model)
         # Refuses to start with a mismatched pair.
         loaded = prepare_draft(cfg.draft.model, target.tokenizer, dtype=cfg.draft.dtype, device=cfg.draft.device,
                                quantization=cfg.draft.quantization)
+        serve_log.info("%s", worker_summary(self.kind, threads, cores, kernel_path(loaded.model)))
         target_vocab = max(_target_vocab_size(target), len(target.tokenizer))
         runner = ModelRunner(loaded.model, _runner_config(cfg, cfg.draft))
         drafter = cfg.draft.drafting.build(DraftContext(cfg.draft.spec, target_vocab, runner))

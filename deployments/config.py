@@ -28,7 +28,14 @@ class Placement(_Strict):
     """Where and how many: per worker deployment."""
 
     num_replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(1.0, ge=0)  # also the worker's torch threads (at least 1)
+    # Ray's reservation for each replica (each rank with tensor parallelism): what the scheduler counts, not what
+    # the worker computes with. Ray pins no cores, so it limits nothing; `threads` sets the torch threads.
+    num_cpus: float = Field(1.0, ge=0)
+    # The worker's torch threads. auto: the cores its process may use (its CPU affinity, cut to its cgroup's CPU
+    # quota: `specdec_core.hardware`), shared evenly by the ranks of a tensor-parallel replica. Right for one
+    # worker per machine, and for a target and a draft on one machine (they take turns within a round); set a
+    # number when several replicas that run at once share a machine's cores.
+    threads: Union[int, Literal["auto"]] = "auto"
     num_gpus: float = Field(0.0, ge=0)
     max_sequences: int = Field(8, ge=1)  # KV cache slots per replica: sessions it can hold at once
     # The replica's KV cache budget in bytes (per rank with tensor parallelism): fewer slots than max_sequences
@@ -36,6 +43,13 @@ class Placement(_Strict):
     kv_cache_max_bytes: int | None = Field(None, ge=1)
     # Custom Ray resources, e.g. {"target_gpu": 1} to land on a worker group started with that resource.
     resources: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _threads(cls, threads: Any) -> Any:
+        if threads == "auto" or (type(threads) is int and threads >= 1):
+            return threads
+        raise ValueError(f"a number of threads (1 or more) or auto, got {threads!r}")
 
 
 class TargetConfig(Placement):
@@ -52,7 +66,9 @@ class DraftConfig(Placement):
     model: str | None = None  # required by a method that runs a draft model (draft_model)
     dtype: Dtype = "bfloat16"
     device: Device = "cpu"
-    quantization: Literal["none", "int8"] = "none"  # int8: CPU draft models only
+    # int8: int8 weights and activations (CPU drafts in bf16 on AVX-512 VNNI; cheaper drafts, the same output).
+    # auto: int8 where the CPU has AVX-512 VNNI and the draft is a bf16 CPU model, else none (CUDA: none).
+    quantization: Literal["none", "int8", "auto"] = "auto"
     num_speculative_tokens: Union[int, Literal["auto"]] = "auto"
     max_speculative_tokens: int = Field(8, ge=1, le=16)
     ngram_max: int = Field(4, ge=1)

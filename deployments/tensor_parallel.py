@@ -23,17 +23,19 @@ import uuid
 from typing import Any, Sequence
 
 import ray
-import torch
 import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.ports import free_port
 from specdec_core.errors import Unavailable
 from specdec_core.build import prepare_model
+from specdec_core.hardware import use_threads, worker_summary
+from specdec_core.kernels.cpu import kernel_path
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget, Prefilled, PrefillItem, VerifyItem, VerifyOutcome
 
 log = logging.getLogger(__name__)
+serve_log = logging.getLogger("ray.serve")  # shown by Ray in a rank's actor too: its start-up line
 
 RANK_NAME_PREFIX = "specdec-target-rank-"  # actor names: PREFIX<group>-<rank>, for operators and tests
 
@@ -55,10 +57,12 @@ class TargetRank:
     """Rank r > 0 of a tensor-parallel target."""
 
     def __init__(self, model: str, dtype: str, device: str, rank: int, world_size: int, init_method: str,
-                 runner_config: RunnerConfig, num_threads: int, timeout_s: float) -> None:
-        torch.set_num_threads(num_threads)
+                 runner_config: RunnerConfig, threads: int | str, timeout_s: float) -> None:
+        # Resolved here, in the rank's own process: its cores are those of the machine it landed on.
+        count, cores = use_threads(threads, share=world_size)
         self.target = build_sharded_target(model, dtype, device, rank, world_size, init_method, runner_config,
                                            timeout_s)
+        serve_log.info("%s", worker_summary(f"target rank {rank}", count, cores, kernel_path(self.target.runner.model)))
 
     def ready(self) -> bool:
         return True
@@ -78,13 +82,12 @@ class TensorParallelTarget:
 
     def __init__(self, model: str, dtype: str, device: str, world_size: int, runner_config: RunnerConfig,
                  num_cpus: float, num_gpus: float, timeout_s: float = 120.0,
-                 resources: dict[str, float] | None = None) -> None:
+                 resources: dict[str, float] | None = None, threads: int | str = "auto") -> None:
         self.timeout_s = timeout_s
         self.world_size = world_size
         self.healthy = True
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
         pg = ray.util.get_current_placement_group()
-        threads = max(1, int(num_cpus))
         group_id = uuid.uuid4().hex[:8]
         self.ranks = []
         for rank in range(1, world_size):

@@ -13,7 +13,9 @@ from specdec_core.drafters import registry
 from specdec_core.drafters.base import DraftContext, DraftSpec
 from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.errors import InvalidArgument
-from specdec_core.kernels.cpu import quantize_draft_int8, use_cpu_kernels
+from specdec_core import environment
+from specdec_core.hardware import DRAFT_QUANTIZATIONS, resolve_draft_quantization
+from specdec_core.kernels.cpu import cpu_flags, quantize_draft_int8, use_cpu_kernels
 from specdec_core.models.loader import LoadedModel, check_tokenizers_compatible, load_model, resolve_source
 from specdec_core.parallel import shard_model
 from specdec_core.runner import ModelRunner, RunnerConfig
@@ -21,8 +23,6 @@ from specdec_core.target import LocalTarget
 
 log = logging.getLogger(__name__)
 
-
-DRAFT_QUANTIZATIONS = ("none", "int8")
 
 
 def prepare_model(
@@ -38,10 +38,10 @@ def prepare_model(
     1. load: torch's own modules (`models.loader`);
     2. shard: keep rank r of `shard = (r, world_size)` (`parallel.shard_model`): it slices plain Linear weights;
     3. kernels: on the CPU in bf16, swap in the CPU kernels (`kernels.cpu`), which repack the (sharded) weights;
-    4. quantization "int8" (a draft: cheaper drafts, the same output; only acceptance can move).
+    4. quantization "int8" (a draft: cheaper drafts, the same output; only acceptance can move); "auto": int8
+       where this CPU runs it, else none (`hardware.resolve_draft_quantization`).
     """
-    if quantization not in DRAFT_QUANTIZATIONS:
-        raise InvalidArgument("quantization", f"choose one of {DRAFT_QUANTIZATIONS}, got {quantization!r}")
+    quantization = resolve_quantization(quantization, device=device, dtype=dtype)
     loaded = load_model(source, dtype=dtype, device=device)
     if shard is not None:
         shard_model(loaded.model, *shard)
@@ -54,8 +54,16 @@ def prepare_model(
     return loaded
 
 
+def resolve_quantization(setting: str, *, device: str, dtype: str) -> str:
+    """`setting` ("none", "int8" or "auto") resolved for this machine; `InvalidArgument` for anything else."""
+    if setting not in DRAFT_QUANTIZATIONS:
+        raise InvalidArgument("quantization", f"choose one of {DRAFT_QUANTIZATIONS}, got {setting!r}")
+    return resolve_draft_quantization(setting, device=device, dtype=dtype, cpu_flags=cpu_flags(),
+                                      kernels_enabled=not environment.cpu_kernels_disabled())
+
+
 def prepare_draft(source: str | Path, target_tokenizer: Any, *, dtype: str = "bfloat16", device: str = "cpu",
-                  quantization: str = "none") -> LoadedModel:
+                  quantization: str = "auto") -> LoadedModel:
     """`prepare_model` for a draft, refused (`InvalidArgument`) when its tokenizer does not match the target's."""
     draft = prepare_model(source, dtype=dtype, device=device, quantization=quantization)
     check_tokenizers_compatible(target_tokenizer, draft.tokenizer)
@@ -68,7 +76,7 @@ def load_pair(
     *,
     dtype: str = "bfloat16",
     device: str = "cpu",
-    draft_quantization: str = "none",
+    draft_quantization: str = "auto",
 ) -> tuple[LoadedModel, LoadedModel | None]:
     """Load the target and (optionally) the draft model; a tokenizer mismatch fails here, at load time."""
     if draft_quantization not in DRAFT_QUANTIZATIONS:

@@ -97,9 +97,10 @@ def served(ray_cluster, tiny_dir, near_draft_dir):
     config = parse_config({
         "grpc_port": free_port(),
         "http_port": free_port(),
-        "target": {"model": str(tiny_dir / "target"), "dtype": "float32", "num_cpus": 1, "max_sequences": 8},
+        "target": {"model": str(tiny_dir / "target"), "dtype": "float32", "num_cpus": 1, "threads": 1,
+                   "max_sequences": 8},
         "draft": {"method": "draft_model", "model": str(near_draft_dir), "dtype": "float32",
-                  "num_speculative_tokens": 3, "num_cpus": 1, "num_replicas": 2, "max_sequences": 8},
+                  "num_speculative_tokens": 3, "num_cpus": 1, "threads": 1, "num_replicas": 2, "max_sequences": 8},
         "router": {"max_seq_len": 256, "default_max_tokens": 16, "num_cpus": 0.5},
     })
     serve.start(http_options={"host": "127.0.0.1", "port": config.http_port}, grpc_options=grpc_options(config))

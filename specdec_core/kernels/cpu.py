@@ -371,3 +371,61 @@ def _eligible(module: nn.Module, block: int, k_multiple: int = _K_MULTIPLE) -> b
         and module.in_features % k_multiple == 0
         and module.out_features % block == 0
     )
+
+
+# -- what runs a built model, for logs and reports ------------------------------------------------------------------
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where unknown)."""
+    return _cpu_flags()
+
+
+def rows_batch_invariant(model: nn.Module) -> bool:
+    """Whether every linear layer and the attention of `model` run on the CPU kernels (bf16 or int8), which compute
+    each row the same way whatever else is in the call: then a verify of k + 1 rows gives each row the logits a
+    one-row decode gives, bit for bit, and greedy speculation reproduces plain decoding exactly. torch's own paths
+    promise no such thing (their matmul and attention pick kernels by shape). Of this process's model only: split
+    over more than two tensor-parallel ranks, the all-reduce's order of summation depends on the rows too."""
+    kernel_linears = (FastCPULinear, Int8CPULinear)
+    has_torch_linear = any(type(m) is nn.Linear for m in model.modules())
+    return (
+        isinstance(getattr(model, "attention", None), CPUAttention)
+        and not has_torch_linear
+        and any(isinstance(m, kernel_linears) for m in model.modules())
+    )
+
+
+def kernel_path(model: nn.Module) -> str:
+    """What runs `model`'s forward, in a few words: the CPU kernels in use ("bf16 AVX-512 (native bf16)", "int8
+    VNNI"), or "torch fallback (why)"."""
+    int8 = any(isinstance(m, Int8CPULinear) for m in model.modules())
+    bf16 = any(isinstance(m, FastCPULinear) for m in model.modules())
+    attention = isinstance(getattr(model, "attention", None), CPUAttention)
+    if not (int8 or bf16 or attention):
+        return f"torch fallback ({_why_torch(model)})"
+    lib = load_library()
+    native = bool(lib is not None and lib.specdec_has_native_bf16())
+    parts = [f"bf16 AVX-512 ({'native bf16' if native else 'fp32 widening'})"] if bf16 or attention else []
+    if int8:
+        parts.append("int8 VNNI")
+    if any(type(m) is nn.Linear for m in model.modules()):
+        parts.append("some linear layers on torch")
+    if not attention:
+        parts.append("torch attention")
+    return " + ".join(parts)
+
+
+def _why_torch(model: nn.Module) -> str:
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        return f"device {param.device.type}"
+    if param.dtype != torch.bfloat16:
+        return f"{str(param.dtype).removeprefix('torch.')}: the kernels are bf16"
+    if environment.cpu_kernels_disabled():
+        return "SPECDEC_DISABLE_CPU_KERNELS is set"
+    if not _cpu_has_avx512():
+        return "no AVX-512 on this CPU"
+    if load_library() is None:
+        return "the kernels could not be built: no C compiler?"
+    return "no layer swapped in: none has a shape the kernels take, or the model was not built by prepare_model"

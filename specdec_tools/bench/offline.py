@@ -23,7 +23,7 @@ from specdec_core.config import SamplingParams, parse_num_speculative_tokens
 from specdec_core.drafters import registry
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
-from specdec_core.kernels.cpu import kernel_info
+from specdec_core.kernels.cpu import Int8CPULinear, kernel_info, kernel_path, rows_batch_invariant
 from specdec_core.models.loader import LoadedModel
 from specdec_core.runner import RunnerConfig
 from specdec_tools.requests import read_prompt_texts
@@ -47,7 +47,7 @@ class OfflineBenchConfig:
     compare_hf: bool = False
     prompt_lookup_num_tokens: int = 10
     max_seq_len: int = 4096
-    draft_quantization: str = "none"
+    draft_quantization: str = "auto"  # none, int8, or auto: int8 where the CPU runs it (`specdec_core.hardware`)
 
 
 @dataclass
@@ -157,6 +157,7 @@ def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
         bar.update(2)
         plain, speculative = run_side_by_side(plain_engine, spec_engine, prompts, params, k, bar)
         report = _report(config, target, prompts, plain, speculative)
+        report.update(kernel_report(target, draft))
         del plain_engine, spec_engine
         if config.compare_hf:
             from specdec_tools.bench.hf import run_hf_comparison
@@ -170,6 +171,20 @@ def _warm_up(plain: SpecEngine, speculative: SpecEngine, prompt: list[int], k: i
     params = SamplingParams(max_tokens=8)
     run_one(plain, "warm-up", prompt, params, 0, ModeResult())
     run_one(speculative, "warm-up", prompt, params, k, ModeResult())
+
+
+def kernel_report(target: LoadedModel, draft: LoadedModel | None) -> dict[str, Any]:
+    """What computed the run: the kernel path of each model (`kernels.cpu.kernel_path`), the draft quantization
+    `auto` settled on, and whether the target computes every row alike whatever the batch (the CPU kernels): only
+    then is greedy speculative output identical to target-only output by construction. On torch's paths it is
+    identical except where rounding flips a near-tie (`first_divergence` gives the margin there)."""
+    return {
+        "target_kernels": kernel_path(target.model),
+        "draft_kernels": None if draft is None else kernel_path(draft.model),
+        "draft_quantization_used": None if draft is None else (
+            "int8" if any(isinstance(m, Int8CPULinear) for m in draft.model.modules()) else "none"),
+        "rows_batch_invariant": rows_batch_invariant(target.model),
+    }
 
 
 def machine_info() -> dict[str, Any]:

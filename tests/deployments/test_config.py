@@ -122,3 +122,34 @@ def test_internal_tls_is_on_by_default_with_made_certificates():
     mounted = parse_config({"target": {"model": "m"}, "internal_tls_dir": "/etc/specdec/tls"})
     assert mounted.tls_setting == TlsSetting(True, "/etc/specdec/tls")
     assert parse_config({"target": {"model": "m"}, "internal_tls": False}).tls_setting == TlsSetting(False, None)
+
+
+def test_a_config_naming_only_the_models_gets_the_performing_defaults():
+    """Torch threads from the cores the worker has (not from the num_cpus reservation), and an int8 draft where
+    the CPU runs it: a new user's config runs as the demo config does."""
+    config = parse_config({"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d"}})
+    assert config.target.threads == config.draft.threads == "auto"
+    assert config.target.num_cpus == config.draft.num_cpus == 1.0  # the reservation stays what it was
+    assert config.draft.quantization == "auto"
+
+
+@pytest.mark.parametrize("threads", [1, 4, "auto"])
+def test_threads_are_a_number_or_auto(threads):
+    config = parse_config({"target": {"model": "m", "threads": threads},
+                           "draft": {"method": "draft_model", "model": "d", "threads": threads}})
+    assert config.target.threads == config.draft.threads == threads
+
+
+@pytest.mark.parametrize("threads", [0, -2, "all", 1.5, True])
+def test_bad_threads_are_named(threads):
+    with pytest.raises(InvalidArgument, match="target.threads"):
+        parse_config({"target": {"model": "m", "threads": threads}})
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "auto"])
+def test_draft_quantization_values(quantization):
+    config = parse_config({"target": {"model": "m"},
+                           "draft": {"method": "draft_model", "model": "d", "quantization": quantization}})
+    assert config.draft.quantization == quantization
+    with pytest.raises(InvalidArgument, match="draft.quantization"):
+        parse_config({"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d", "quantization": "int4"}})

@@ -205,3 +205,15 @@ def test_greedy_speculation_with_an_int8_draft_is_exact_in_bf16(tiny_dir):
     spec = run_to_completion(build_engine(target, draft, DraftSpec()), [("r", prompt, params, 3)])
     assert spec["r"][0] == plain["r"][0]
     assert spec["r"][2].stats.accepted > 0
+
+
+def test_the_kernel_path_is_named_and_batch_invariant_only_on_the_kernels(bf16_pair, tiny_dir):
+    fast, plain = bf16_pair
+    native = "native bf16" if cpu.load_library().specdec_has_native_bf16() else "fp32 widening"
+    assert cpu.kernel_path(fast.model) == f"bf16 AVX-512 ({native})"
+    assert cpu.rows_batch_invariant(fast.model)
+    assert cpu.kernel_path(plain.model).startswith("torch fallback (")  # loaded, never given the kernels
+    assert not cpu.rows_batch_invariant(plain.model)
+    if cpu.load_library().specdec_has_vnni():
+        draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="auto")
+        assert cpu.kernel_path(draft.model) == f"bf16 AVX-512 ({native}) + int8 VNNI"

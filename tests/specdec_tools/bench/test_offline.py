@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from specdec_core.kernels import cpu
 from specdec_tools.cli import main
 
 KEYS = {
@@ -30,11 +31,19 @@ def _run(args, capsys):
 def test_report_contract(tiny_dir, prompts, tmp_path, capsys, drafting):
     drafting = [str(tiny_dir / "draft") if a == "DRAFT" else a for a in drafting]
     out = tmp_path / "out.json"
-    code, _ = _run(["--target", tiny_dir / "target", *drafting, "--prompts", prompts, "--max-new-tokens", 12,
-                    "--temperature", 0, "--dtype", "float32", "--compare-hf", "--json", out], capsys)
+    code, captured = _run(["--target", tiny_dir / "target", *drafting, "--prompts", prompts, "--max-new-tokens", 12,
+                           "--temperature", 0, "--dtype", "float32", "--compare-hf", "--json", out], capsys)
     assert code == 0
     report = json.loads(out.read_text())
     assert KEYS <= set(report) and "hf_assisted_speedup" in report
+    # float32 runs on torch's code paths: said in the report and on the terminal
+    assert report["target_kernels"] == "torch fallback (float32: the kernels are bf16)"
+    assert report["rows_batch_invariant"] is False
+    assert '"target_kernels": "torch fallback (float32: the kernels are bf16)"' in captured.out
+    if drafting[0] == "--draft":
+        assert report["draft_quantization"] == "auto" and report["draft_quantization_used"] == "none"
+    else:
+        assert report["draft_kernels"] is None and report["draft_quantization_used"] is None
     assert report["identical_to_target"] is True  # greedy, fp32: speculation changes nothing
     assert report["speedup"] == pytest.approx(report["speculative_tokens_per_s"] / report["target_only_tokens_per_s"])
     assert len(report["prompts"]) == 2
@@ -79,3 +88,19 @@ def test_bad_input_is_a_clear_error_before_any_work(tiny_dir, prompts, tmp_path,
     assert code == 2
     assert field in captured.err
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.skipif(cpu.load_library() is None, reason="CPU kernels need AVX-512 and a C compiler")
+def test_bf16_on_the_kernels_reports_their_path_and_an_exact_greedy_run(tiny_dir, prompts, tmp_path, capsys):
+    """By default (--draft-quantization auto) a bf16 draft is int8 where the CPU has VNNI; the target computes rows
+    alike whatever the batch, so greedy output is identical by construction."""
+    out = tmp_path / "out.json"
+    code, _ = _run(["--target", tiny_dir / "target", "--draft", tiny_dir / "target", "--prompts", prompts,
+                    "--max-new-tokens", 12, "--temperature", 0, "--json", out], capsys)
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["target_kernels"].startswith("bf16 AVX-512")
+    assert report["rows_batch_invariant"] is True and report["identical_to_target"] is True
+    vnni = bool(cpu.load_library().specdec_has_vnni())
+    assert report["draft_quantization_used"] == ("int8" if vnni else "none")
+    assert ("int8 VNNI" in report["draft_kernels"]) is vnni
