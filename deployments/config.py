@@ -158,7 +158,13 @@ class RouterConfig(_Strict):
     # queue_timeout_s; beyond either they get RESOURCE_EXHAUSTED.
     max_queued_requests: int = Field(64, ge=0)
     queue_timeout_s: float = Field(60.0, gt=0)
-    max_prompt_tokens: int | None = Field(None, ge=1)  # longer prompts are INVALID_ARGUMENT (None: the context)
+    # A prompt's text (gRPC `prompt`; chat messages and tools: every string the chat template renders) longer than
+    # this in UTF-8 is INVALID_ARGUMENT before it is tokenized: tokenizing costs the router about 0.5 s of CPU a MiB.
+    # A 32k-token context is ~130 KiB of English or code (~4 bytes a token) and less of CJK (~2): 1 MiB holds it 8
+    # times over (32 bytes a token: whitespace-heavy text packs many bytes into one), a 128k-token one 2 times.
+    max_prompt_bytes: int = Field(1024 * 1024, ge=1)
+    # Longer prompts (in tokens) are INVALID_ARGUMENT. None: the context, max_seq_len less one output token.
+    max_prompt_tokens: int | None = Field(None, ge=1)
     max_output_tokens: int | None = Field(None, ge=1)  # a larger sampling.max_tokens is INVALID_ARGUMENT
     request_timeout_s: float | None = Field(None, gt=0)  # a request running longer ends with DEADLINE_EXCEEDED
     rpc_timeout_s: float = Field(120.0, gt=0)  # one call to a target worker

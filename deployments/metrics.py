@@ -10,10 +10,14 @@ The workers export their prefix caches' counters (`WorkerMetrics`), read from th
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
+
+from deployments.status import status_of
+from specdec_core.stopping import FinishReason
 
 _LATENCY_S = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120]
 _PER_TOKEN_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2]
@@ -21,12 +25,17 @@ _CALL_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 _RATE = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 _TOKENS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16]
 _PAIR = ("target", "draft")
+REFUSED = "refused"  # `finish_reason` of a request refused before the engine took it
 
 
 class ServingMetrics:
     def __init__(self, target: str, draft: str) -> None:
         self._tags = {"target": target, "draft": draft}
-        self.requests = Counter("specdec_requests", "Requests by finish reason.", tag_keys=(*_PAIR, "finish_reason"))
+        # Every request once, when it ends: `finish_reason` the engine's (length, eos, stop, cancelled, error), or
+        # "refused" for one refused before the engine took it (a limit, admission, bad input, authentication) and
+        # "error" for one a raised error ended later (a deadline); `code`, the status its client got, says why.
+        self.requests = Counter("specdec_requests", "Requests by finish reason and status code.",
+                                tag_keys=(*_PAIR, "finish_reason", "code"))
         self.ttft = Histogram("gen_ai_server_time_to_first_token", "Seconds to the first output token.",
                               boundaries=_LATENCY_S, tag_keys=_PAIR)
         self.tpot = Histogram("gen_ai_server_time_per_output_token", "Seconds per output token after the first.",
@@ -50,7 +59,8 @@ class ServingMetrics:
         self.verify_latency = Histogram("specdec_verify_latency_seconds", "Seconds per batched verify call of a round.",
                                         boundaries=_CALL_S, tag_keys=_PAIR)
         self.fallbacks = Counter("specdec_target_only_rounds",
-                                 "Rounds that asked for drafts (k > 0) and got none (no draft replica held the session).",
+                                 "Rounds that asked for drafts (k > 0) and got none (no draft replica held the "
+                                 "session, or the drafter failed).",
                                  tag_keys=_PAIR)
         self.slots = Gauge("specdec_kv_slots_in_use", "Sessions this router holds in the workers' KV caches.",
                            tag_keys=(*_PAIR, "worker"))
@@ -73,7 +83,7 @@ class ServingMetrics:
 
     def finished(self, output: Any, start: float, first_token: float | None) -> None:
         now = time.monotonic()
-        self.requests.inc(tags={"finish_reason": output.finish_reason.value})
+        self.requests.inc(tags={"finish_reason": output.finish_reason.value, "code": _code_of_output(output)})
         self.duration.observe(now - start)
         if first_token is not None:
             self.ttft.observe(first_token - start)
@@ -82,8 +92,27 @@ class ServingMetrics:
         if output.stats.proposed:
             self.acceptance.observe(output.stats.accepted / output.stats.proposed)
 
+    def ended_with(self, error: BaseException, ran: bool) -> None:
+        """A request ended by `error` rather than by a final output: refused, unless the engine had `ran` it (or its
+        client cancelled it first)."""
+        if isinstance(error, asyncio.CancelledError):
+            self.requests.inc(tags={"finish_reason": FinishReason.CANCELLED.value, "code": "cancelled"})
+        else:
+            self.requests.inc(tags={"finish_reason": "error" if ran else REFUSED, "code": _code(error)})
+
     def slots_in_use(self, worker: str, count: int) -> None:
         self.slots.set(count, tags={"worker": worker})
+
+
+def _code(error: BaseException) -> str:
+    """The status a client gets for `error`, as the `code` label spells it: gRPC's name in lower case."""
+    return status_of(error).grpc.name.lower()
+
+
+def _code_of_output(output: Any) -> str:
+    if output.finish_reason is FinishReason.ERROR:
+        return _code(output.error) if output.error is not None else "internal"
+    return "cancelled" if output.finish_reason is FinishReason.CANCELLED else "ok"
 
 
 class WorkerMetrics:

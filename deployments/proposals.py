@@ -25,6 +25,7 @@ import logging
 import logging.handlers
 import queue
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -45,25 +46,47 @@ class ProposalLog:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._listener = logging.handlers.QueueListener(self._queue, handler)
         self._listener.start()
+        self._closed = False
         self._logger = logging.Logger(f"specdec.proposals.{id(self)}")  # not in the logging tree: no propagation
         self._logger.addHandler(logging.handlers.QueueHandler(self._queue))
         self._sampled: dict[str, tuple[str, int]] = {}  # session -> (request id, rounds logged)
+        # `observe` runs on the engine thread, `start` and `discard` on the router's event loop: a request discarded
+        # while its round is observed must stay discarded.
+        self._lock = threading.Lock()
 
     def start(self, seq_id: str, request_id: str) -> bool:
-        """Sample a new request. True when its rounds must carry probabilities (sampled, and include_probs)."""
+        """Sample a new request. True when its rounds must carry probabilities (sampled, and include_probs). The
+        caller must `discard` it when it ends, however it ends."""
         if random.random() >= self.sample_rate:
             return False
-        self._sampled[seq_id] = (request_id, 0)
+        with self._lock:
+            self._sampled[seq_id] = (request_id, 0)
         return self.include_probs
+
+    def discard(self, seq_id: str) -> None:
+        """The request has ended (finished, refused, past its deadline, cancelled): forget it. Idempotent."""
+        with self._lock:
+            self._sampled.pop(seq_id, None)
+
+    @property
+    def num_pending(self) -> int:
+        """Sampled requests not yet ended."""
+        return len(self._sampled)
 
     def observe(self, seq_id: str, output: RequestOutput) -> None:
         """Called on the engine thread for each output: queue a record for a sampled request's round."""
-        entry = self._sampled.get(seq_id)
-        if entry is None:
-            return
-        request_id, index = entry
         info = output.round
-        if info is not None and info.k > 0:
+        logged = info is not None and info.k > 0
+        with self._lock:
+            entry = self._sampled.get(seq_id)
+            if entry is None:
+                return
+            request_id, index = entry
+            if output.finished:
+                del self._sampled[seq_id]
+            elif logged:
+                self._sampled[seq_id] = (request_id, index + 1)
+        if logged:
             record = {
                 "ts": round(time.time(), 3),
                 "request_id": request_id,
@@ -79,12 +102,12 @@ class ProposalLog:
                 **_probs("p", info.target_probs),
             }
             self._logger.info(json.dumps(record, separators=(",", ":")))
-            self._sampled[seq_id] = (request_id, index + 1)
-        if output.finished:
-            self._sampled.pop(seq_id, None)
 
     def close(self) -> None:
-        self._listener.stop()  # writes what is queued
+        """Write what is queued and stop. Idempotent (a router closes its log when closed, and when collected)."""
+        if not self._closed:
+            self._closed = True
+            self._listener.stop()
 
 
 def _probs(key: str, values: tuple[float, ...] | None) -> dict[str, list[float]]:

@@ -43,6 +43,11 @@ class RequestFailed(Exception):
     """Raised out of a handler after the status was set on the gRPC context."""
 
 
+def _utf8_bytes(*texts: str) -> int:
+    """Bytes of `texts` in UTF-8, a lone surrogate (JSON can carry one) counted as its 3 bytes rather than refused."""
+    return sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+
+
 @dataclass(frozen=True)
 class RouterParts:
     """What a router serves with. The engine is idle (calibrated or not): from here on only the router's engine
@@ -133,9 +138,13 @@ class Router:
 
     async def _run(self, request: pb.GenerateRequest, request_id: str, grpc_context: Any) -> AsyncIterator[RequestOutput]:
         """`generate` for a gRPC request: on a refusal or failure, set the gRPC status and raise."""
-        self._authenticate(grpc_context)
         try:
+            self.authenticate(grpc_context.invocation_metadata() or ())
             call = codec.decode_generate(request, self.config.router.default_max_tokens)
+        except Exception as exc:
+            self.refused(exc)
+            self._fail(grpc_context, exc)
+        try:
             async for output in self.generate(call, request_id, grpc_context.invocation_metadata() or ()):
                 yield output
         except Exception as exc:
@@ -145,40 +154,42 @@ class Router:
                        metadata: Sequence[tuple[str, str]]) -> AsyncIterator[RequestOutput]:
         """One request through the engine, whichever API it came by (gRPC, HTTP): its outputs as rounds commit
         them; a refusal or failure raises its error. `metadata`: the call's metadata or headers (a client's
-        traceparent). Cancelled (the client went away) -> the engine aborts it, which frees its caches."""
-        # Tokenizing megabytes takes a while: off the event loop, which serves every other request.
-        prompt_ids = await asyncio.to_thread(self._prompt_ids, call.prompt)
-        self._check_limits(prompt_ids, call.params.max_tokens)
-        if call.params.constraint is not None:
-            # Off the engine thread: the first constrained request builds the tokenizer's tables (seconds at 152k ids)
-            # and a new schema takes a millisecond or more to compile, which every round would otherwise wait for.
-            # The engine then finds it compiled; one that does not compile is refused here.
-            await asyncio.to_thread(self.scheduler.engine.compile, call.params.constraint)
-        if self.scheduler.num_active >= self.config.router.max_ongoing_requests:
-            raise ResourceExhausted("requests", "the router is at max_ongoing_requests; retry later")
+        traceparent). Cancelled (the client went away) -> the engine aborts it, which frees its caches. Every
+        request is counted once in `specdec_requests`: by its final output, or by the error that ended it."""
+        try:
+            prompt_ids = await self._admissible_prompt(call)
+        except (Exception, asyncio.CancelledError) as exc:  # cancelled: the client went away while it was tokenized
+            self.refused(exc)
+            raise
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         seq_id = f"{self._tag}-{uuid.uuid4().hex[:16]}"  # unique across routers: workers key caches by it
         parent, _ = context_from_metadata(metadata)  # a client's traceparent
         self.tracer.start_request(seq_id, call.params, parent, request_id)
-        # Only requests whose records carry probabilities make the workers compute them.
-        return_probs = self.proposals is not None and self.proposals.start(seq_id, request_id)
         times = [time.monotonic(), None]  # start, first token
+        ran = False  # an output came: the engine took the request (an error after that is no refusal)
 
         def deliver(item: Any) -> None:  # on the engine thread
+            nonlocal ran
             if isinstance(item, Exception):
                 self.tracer.abandon(seq_id, item)
+                self.metrics.ended_with(item, ran)
             else:
+                ran = True
                 self.tracer.observe(seq_id, item)
                 self._measure(item, times)
                 if self.proposals is not None:
                     self.proposals.observe(seq_id, item)
             loop.call_soon_threadsafe(inbox.put_nowait, item)
 
-        self.scheduler.submit(seq_id, prompt_ids, call.params, call.num_speculative_tokens, deliver, return_probs,
-                              cache_salt=call.cache_salt, speculation_method=call.speculation_method)
         finished = False
         try:
+            # Sampled only now, past every refusal but the engine's; forgotten below however it ends (refused by
+            # admission, past its deadline, cancelled): the log keeps nothing of a request that has ended.
+            # Only requests whose records carry probabilities make the workers compute them.
+            return_probs = self.proposals is not None and self.proposals.start(seq_id, request_id)
+            self.scheduler.submit(seq_id, prompt_ids, call.params, call.num_speculative_tokens, deliver, return_probs,
+                                  cache_salt=call.cache_salt, speculation_method=call.speculation_method)
             while not finished:
                 item = await inbox.get()
                 if isinstance(item, Exception):
@@ -192,6 +203,25 @@ class Router:
         finally:
             if not finished:
                 self.scheduler.cancel(seq_id)
+            if self.proposals is not None:
+                self.proposals.discard(seq_id)
+
+    async def _admissible_prompt(self, call: codec.GenerateCall) -> list[int]:
+        """The prompt's token ids, once every check the router makes before the engine has passed. Cheap ones come
+        first: a prompt's size is checked before it is tokenized (tokenizing a megabyte costs the router about half
+        a second of CPU), its length in tokens after."""
+        self._check_size(call.prompt)
+        if self.scheduler.num_active >= self.config.router.max_ongoing_requests:
+            raise ResourceExhausted("requests", "the router is at max_ongoing_requests; retry later")
+        # Tokenizing still takes a while: off the event loop, which serves every other request.
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, call.prompt)
+        self._check_limits(prompt_ids, call.params.max_tokens)
+        if call.params.constraint is not None:
+            # Off the engine thread: the first constrained request builds the tokenizer's tables (seconds at 152k ids)
+            # and a new schema takes a millisecond or more to compile, which every round would otherwise wait for.
+            # The engine then finds it compiled; one that does not compile is refused here.
+            await asyncio.to_thread(self.scheduler.engine.compile, call.params.constraint)
+        return prompt_ids
 
     def _measure(self, output: RequestOutput, times: list) -> None:
         if times[1] is None and output.new_token_ids:
@@ -216,14 +246,42 @@ class Router:
             return encode_chat(self.tokenizer.tokenizer, prompt.messages, prompt.tools)
         return encode_prompt(self.tokenizer.tokenizer, prompt.text, raw=prompt.raw)
 
+    def _check_size(self, prompt: codec.Prompt) -> None:
+        """Refuse a prompt too long before any work on it: token ids by their count, text by its UTF-8 bytes (a chat
+        request's: every string its template renders, the tools' definitions included)."""
+        if prompt.token_ids is not None:
+            self._check_prompt_tokens(len(prompt.token_ids))
+            return
+        limit = self.config.router.max_prompt_bytes
+        if prompt.messages is None:
+            field, size = "prompt", _utf8_bytes(prompt.text or "")
+        else:
+            size = sum(_utf8_bytes(m.role, m.content, m.tool_call_id or "",
+                                   *(s for c in m.tool_calls for s in (c.id, c.name, c.arguments)))
+                       for m in prompt.messages)
+            field = "messages"
+            if size <= limit and prompt.tools:  # the tools' definitions take their share of the prompt
+                field = "tools"
+                size += sum(_utf8_bytes(t.name, t.description or "", t.parameters or "") for t in prompt.tools)
+        if size > limit:
+            raise InvalidArgument(field, f"{size} bytes of text; this server takes at most {limit} "
+                                         "(router.max_prompt_bytes)")
+
     def _check_limits(self, prompt_ids: list[int], max_tokens: int) -> None:
         router = self.config.router
-        if router.max_prompt_tokens is not None and len(prompt_ids) > router.max_prompt_tokens:
-            raise InvalidArgument("prompt", f"{len(prompt_ids)} tokens; this server takes at most "
-                                            f"{router.max_prompt_tokens} (router.max_prompt_tokens)")
+        self._check_prompt_tokens(len(prompt_ids))
         if router.max_output_tokens is not None and max_tokens > router.max_output_tokens:
             raise InvalidArgument("sampling.max_tokens", f"{max_tokens}; this server generates at most "
                                                          f"{router.max_output_tokens} (router.max_output_tokens)")
+
+    def _check_prompt_tokens(self, n: int) -> None:
+        configured, context = self.config.router.max_prompt_tokens, self.max_seq_len - 1  # room for one output token
+        if configured is not None and configured <= context:
+            limit, key = configured, "router.max_prompt_tokens"
+        else:
+            limit, key = context, f"the context of {self.max_seq_len} less one output token; router.max_prompt_tokens"
+        if n > limit:
+            raise InvalidArgument("prompt", f"{n} tokens; this server takes at most {limit} ({key})")
 
     def _authenticate(self, grpc_context: Any) -> None:
         try:
@@ -237,6 +295,12 @@ class Router:
         """Raise `Unauthenticated` unless `metadata` (gRPC metadata or HTTP headers, lower-case names) carries
         the server's bearer token, when it has one."""
         self.auth.check(metadata)
+
+    def refused(self, error: BaseException) -> None:
+        """Count a generation request refused before the engine took it (`specdec_requests`, finish_reason
+        "refused", `code` the status it got). `generate` counts its own; an API counts those it refuses first
+        (authentication, a body it cannot read)."""
+        self.metrics.ended_with(error, ran=False)
 
     @property
     def served_model_name(self) -> str:

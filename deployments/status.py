@@ -31,6 +31,10 @@ class UnknownSession(LookupError):
     """A worker holds no session of that id (never started, or already released)."""
 
 
+class UnknownModel(LookupError):
+    """A request names a model this server does not serve (the HTTP API's `model`)."""
+
+
 @dataclass(frozen=True)
 class Status:
     grpc: grpc.StatusCode
@@ -47,6 +51,7 @@ TABLE: tuple[tuple[type[BaseException], Status], ...] = (
     (Unauthenticated, Status(grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error")),
     (DeadlineExceeded, Status(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "server_error")),
     (UnknownSession, Status(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error")),
+    (UnknownModel, Status(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error")),
     (Unavailable, UNAVAILABLE),
     (WorkerUnavailable, UNAVAILABLE),  # or INTERNAL: see `status_of`
 )

@@ -29,6 +29,7 @@ from specdec_core.adaptive import AcceptanceEstimate, AdaptivePolicy, CostModel,
 from specdec_core.config import AUTO, SamplingParams, parse_num_speculative_tokens
 from specdec_core.drafters.base import DraftRequest, Drafter, Hybrid, Proposal
 from specdec_core.errors import InvalidArgument
+from specdec_core.faults import Faults
 from specdec_core.grammar.compiler import CompiledGrammar, GrammarCompiler
 from specdec_core.grammar.constraint import Constraint
 from specdec_core.grammar.masks import draft_masks, verify_masks
@@ -117,7 +118,7 @@ class _Sequence:
     cache_salt: str | None = None  # prefix caching: shares cached prefixes only with sequences of this salt
     num_cached: int = 0  # prompt tokens the target read from its prefix cache
     started: bool = False  # prefilled: the target holds state for it
-    drafting: bool = False  # the drafter holds state for it (started the first time the sequence drafts)
+    drafting: bool = False  # the drafter holds state for it (started the first time it drafts, again after a failure)
     draft_failed: bool = False  # the drafter could not start it: it decodes plainly
     drafted_upto: int = 0  # committed tokens after its last round with drafts: the drafter has read up to here
     # What the request allows (`speculation_method`): the draft model (`drafter`) and the free drafter (hybrid).
@@ -161,6 +162,7 @@ class SpecEngine:
         self._running: dict[str, _Sequence] = {}
         self._grammars: GrammarCompiler | None = None  # built for the first constrained request (`compile`)
         self._grammars_lock = threading.Lock()
+        self._draft_faults = Faults("drafter")  # a drafter that raises: its rows decode plainly, retried after a rest
 
     # -- requests ------------------------------------------------------------------------------------------------
 
@@ -328,9 +330,10 @@ class SpecEngine:
         return outputs
 
     def _round(self, seqs: list[_Sequence]) -> list[RequestOutput]:
-        """One round for `seqs`. Should the drafter or the target fail, every sequence of the round ends with
-        an error and its state is released: a failed call leaves caches in no known state. A constrained row whose
-        grammar forces the rest of its output commits it without taking part (`_commit_forced`)."""
+        """One round for `seqs`. Should the target fail, every sequence of the round ends with an error and its
+        state is released: a failed call leaves caches in no known state. A drafter that fails costs only drafts
+        (`_draft_failed`). A constrained row whose grammar forces the rest of its output commits it without taking
+        part (`_commit_forced`)."""
         try:
             forced = self._forced(seqs)
         except Exception as exc:
@@ -357,7 +360,7 @@ class SpecEngine:
                 if chain:
                     ks[i], takes_free[i] = 0, True
             if self.drafter is not None and any(ks):
-                ks = self._start_drafting(seqs, ks)
+                ks = [0] * len(ks) if self._draft_faults.resting() else self._start_drafting(seqs, ks)
             proposals = [offer if free else self._trim(self._cut(seq, p), len(seqs))
                          for seq, p, offer, free in zip(seqs, self._propose(seqs, ks), offers, takes_free)]
             items = [self._verify_item(seq, proposal) for seq, proposal in zip(seqs, proposals)]
@@ -626,7 +629,12 @@ class SpecEngine:
             for i in rows
         ]
         t0 = time.perf_counter()
-        drafted = self.drafter.propose(requests)
+        try:
+            drafted = self.drafter.propose(requests)
+        except Exception as exc:  # as a remote drafter's failure: these rows' drafts, never their requests
+            self._draft_failed([seqs[i] for i in rows], exc)
+            return proposals
+        self._draft_faults.succeeded()
         if stale <= len(seqs):
             self.costs.observe_draft(len(seqs), max(ks), time.perf_counter() - t0)
         for i, proposal in zip(rows, drafted):
@@ -666,7 +674,10 @@ class SpecEngine:
         reason = seq.stopper.finish_reason
         if reason is None:
             if seq.drafting:
-                self.drafter.observe(seq.seq_id, len(seq.tokens))
+                try:
+                    self.drafter.observe(seq.seq_id, len(seq.tokens))
+                except Exception as exc:
+                    self._draft_failed([seq], exc)
             if seq.free_started:
                 self.free_drafter.observe(seq.seq_id, len(seq.tokens))
         else:
@@ -690,12 +701,26 @@ class SpecEngine:
         if seq.started:
             seq.started = False
             self.target.release(seq.seq_id)
-        if seq.drafting:
-            seq.drafting = False
-            self.drafter.release(seq.seq_id)
+        self._drop_draft(seq)
         if seq.free_started:
             seq.free_started = False
             self.free_drafter.release(seq.seq_id)
+
+    def _draft_failed(self, seqs: list[_Sequence], error: Exception) -> None:
+        """A drafter call for `seqs` raised: what it holds for them is in no known state, so it is dropped, and each
+        is started again (with all it has committed) the next round it drafts. Their output stays the target's."""
+        self._draft_faults.failed(error)
+        for seq in seqs:
+            self._drop_draft(seq)
+
+    def _drop_draft(self, seq: _Sequence) -> None:
+        """Free the drafter's state for `seq`, if it holds any."""
+        if seq.drafting:
+            seq.drafting = False
+            try:
+                self.drafter.release(seq.seq_id)
+            except Exception as exc:  # what it held is lost either way
+                self._draft_faults.failed(exc)
 
     def _final(self, seq: _Sequence, reason: FinishReason, error: Exception | None = None) -> RequestOutput:
         return RequestOutput(

@@ -20,7 +20,7 @@ from deployments.openai import codec
 from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from deployments.openai.tool_parser import ToolCallParser
 from deployments.openai.tools import ToolCallFormat
-from deployments.status import status_of
+from deployments.status import UnknownModel, status_of
 from specdec_core.engine import RequestOutput
 from specdec_core.errors import InvalidArgument, ResourceExhausted
 
@@ -45,17 +45,23 @@ class Backend(Protocol):
                  metadata: Sequence[tuple[str, str]]) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for `call`; typed errors (InvalidArgument, ResourceExhausted, ...) otherwise."""
 
-
-class ModelNotFound(LookupError):
-    """The request names a model this server does not serve (404)."""
+    def refused(self, error: BaseException) -> None:
+        """Count a completion request refused before `generate` (which counts the rest): by its token, its body."""
 
 
 def build_http_app(backend: Backend) -> Starlette:
-    def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-        """Check the bearer token first; every failure answers in OpenAI's error format."""
+    def guarded(handler: Callable[[Request], Awaitable[Response]],
+                completes: bool = False) -> Callable[[Request], Awaitable[Response]]:
+        """Check the bearer token first; every failure answers in OpenAI's error format. A completion route's request
+        without the token is counted as refused."""
         async def route(request: Request) -> Response:
             try:
                 backend.authenticate(list(request.headers.items()))
+            except Exception as exc:
+                if completes:
+                    backend.refused(exc)
+                return error_response(exc)
+            try:
                 return await handler(request)
             except Exception as exc:
                 return error_response(exc)
@@ -83,8 +89,8 @@ def build_http_app(backend: Backend) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
-        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
-        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(chat, completes=True), methods=["POST"]),
+        Route("/v1/completions", guarded(completions, completes=True), methods=["POST"]),
     ])
 
 
@@ -94,17 +100,15 @@ def _card(backend: Backend) -> dict[str, Any]:
 
 def _check_model(backend: Backend, name: str) -> None:
     if name != backend.served_model_name:
-        raise ModelNotFound(f"the model {name!r} does not exist; this server serves {backend.served_model_name!r}")
+        raise UnknownModel(f"the model {name!r} does not exist; this server serves {backend.served_model_name!r}")
 
 
 async def _complete(backend: Backend, request: Request, chat: bool) -> Response:
-    body = await _json_body(request)
-    if chat:
-        call = codec.decode_chat(parse_body(ChatCompletionRequest, body), backend.default_max_tokens,
-                                 backend.tool_call_format)
-    else:
-        call = codec.decode_completion(parse_body(CompletionRequest, body))
-    _check_model(backend, call.model)
+    try:
+        call = await _decode(backend, request, chat)
+    except Exception as exc:
+        backend.refused(exc)
+        raise
     response_id = codec.new_id(call)
     outputs = backend.generate(call.generate, response_id, list(request.headers.items()))
     try:
@@ -120,10 +124,29 @@ async def _complete(backend: Backend, request: Request, chat: bool) -> Response:
                              headers={"Cache-Control": "no-cache"})
 
 
+async def _decode(backend: Backend, request: Request, chat: bool) -> codec.Call:
+    body = await _json_body(request)
+    if chat:
+        call = codec.decode_chat(parse_body(ChatCompletionRequest, body), backend.default_max_tokens,
+                                 backend.tool_call_format)
+    else:
+        call = codec.decode_completion(parse_body(CompletionRequest, body))
+    _check_model(backend, call.model)
+    return call
+
+
 async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise InvalidArgument("body", f"{len(raw)} bytes; at most {MAX_BODY_BYTES}")
+    """The body, parsed. One over MAX_BODY_BYTES is refused unread where its declared length says so, else as soon
+    as that many bytes have come: it is never held whole. (The prompt in it has its own, smaller limit:
+    `router.max_prompt_bytes`, checked before tokenizing.)"""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise InvalidArgument("body", f"{declared} bytes; at most {MAX_BODY_BYTES}")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise InvalidArgument("body", f"more than {MAX_BODY_BYTES} bytes; at most {MAX_BODY_BYTES}")
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -160,7 +183,7 @@ def _event(body: dict[str, Any]) -> str:
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """(HTTP status, OpenAI's error body) for a failure."""
-    if isinstance(exc, ModelNotFound):
+    if isinstance(exc, UnknownModel):
         return 404, _error(str(exc), "invalid_request_error", "model", "model_not_found")
     status = status_of(exc)
     if isinstance(exc, (InvalidArgument, ResourceExhausted)):

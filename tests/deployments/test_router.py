@@ -8,9 +8,12 @@ is then freed by the cancellation, never by running to its end.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import json
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -18,6 +21,7 @@ import pytest
 from deployments.auth import BearerAuth
 from deployments.config import parse_config
 from deployments.metrics import ServingMetrics
+from deployments.proposals import ProposalLog
 from deployments.router import RequestFailed, Router, RouterParts
 from deployments.telemetry import RequestTracer
 from specdec.v1 import generation_pb2 as pb
@@ -78,13 +82,15 @@ def make_router(tiny_dir, near_draft_dir, pair):
     routers = []
 
     def make(gated: bool = False, prefix_caching: bool = False, method: str = "draft_model",
-             max_seq_len: int = 256) -> tuple[Router, SpecEngine]:
+             max_seq_len: int = 256, proposals: ProposalLog | None = None,
+             **router: Any) -> tuple[Router, SpecEngine]:
+        """`router`: more router config keys."""
         config = parse_config({
             "target": {"model": str(tiny_dir / "target"), "dtype": "float32"},
             "draft": {"method": method, "model": str(near_draft_dir), "dtype": "float32",
                       "num_speculative_tokens": 3},
             "router": {"max_seq_len": max_seq_len, "default_max_tokens": 16, "max_output_tokens": 100,
-                       "calibrate": False},
+                       "calibrate": False, **router},
         })
         target, draft = pair
         runner_config = RunnerConfig(num_slots=SLOTS, max_seq_len=max_seq_len, prefix_caching=prefix_caching)
@@ -99,6 +105,7 @@ def make_router(tiny_dir, near_draft_dir, pair):
             config=config, engine=engine, tokenizer=tokenizer, auth=BearerAuth(TOKEN),
             tracer=RequestTracer(config.target.model, config.draft.label),
             metrics=ServingMetrics(config.target.model, config.draft.label), max_seq_len=runner.max_seq_len,
+            proposals=proposals,
         )
         router = Router(lambda: parts)
         routers.append((router, engine))
@@ -346,3 +353,179 @@ def test_http_response_format_is_the_grpc_constraint(make_router):
     assert status == 400 and error["error"]["type"] == "invalid_request_error"
     assert error["error"]["param"] == "response_format.json_schema.schema" and "not" in error["error"]["message"]
     assert router.scheduler.num_active == 0
+
+
+# -- limits before work, and what every request leaves behind ----------------------------------------------------------
+
+BIG = "é" * 1_000_000  # 2 MB of UTF-8 (a million characters): over the default router.max_prompt_bytes (1 MiB)
+
+
+class CountingTokenizer:
+    """The router's tokenizer, counting the calls that tokenize: a text, or a conversation through its template."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner.apply_chat_template(*args, **kwargs)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner.encode(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def count_tokenizer(router: Router) -> CountingTokenizer:
+    """Put a counting wrapper around the router's tokenizer (the one prompts are encoded with)."""
+    counting = CountingTokenizer(router.tokenizer.tokenizer)
+    router.tokenizer = dataclasses.replace(router.tokenizer, tokenizer=counting)
+    return counting
+
+
+class RecordedCounter:
+    """Stands in for a Ray counter: what was counted, by its tags."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter = collections.Counter()
+
+    def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
+        self.counts[tuple(sorted((tags or {}).items()))] += value
+
+    def by(self, **tags: str) -> float:
+        return sum(n for key, n in self.counts.items() if set(tags.items()) <= set(key))
+
+
+def record_requests(router: Router) -> RecordedCounter:
+    """Record what the router counts in `specdec_requests`."""
+    router.metrics.requests = recorded = RecordedCounter()
+    return recorded
+
+
+@pytest.mark.parametrize("message, field", [
+    (pb.GenerateRequest(prompt=BIG), "prompt"),
+    (pb.GenerateRequest(prompt=BIG, raw_prompt=True), "prompt"),
+    (pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=BIG)]), "messages"),
+    # Many messages, each small: their total counts.
+    (pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=BIG[:4000])] * 300), "messages"),
+])
+def test_a_prompt_over_max_prompt_bytes_is_refused_before_it_is_tokenized(make_router, message, field):
+    router, engine = make_router()
+    tokenizer = count_tokenizer(router)
+    for call in (router.Generate, lambda m, c: _stream(router, m, c)):
+        context = Context(AUTH)
+        with pytest.raises(RequestFailed):
+            asyncio.run(call(message, context))
+        assert context.code == grpc.StatusCode.INVALID_ARGUMENT and context.details.startswith(f"{field}: ")
+        assert "router.max_prompt_bytes" in context.details
+    assert tokenizer.calls == 0 and not engine.has_work
+    # The next request is served (tokenized: the counter does count).
+    context = Context(AUTH)
+    response = asyncio.run(router.Generate(pb.GenerateRequest(prompt="def add(a, b):", raw_prompt=True,
+                                                              sampling=pb.SamplingParams(max_tokens=4)), context))
+    assert context.code is None and len(response.token_ids) == 4 and tokenizer.calls == 1
+
+
+def test_max_prompt_bytes_counts_utf8_bytes_not_characters(make_router):
+    router, _ = make_router(max_prompt_bytes=100)
+    tokenizer = count_tokenizer(router)
+    context = Context(AUTH)
+    with pytest.raises(RequestFailed):  # 60 characters, 120 bytes
+        asyncio.run(router.Generate(pb.GenerateRequest(prompt="é" * 60, raw_prompt=True), context))
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and context.details.startswith("prompt: 120 bytes")
+    assert tokenizer.calls == 0
+    context = Context(AUTH)  # 50 characters, 100 bytes: at the limit
+    response = asyncio.run(router.Generate(pb.GenerateRequest(prompt="é" * 50, raw_prompt=True,
+                                                              sampling=pb.SamplingParams(max_tokens=2)), context))
+    assert context.code is None and len(response.token_ids) == 2
+
+
+@pytest.mark.parametrize("router_config, longest, key", [
+    ({}, 255, "context of 256"),  # by default the context, less one output token
+    ({"max_prompt_tokens": 64}, 64, "(router.max_prompt_tokens)"),
+    ({"max_prompt_tokens": 1000}, 255, "context of 256"),  # a limit beyond the context is the context
+])
+def test_max_prompt_tokens_defaults_to_the_context(make_router, router_config, longest, key):
+    router, engine = make_router(**router_config)
+    tokenizer = count_tokenizer(router)
+    context = Context(AUTH)
+    with pytest.raises(RequestFailed):  # token ids: counted before any other check on them
+        asyncio.run(router.Generate(request([5] * (longest + 1), max_tokens=1), context))
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert context.details.startswith(f"prompt: {longest + 1} tokens; this server takes at most {longest} ")
+    assert key in context.details and "router.max_prompt_tokens" in context.details
+    text = " ".join(["word"] * 400)  # more tokens than any limit above (a few hundred at least)
+    context = Context(AUTH)
+    with pytest.raises(RequestFailed):  # text: counted once tokenized
+        asyncio.run(router.Generate(pb.GenerateRequest(prompt=text, raw_prompt=True), context))
+    assert context.details.startswith("prompt: ") and key in context.details and tokenizer.calls == 1
+    context = Context(AUTH)
+    response = asyncio.run(router.Generate(request([5] * longest, max_tokens=1), context))
+    assert context.code is None and len(response.token_ids) == 1 and not engine.has_work
+
+
+async def _every_way_a_request_ends(router: Router, engine: SpecEngine, timeout_s: float) -> None:
+    """Against a gated router whose requests time out after `timeout_s`: one request served, two refused by the
+    router (unauthenticated, a limit), one by the engine, one past its deadline after its first output, one
+    cancelled while it runs."""
+    engine.target.gated = False
+    response = await router.Generate(request(PROMPT, k=3, max_tokens=4, ignore_eos=True), Context(AUTH))
+    assert len(response.token_ids) == 4
+    engine.target.gated = True
+    for metadata, message in [((), request(PROMPT)), (AUTH, request(PROMPT, max_tokens=101)),
+                              (AUTH, request(PROMPT, k=99))]:
+        with pytest.raises(RequestFailed):
+            await router.Generate(message, Context(metadata))
+
+    context = Context(AUTH)
+    stream = router.GenerateStream(request(PROMPT, k=3, max_tokens=100, ignore_eos=True), context)
+    assert len((await anext(stream)).token_ids) == 1  # prefilled; its first round waits at the gate
+    await asyncio.sleep(timeout_s * 1.5)  # past its deadline, which the engine checks before the next round
+    engine.target.permits.release(1)
+    with pytest.raises(RequestFailed):
+        while True:  # that round's output, then the deadline: one permit cannot take it to 100 tokens
+            await asyncio.wait_for(anext(stream), WAIT_S)
+    assert context.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    task = asyncio.ensure_future(router.Generate(request(PROMPT, k=3, max_tokens=100, ignore_eos=True),
+                                                 Context(AUTH)))
+    await _until(lambda: engine.target.active_sequences == 1)
+    if router.proposals is not None:
+        assert router.proposals.num_pending == 1  # sampled while it runs
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    engine.target.permits.release(3)
+    await _until(lambda: not engine.has_work and router.scheduler.num_active == 0)
+
+
+def test_no_request_stays_in_the_proposal_log_however_it_ends(make_router, tmp_path):
+    log = ProposalLog(tmp_path, sample_rate=1.0, target="t", draft="d")
+    router, engine = make_router(gated=True, proposals=log, request_timeout_s=1.0)
+    asyncio.run(_every_way_a_request_ends(router, engine, 1.0))
+    assert log.num_pending == 0
+    log.close()
+    assert (tmp_path / "proposals.jsonl").read_text().count("\n") > 0  # the served request's rounds were logged
+
+
+def test_every_request_is_counted_once_with_why_it_ended(make_router):
+    router, engine = make_router(gated=True, request_timeout_s=1.0)
+    recorded = record_requests(router)
+    asyncio.run(_every_way_a_request_ends(router, engine, 1.0))
+
+    async def cancelled_counted() -> None:  # the engine reports the cancellation on its thread
+        await _until(lambda: recorded.by(finish_reason="cancelled") == 1)
+
+    asyncio.run(cancelled_counted())
+    counts = {(dict(key)["finish_reason"], dict(key)["code"]): n for key, n in recorded.counts.items()}
+    assert counts == {("length", "ok"): 1, ("refused", "unauthenticated"): 1, ("refused", "invalid_argument"): 2,
+                      ("error", "deadline_exceeded"): 1, ("cancelled", "cancelled"): 1}

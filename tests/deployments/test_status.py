@@ -9,7 +9,7 @@ from deployments import status
 from deployments.auth import Unauthenticated
 from deployments.remote import WorkerUnavailable as RemoteWorkerUnavailable
 from deployments.scheduler import DeadlineExceeded
-from deployments.status import UnknownSession, WorkerUnavailable
+from deployments.status import UnknownModel, UnknownSession, WorkerUnavailable
 from deployments.workers import UnknownSession as WorkersUnknownSession
 from specdec_core.errors import InvalidArgument, ModelNotFound, ResourceExhausted, Unavailable
 
@@ -27,6 +27,7 @@ Code = grpc.StatusCode
         (Unauthenticated("no token"), Code.UNAUTHENTICATED, 401, "authentication_error", "no token"),
         (DeadlineExceeded("late"), Code.DEADLINE_EXCEEDED, 504, "server_error", "late"),
         (UnknownSession("seq_id: none"), Code.NOT_FOUND, 404, "invalid_request_error", "seq_id: none"),
+        (UnknownModel("no such model"), Code.NOT_FOUND, 404, "invalid_request_error", "no such model"),
         (Unavailable("target", "rank died"), Code.UNAVAILABLE, 503, "server_error", "target: rank died"),
         (WorkerUnavailable("gone"), Code.UNAVAILABLE, 503, "server_error", "gone"),
         (WorkerUnavailable("bug there", code=Code.INTERNAL), Code.INTERNAL, 500, "server_error", "bug there"),
@@ -42,8 +43,8 @@ def test_each_error_has_one_status_on_every_protocol(error, code, http, openai_t
 
 
 def test_every_row_of_the_table_is_tested():
-    tested = {InvalidArgument, ResourceExhausted, Unauthenticated, DeadlineExceeded, UnknownSession, Unavailable,
-              WorkerUnavailable}
+    tested = {InvalidArgument, ResourceExhausted, Unauthenticated, DeadlineExceeded, UnknownSession, UnknownModel,
+              Unavailable, WorkerUnavailable}
     assert {kind for kind, _ in status.TABLE} == tested
 
 

@@ -295,6 +295,70 @@ def test_a_drafter_that_cannot_start_a_sequence_costs_speculation_not_the_reques
     assert last.stats.proposed == 0
 
 
+class _Flaky:
+    """Fault injection: a drafter whose `propose` raises on every `every`-th call, after the drafter it wraps has
+    drafted (its state has moved on by drafts the engine never sees)."""
+
+    def __init__(self, inner, every: int) -> None:
+        self.inner, self.every, self.name = inner, every, inner.name
+        self.calls = self.raised = 0
+
+    def start(self, seq_id, prompt_ids, cache_salt=None):
+        return self.inner.start(seq_id, prompt_ids, cache_salt)
+
+    def propose(self, requests):
+        self.calls += 1
+        proposals = self.inner.propose(requests)
+        if self.calls % self.every == 0:
+            self.raised += 1
+            raise RuntimeError("injected drafter fault")
+        return proposals
+
+    def observe(self, seq_id, num_committed):
+        self.inner.observe(seq_id, num_committed)
+
+    def release(self, seq_id):
+        self.inner.release(seq_id)
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_a_drafter_that_raises_costs_speculation_not_the_requests(tiny_target, draft):
+    """Every third batched propose raises: the round goes on with no drafts for its rows, and later rounds draft
+    again. Greedy tokens are plain decoding's, and no request ends with an error. The draft model is the target
+    itself, so every draft is right only if the drafter, started again, read exactly the committed context."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [_ids(tiny_target, text) for text in PROMPTS]
+    engine = make_engine(tiny_target, tiny_target.model if draft == "model" else "ngram")
+    engine.drafter = flaky = _Flaky(engine.drafter, every=3)
+    requests = [(f"r{i}", ids, params, k) for i, (ids, k) in enumerate(zip(prompts, [3, 2, "auto"]))]
+    results = run_to_completion(engine, requests)
+    for i, ids in enumerate(prompts):
+        tokens, _, last = results[f"r{i}"]
+        assert tokens == _plain(tiny_target, ids, params)[0]
+        assert last.finish_reason == FinishReason.LENGTH and last.error is None
+    assert flaky.raised >= 3
+    proposed = sum(r[2].stats.proposed for r in results.values())
+    assert proposed > 0
+    if draft == "model":
+        assert sum(r[2].stats.accepted for r in results.values()) == proposed
+        assert flaky.inner.active_sequences == 0  # every sequence's draft state released
+
+
+def test_a_drafter_that_keeps_raising_is_logged_once_and_tried_ever_more_rarely(tiny_target, caplog):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompt = _ids(tiny_target, PROMPTS[0])
+    engine = make_engine(tiny_target, tiny_target.model)
+    engine.drafter = flaky = _Flaky(engine.drafter, every=1)
+    with caplog.at_level("WARNING", logger="specdec_core.faults"):
+        tokens, _, last = run_to_completion(engine, [("r", prompt, params, 3)])["r"]
+    assert tokens == _plain(tiny_target, prompt, params)[0] and last.finish_reason == FinishReason.LENGTH
+    assert last.stats.rounds == 39 and last.stats.proposed == 0
+    assert [r.name for r in caplog.records] == ["specdec_core.faults"]  # one burst: one record
+    assert "injected drafter fault" in caplog.records[0].getMessage()
+    assert flaky.calls <= 8  # rests of 0, 1, 3, 7, 15, ... rounds: not a call a round
+    assert flaky.inner.active_sequences == 0
+
+
 def test_a_sequence_back_from_plain_rounds_catches_up_exactly(tiny_target):
     """Rounds at k = 0 leave the draft behind; the next round with drafts reads what it missed (past the batch's
     padding allowance, in a forward of its own). Output stays exact; with a draft that always agrees, every
