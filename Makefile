@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SPECDEC := $(VENV)/bin/specdec
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench bench-guidellm clean proto
+.PHONY: setup test demo bench bench-guidellm clean proto image image-test image-clean
 
 setup: $(STAMP)
 
@@ -62,3 +62,26 @@ clean:
 # Regenerate the checked-in gRPC stubs after editing proto/specdec/v1/*.proto (a test checks they match).
 proto: setup
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto --grpc_python_out=proto proto/specdec/v1/*.proto
+
+# The container image (k8s/image/Containerfile) with podman: on a Debian rootfs made here with debootstrap from this
+# machine's apt mirror (kept in $(IMAGE_CACHE), imported once as localhost/specdec-base:<release>), or on BASE, e.g.
+# BASE=rayproject/ray:2.60.0-py311-cpu. torch as setup installs it: the wheel this machine's pip finds, else
+# TORCH_INDEX_URL (default: the CPU index). Settings: scripts/image_build.sh. docs/deploy.md#the-image
+IMAGE ?= specdec:dev
+BASE ?=
+TORCH_INDEX_URL ?=
+IMAGE_CACHE ?= $(HOME)/.cache/specdec/image
+PODMAN_RUN_FLAGS ?= --runtime runc --ulimit nofile=20000:20000 --ulimit nproc=32768:32768
+
+image:
+	IMAGE='$(IMAGE)' BASE='$(BASE)' TORCH_INDEX_URL='$(TORCH_INDEX_URL)' IMAGE_CACHE='$(IMAGE_CACHE)' \
+		PYTHON='$(PYTHON)' scripts/image_build.sh
+
+# The image serves the tiny pair (built here, mounted read-only) and answers a client outside it over gRPC and HTTP.
+image-test: setup image
+	$(PY) scripts/image_smoke.py --image '$(IMAGE)' --run-flags '$(PODMAN_RUN_FLAGS)'
+
+# Forget the base: the next `make image` runs debootstrap again and rebuilds every layer.
+image-clean:
+	podman image rm --ignore '$(IMAGE)' $$(podman images --format '{{.Repository}}:{{.Tag}}' localhost/specdec-base)
+	rm -rf '$(IMAGE_CACHE)' build/image

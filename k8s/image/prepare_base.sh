@@ -1,0 +1,27 @@
+#!/bin/sh
+# Run as root in the image build (k8s/image/Containerfile): install what the base image lacks, with its own apt.
+# Both bases are Debian-family: the debootstrap rootfs (Debian) and Ray's images (Ubuntu). What is checked is what is
+# there, not which base this is: Ray's image has Python 3.11 and a `ray` user, the Debian rootfs neither.
+set -eu
+
+# gcc and libc6-dev: the CPU kernels compile on first use (-fopenmp: libgomp1). openssl: the gpu overlay's init
+# container signs each pod's Ray TLS certificate. wget: KubeRay's default probes on Ray containers run it.
+packages="gcc libc6-dev libgomp1 openssl wget ca-certificates"
+if ! command -v python3.11 >/dev/null 2>&1; then
+    packages="$packages python3.11 python3-pip"
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+apt-get update
+# shellcheck disable=SC2086  # a list of package names
+apt-get install -y --no-install-recommends $packages
+apt-get clean
+rm -rf /var/lib/apt/lists/*
+
+if ! python3.11 -m pip --version >/dev/null 2>&1; then
+    echo "prepare_base.sh: $(command -v python3.11) has no pip; the base image needs Python 3.11 with pip" >&2
+    exit 1
+fi
+if ! id ray >/dev/null 2>&1; then
+    useradd --create-home --uid 1000 --shell /bin/bash ray
+fi
