@@ -22,6 +22,9 @@ if ! python3.11 -m pip --version >/dev/null 2>&1; then
     echo "prepare_base.sh: $(command -v python3.11) has no pip; the base image needs Python 3.11 with pip" >&2
     exit 1
 fi
+# KubeRay runs its commands through `bash -lc`, and a login shell on Debian takes PATH from /etc/profile: give it the
+# base's PATH (its Python's bin first, if it has one there). The Containerfile changes no PATH after this step.
+printf 'export PATH="%s"\n' "$PATH" > /etc/profile.d/specdec-path.sh
 if ! id ray >/dev/null 2>&1; then
     useradd --create-home --uid 1000 --shell /bin/bash ray
 fi
