@@ -114,7 +114,9 @@ def smoke(image: str, run_flags: list[str], timeout: float) -> None:
         root = Path(tmp)
         build_tiny_pair(root)
         (root / "serve.yaml").write_text(CONFIG)
-        root.chmod(0o755)  # the container runs as `ray`, not as this machine's user
+        # The container runs as `ray`, not as this machine's user, and the weights are written private (0600).
+        for path in [root, *root.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
         grpc_port, http_port = free_port(), free_port()
         name = f"specdec-smoke-{grpc_port}"
         podman("run", "--detach", "--name", name, *run_flags, "--shm-size", "1g",
