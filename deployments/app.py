@@ -103,7 +103,7 @@ class _Worker:
         """Follow the servicer's counters (the same numbers GetStats reports) into Prometheus."""
         while not self._stop_metrics.wait(METRICS_INTERVAL_S):
             try:
-                self._metrics.update(self.servicer.GetStats(None, None))
+                self._metrics.update(self.servicer.stats())
             except Exception:  # metrics must never take the worker down
                 log.warning("exporting worker metrics failed", exc_info=True)
 
@@ -140,7 +140,7 @@ class TargetWorker(_Worker):
 
             target: Any = TensorParallelTarget(t.model, t.dtype, t.device, t.tensor_parallel_size,
                                                _runner_config(cfg, t), t.num_cpus, t.num_gpus, cfg.router.rpc_timeout_s,
-                                               t.resources, threads=t.threads)
+                                               t.resources, threads=t.threads, env=t.rank_environment)
         else:
             loaded = prepare_model(t.model, dtype=t.dtype, device=t.device)
             target = LocalTarget(ModelRunner(loaded.model, _runner_config(cfg, t)))
@@ -246,17 +246,23 @@ def _actor_options(num_cpus: float, num_gpus: float = 0.0, resources: dict[str, 
     return options
 
 
-def _deployment(cls: type, name: str, placement: Placement, ranks: int = 1) -> Any:
-    resources = _actor_options(placement.num_cpus, placement.num_gpus, placement.resources)
-    options: dict[str, Any] = {}
-    if ranks > 1:  # one bundle per rank, reserved together; the replica itself is rank 0, in bundle 0
-        bundle = {"CPU": placement.num_cpus, **({"GPU": placement.num_gpus} if placement.num_gpus else {}),
-                  **placement.resources}
-        options = {"placement_group_bundles": [bundle] * ranks,
-                   "placement_group_strategy": "STRICT_PACK" if placement.num_gpus else "PACK"}
+def _deployment(cls: type, name: str, placement: Placement, group: dict[str, Any] | None = None,
+                env: dict[str, str] | None = None) -> Any:
+    """A worker deployment: each replica reserves `placement`'s num_cpus, num_gpus and resources; `group`: Serve's
+    placement-group options (`rank_group`) for a replica of several ranks."""
+    resources = _actor_options(placement.num_cpus, placement.num_gpus, placement.resources, env)
     return serve.deployment(cls, name=name).options(
-        num_replicas=placement.num_replicas, ray_actor_options=resources, max_ongoing_requests=1000, **options
+        num_replicas=placement.num_replicas, ray_actor_options=resources, max_ongoing_requests=1000, **(group or {})
     )
+
+
+def rank_group(target: TargetConfig) -> dict[str, Any]:
+    """Serve's placement-group options for a tensor-parallel target replica: one bundle per rank, each exactly
+    what the replica reserves for itself (it is rank 0, in bundle 0; `tensor_parallel.TargetRank` r in bundle r),
+    placed by `target.rank_strategy`."""
+    bundle = {"CPU": target.num_cpus, **({"GPU": target.num_gpus} if target.num_gpus else {}), **target.resources}
+    return {"placement_group_bundles": [dict(bundle) for _ in range(target.tensor_parallel_size)],
+            "placement_group_strategy": target.rank_strategy}
 
 
 def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
@@ -265,14 +271,17 @@ def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
     if cfg.target.tensor_parallel_size > 1:
         _check_tensor_parallel(cfg.target)
     args = cfg.model_dump(mode="json")
-    workers = [_deployment(TargetWorker, "TargetWorker", cfg.target, cfg.target.tensor_parallel_size).bind(args)]
+    t = cfg.target
+    group = rank_group(t) if t.tensor_parallel_size > 1 else None
+    workers = [_deployment(TargetWorker, "TargetWorker", t, group, t.rank_environment).bind(args)]
     if cfg.draft.runs_draft_model:
         workers.append(_deployment(DraftWorker, "DraftWorker", cfg.draft).bind(args))
     scaling: dict[str, Any] = {"num_replicas": cfg.router.num_replicas}
     if cfg.router.autoscaling is not None:
         scaling = {"autoscaling_config": cfg.router.autoscaling.model_dump()}
     router = RouterDeployment.options(
-        ray_actor_options=_actor_options(cfg.router.num_cpus, env=_auth_environment()),
+        ray_actor_options=_actor_options(cfg.router.num_cpus, resources=cfg.router.resources,
+                                         env=_auth_environment()),
         max_ongoing_requests=cfg.router.max_ongoing_requests,
         **scaling,
     )
@@ -302,5 +311,9 @@ def _check_tensor_parallel(target: TargetConfig) -> None:
 
 def build(args: dict[str, Any]) -> serve.Application:
     """Serve's application builder: `import_path: deployments.app:build` with the specdec config as `args`."""
-    return build_app(args)
+    config = parse_config(args)
+    if config.proxy_location is not None:
+        log.warning("proxy_location in the application's args has no effect here: Serve was started already, by "
+                    "the Serve config, whose top-level proxy_location says where its proxies run")
+    return build_app(config)
 

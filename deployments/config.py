@@ -18,6 +18,11 @@ from specdec_core.errors import InvalidArgument
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 Device = Literal["cpu", "cuda"]
+# Ray's placement-group strategies: PACK as few nodes as possible (spread if they must), STRICT_PACK one node or
+# wait, SPREAD as many nodes as possible, STRICT_SPREAD one node per bundle or wait.
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+# Serve's proxy locations: a proxy on EveryNode that holds a replica, HeadOnly, or Disabled (handles only).
+ProxyLocation = Literal["EveryNode", "HeadOnly", "Disabled"]
 
 
 class _Strict(BaseModel):
@@ -56,8 +61,37 @@ class TargetConfig(Placement):
     model: str  # a path, a .gguf file or a `specdec models` name
     dtype: Dtype = "bfloat16"
     device: Device = "cpu"
-    # Ranks per replica (1 = unsplit). num_cpus / num_gpus are per rank; the ranks are reserved together.
+    # Ranks per replica (1 = unsplit). num_cpus, num_gpus and resources are per rank (the replica itself is rank 0):
+    # one placement-group bundle each, reserved together.
     tensor_parallel_size: int = Field(1, ge=1)
+    # How Ray places those bundles (PlacementStrategy). None: PACK, or STRICT_PACK when the ranks use GPUs (NCCL
+    # within one node's GPUs; across nodes only when asked). STRICT_SPREAD puts each rank on a node of its own.
+    placement_strategy: PlacementStrategy | None = None
+    # The network interface(s) the ranks' collectives use, on nodes with several (e.g. "eth1", or "eth1,eth2"):
+    # GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME in every rank's environment. None: gloo uses the address its
+    # node's hostname resolves to, NCCL picks one itself.
+    socket_ifname: str | None = Field(None, pattern=r"^[^\s,]+(,[^\s,]+)*$")
+
+    @model_validator(mode="after")
+    def _ranks_only(self) -> "TargetConfig":
+        for key in ("placement_strategy", "socket_ifname"):
+            if getattr(self, key) is not None and self.tensor_parallel_size == 1:
+                raise ValueError(f"{key} places the ranks of a split target: it needs tensor_parallel_size > 1")
+        return self
+
+    @property
+    def rank_strategy(self) -> PlacementStrategy:
+        """The placement-group strategy of a tensor-parallel replica's ranks."""
+        if self.placement_strategy is not None:
+            return self.placement_strategy
+        return "STRICT_PACK" if self.num_gpus else "PACK"
+
+    @property
+    def rank_environment(self) -> dict[str, str]:
+        """Environment variables of every rank (the replica's process included)."""
+        if self.socket_ifname is None:
+            return {}
+        return {"GLOO_SOCKET_IFNAME": self.socket_ifname, "NCCL_SOCKET_IFNAME": self.socket_ifname}
 
 
 class DraftConfig(Placement):
@@ -151,6 +185,8 @@ class RouterConfig(_Strict):
     num_replicas: int = Field(1, ge=1)  # ignored when autoscaling is set
     autoscaling: Autoscaling | None = None
     num_cpus: float = Field(0.5, ge=0)
+    # Custom Ray resources of each router replica, e.g. {"router_node": 1} to keep it on nodes started with that.
+    resources: dict[str, float] = Field(default_factory=dict)
     max_seq_len: int = Field(2048, ge=16)  # prompt plus output tokens per request
     default_max_tokens: int = Field(256, ge=1)  # when a request does not say
     max_ongoing_requests: int = Field(256, ge=1)  # per router replica, waiting ones included
@@ -200,6 +236,10 @@ class ServeConfig(_Strict):
     app_name: str = "specdec"
     grpc_port: int = Field(9000, ge=1, le=65535)
     http_port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy: the OpenAI-compatible API, health
+    # Where Serve runs its proxies (ProxyLocation), when `specdec serve` starts Serve. None: Serve's default
+    # (EveryNode). Cluster-wide and fixed once Serve runs: under `serve run` / `serve deploy`, the Serve config's
+    # own top-level proxy_location says it.
+    proxy_location: ProxyLocation | None = None
     # The model id of the OpenAI-compatible API (`model` in requests, /v1/models): by default target.model.
     served_model_name: str | None = Field(None, min_length=1)
     worker_grpc_port: int = Field(0, ge=0, le=65535)  # workers' internal gRPC servers; 0: any free port

@@ -153,6 +153,10 @@ class _SessionWorker:
     def active_sessions(self) -> int:
         return len(self._last_used)
 
+    # Subclasses: what GetStats reports (and the worker exports as metrics, `deployments.app`).
+    def stats(self) -> wpb.WorkerStats:
+        raise NotImplementedError
+
     # Subclasses: the runner whose cache holds the sessions (rank 0's, with tensor parallelism).
     @property
     def runner(self) -> ModelRunner:
@@ -214,9 +218,16 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
         items = codec.decode_verify(request, self.target.vocab_size)
         return codec.encode_outcomes(self.target.verify(items))
 
-    def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+    def stats(self) -> wpb.WorkerStats:
         return self._stats(self.target.free_slots, self.runner.cache.num_slots, self.target.vocab_size,
                            self.target.max_seq_len)
+
+    def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+        if not getattr(self.target, "healthy", True):
+            # A tensor-parallel rank failed, and Serve replaces this replica: a router that probes it must not take
+            # it back (`remote.ReplicaPool.update`), or new sessions would start here only to fail.
+            context.abort(grpc.StatusCode.UNAVAILABLE, "a tensor-parallel rank failed; the replica is being replaced")
+        return self.stats()
 
 
 class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
@@ -296,9 +307,12 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
             raise InvalidArgument("items.new_token_ids", f"session {item.seq_id!r}: committed tokens its grammar refuses")
         return state
 
-    def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+    def stats(self) -> wpb.WorkerStats:
         runner = self.drafter.runner
         return self._stats(runner.cache.free_slots, runner.cache.num_slots, self.drafter.target_vocab_size, runner.max_seq_len)
+
+    def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+        return self.stats()
 
 
 def start_server(servicer: Any, host: str = "0.0.0.0", port: int = 0, max_workers: int = 8,
