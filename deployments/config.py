@@ -46,7 +46,8 @@ class Placement(_Strict):
     # The replica's KV cache budget in bytes (per rank with tensor parallelism): fewer slots than max_sequences
     # when they would not fit. The cache is allocated whole at start; requests wait for a slot, never for memory.
     kv_cache_max_bytes: int | None = Field(None, ge=1)
-    # Custom Ray resources, e.g. {"target_gpu": 1} to land on a worker group started with that resource.
+    # Custom Ray resources of each replica (each rank with tensor parallelism), e.g. {"target_node": 1} to land on
+    # nodes started with that resource (`ray start --resources`, a KubeRay worker group's rayStartParams).
     resources: dict[str, float] = Field(default_factory=dict)
 
     @field_validator("threads", mode="before")

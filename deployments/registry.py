@@ -5,7 +5,9 @@ registers (app, kind, replica id) -> "ip:port" when it starts and unregisters wh
 addresses and refresh them. It also hands out each application's internal credentials (`credentials`): the
 secret (`deployments.auth`), and the certificates of mutual TLS, which it issues from the application's CA
 (`deployments.tls`), made on first ask; the CA's key never leaves the actor. Detached, so it outlives whichever
-replica created it; `shutdown` removes it.
+replica created it; `shutdown` removes it. It lives on the head node, whichever process asks first: on a node that
+may be lost it would take the addresses and the CA with it, and the next ask would make another CA, whose
+certificates the running routers and workers refuse.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ log = logging.getLogger(__name__)
 
 NAME = "specdec-registry"
 NAMESPACE = "specdec"
+# The resource only the head node has (Serve pins its controller with it too); a sliver of it pins an actor there.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001})
 class _Registry:
     def __init__(self) -> None:
         self._addresses: dict[tuple[str, str], dict[str, str]] = {}

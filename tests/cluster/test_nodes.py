@@ -49,11 +49,12 @@ def request(prompt: list[int], max_tokens: int, k: int = K) -> pb.GenerateReques
 
 def placement() -> dict[str, list[dict]]:
     """The live actors of the application and of Serve's proxies, by role, from Ray's state API."""
-    roles: dict[str, list[dict]] = {"router": [], "draft": [], "target": [], "rank": [], "proxy": []}
+    roles: dict[str, list[dict]] = {"router": [], "draft": [], "target": [], "rank": [], "proxy": [], "registry": []}
     for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000, raise_on_missing_output=False):
         name, entry = actor.name or "", {"node_id": actor.node_id, "pid": actor.pid, "name": actor.name}
         for role, part in (("router", f"{APP}#Router"), ("draft", f"{APP}#DraftWorker#"),
-                           ("target", f"{APP}#TargetWorker#"), ("rank", "specdec-target-rank-")):
+                           ("target", f"{APP}#TargetWorker#"), ("rank", "specdec-target-rank-"),
+                           ("registry", "specdec-registry")):
             if part in name:
                 roles[role].append(entry)
         if actor.class_name == "ProxyActor":
@@ -116,6 +117,7 @@ def test_each_deployment_and_rank_runs_where_its_resources_say(stack):
     # STRICT_SPREAD: a rank on each target node, though either node has room for both.
     assert sorted(where["target"] + where["rank"]) == targets, where
     assert where["proxy"] == [stack.head_id], where  # proxy_location: HeadOnly
+    assert where["registry"] == [stack.head_id], where  # never on a node that may be lost
 
 
 def test_the_ranks_collectives_use_the_configured_interface(stack):
