@@ -113,11 +113,11 @@ def test_each_deployment_and_rank_runs_where_its_resources_say(stack):
     where = {role: sorted(a["node_id"] for a in actors) for role, actors in placement().items()}
     targets = sorted(stack.nodes["target"])
     assert where["router"] == [stack.head_id], where
+    assert where["proxy"] == [stack.head_id], where  # proxy_location: HeadOnly
+    assert where["registry"] == [stack.head_id], where  # never on a node that may be lost
     assert where["draft"] == sorted(stack.nodes["draft"]), where
     # STRICT_SPREAD: a rank on each target node, though either node has room for both.
     assert sorted(where["target"] + where["rank"]) == targets, where
-    assert where["proxy"] == [stack.head_id], where  # proxy_location: HeadOnly
-    assert where["registry"] == [stack.head_id], where  # never on a node that may be lost
 
 
 def test_the_ranks_collectives_use_the_configured_interface(stack):
@@ -139,7 +139,7 @@ def test_greedy_output_over_the_nodes_is_the_unsplit_models(stack, generation, p
     assert_idle(stack.config)
 
 
-def test_losing_the_draft_node_costs_speculation_not_the_stream(stack, generation, plain):
+def test_losing_the_draft_node_costs_speculation_not_the_stream(stack, generation, plain, record_property):
     prompt = list(range(5, 25))
     (lost,) = nodes_of("draft")
     stream = generation.GenerateStream(request(prompt, LONG), timeout=300)
@@ -148,6 +148,7 @@ def test_losing_the_draft_node_costs_speculation_not_the_stream(stack, generatio
     chunks += list(stream)
     assert [t for c in chunks for t in c.token_ids] == plain(prompt, LONG)
     last = chunks[-1]
+    record_property("rounds_proposed", (last.speculation.rounds, last.speculation.proposed))
     assert last.finish_reason == pb.FINISH_REASON_LENGTH
     assert last.speculation.proposed < K * last.speculation.rounds - 2 * K, "no round went without drafts"
 
@@ -162,7 +163,8 @@ def test_losing_the_draft_node_costs_speculation_not_the_stream(stack, generatio
     assert_idle(stack.config)
 
 
-def test_losing_a_target_rank_node_fails_its_requests_in_time_then_a_new_replica_serves(stack, generation, plain):
+def test_losing_a_target_rank_node_fails_its_requests_in_time_then_a_new_replica_serves(stack, generation, plain,
+                                                                                       record_property):
     prompt = list(range(30, 50))
     (rank,) = placement()["rank"]
     (replica,) = placement()["target"]
@@ -174,6 +176,7 @@ def test_losing_a_target_rank_node_fails_its_requests_in_time_then_a_new_replica
     with pytest.raises(grpc.RpcError) as err:
         chunks += list(stream)
     waited = time.monotonic() - start
+    record_property("unavailable_after_s", round(waited, 2))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
     # Bounded by the RPC timeout (the router's call, the ranks' collectives), with room for a loaded machine.
     assert waited < RPC_TIMEOUT_S + 30, f"the request ended {waited:.0f} s after its rank's node was lost"
