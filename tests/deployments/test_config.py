@@ -218,3 +218,16 @@ def test_the_router_takes_custom_resources():
     config = parse_config({"target": {"model": "m"}, "router": {"resources": {"router_node": 1}}})
     assert config.router.resources == {"router_node": 1}
     assert parse_config({"target": {"model": "m"}}).router.resources == {}
+
+
+def test_a_proxy_location_in_a_serve_configs_args_is_called_out(caplog):
+    """Under `serve run` / `serve deploy` Serve is started by the Serve config: the key in `args` cannot move it."""
+    from deployments.app import build
+
+    with caplog.at_level("WARNING", logger="deployments.app"):
+        build({"target": {"model": "m"}, "proxy_location": "HeadOnly"})
+    assert "proxy_location" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="deployments.app"):
+        build({"target": {"model": "m"}})
+    assert "proxy_location" not in caplog.text
