@@ -180,6 +180,37 @@ def test_a_prefill_that_meets_a_dead_replica_is_retried_on_a_live_one(two_target
     assert [r.usable for r in pool.replicas if r.address == a1] == [False]
 
 
+def test_a_draining_target_replica_finishes_its_sessions_and_takes_no_new_one(two_targets, pair):
+    """Scale-down: the replica Serve stops refuses new sessions (which start on the other, unseen by the client)
+    and serves those it holds to their end."""
+    engine, pool, ((_, a1), _), (first, second) = two_targets
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = {f"r{i}": list(range(5 + i, 20 + i)) for i in range(8)}
+    for i in range(4):
+        engine.add_request(f"r{i}", prompts[f"r{i}"], params, 0)
+    engine.step()
+    held = {sid for sid in (f"r{i}" for i in range(4)) if pool.replica_of(sid).address == a1}
+    assert 0 < len(held) < 4  # spread over both
+    first.start_draining()
+    for i in range(4, 8):  # new requests while it drains: the pool has not heard of it yet
+        engine.add_request(f"r{i}", prompts[f"r{i}"], params, 0)
+    finished, tokens = {}, {sid: [] for sid in prompts}
+    while engine.has_work:
+        for out in engine.step():
+            tokens[out.seq_id] += out.new_token_ids
+            if out.finished:
+                finished[out.seq_id] = out.finish_reason
+            elif out.seq_id in held:
+                assert pool.replica_of(out.seq_id).address == a1  # never moved
+    plain = run_to_completion(make_engine(pair[0]), [(sid, prompt, params, 0) for sid, prompt in prompts.items()])
+    assert finished == {sid: FinishReason.LENGTH for sid in prompts}
+    assert tokens == {sid: plain[sid][0] for sid in prompts}
+    assert first.sessions_started == len(held) and second.sessions_started == 8 - len(held)
+    assert [r.retired for r in pool.replicas if r.address == a1] == [True]  # learnt from its refusal
+    assert first.drain(timeout_s=5)  # what it held has ended
+    assert first.active_sessions == 0 and second.active_sessions == 0
+
+
 def test_the_internal_services_refuse_callers_without_the_secret(pair):
     """Plaintext (`internal_tls: false`): the secret alone guards every method, GetStats included."""
     servicer = _target(pair)
