@@ -400,25 +400,28 @@ class RemoteDrafter:
         return cached or 0
 
     def _place(self, seq_id: str, token_ids: Sequence[int]) -> int | None:
-        """Start the session on the replica that most likely holds its prefix, else the least loaded usable one:
-        the tokens it found cached; None if none took it."""
-        try:
-            replica = self.pool.pin(seq_id, token_ids, self._salts.get(seq_id))
-        except WorkerUnavailable:
-            return None
-        request = codec.encode_start(seq_id, token_ids, self._salts.get(seq_id))
-        metadata = {}
-        if self.tracer is not None:
-            metadata = {replica.address: carrier_metadata(self.tracer.spans([seq_id], rounds=False))}
-        responses, failures = self.pool.fan_out({replica.address: (replica, request)}, "Start", metadata,
-                                                self.timeout_s)
-        if failures:
+        """Start the session on the replica that most likely holds its prefix, else the least loaded usable one
+        (another at once, if that one is draining): the tokens it found cached; None if none took it."""
+        for _ in range(len(self.pool.replicas)):
+            try:
+                replica = self.pool.pin(seq_id, token_ids, self._salts.get(seq_id))
+            except WorkerUnavailable:
+                return None
+            request = codec.encode_start(seq_id, token_ids, self._salts.get(seq_id))
+            metadata = {}
+            if self.tracer is not None:
+                metadata = {replica.address: carrier_metadata(self.tracer.spans([seq_id], rounds=False))}
+            responses, failures = self.pool.fan_out({replica.address: (replica, request)}, "Start", metadata,
+                                                    self.timeout_s)
+            if not failures:
+                self._sent[seq_id] = len(token_ids)
+                self._constrained.discard(seq_id)  # a new session: its grammar goes with its first Propose
+                return codec.decode_started(responses[replica.address], 1)[0]
             self.pool.unpin(seq_id)
-            log.warning("draft session %s not started: %s", seq_id, failures[replica.address])
-            return None
-        self._sent[seq_id] = len(token_ids)
-        self._constrained.discard(seq_id)  # a new session: its grammar goes with its first Propose
-        return codec.decode_started(responses[replica.address], 1)[0]
+            if not isinstance(failures[replica.address], WorkerDraining):  # the pool retired a draining one
+                log.warning("draft session %s not started: %s", seq_id, failures[replica.address])
+                return None
+        return None
 
     def observe(self, seq_id: str, num_committed: int) -> None:
         pass  # sent with the next Propose

@@ -211,6 +211,31 @@ def test_a_draining_target_replica_finishes_its_sessions_and_takes_no_new_one(tw
     assert first.active_sessions == 0 and second.active_sessions == 0
 
 
+def test_a_draining_draft_replica_takes_no_new_session_and_speculation_goes_on(pair, plain_tokens):
+    """Its refusal sends a new session to the other draft replica at once: it drafts from its first round."""
+    draining, other = _draft(pair, name="draining"), _draft(pair, name="other")
+    servers = [_serve(_target(pair)), _serve(draining), _serve(other)]
+    (_, taddr), (_, a1), (_, a2) = servers
+    try:
+        engine, dpool = _engine(pair, [taddr], [a1, a2])
+        draining.start_draining()
+        for i in range(3):
+            engine.add_request(f"r{i}", PROMPT, GREEDY, 3)
+        tokens, drafted = {f"r{i}": [] for i in range(3)}, set()
+        while engine.has_work:
+            for out in engine.step():
+                tokens[out.seq_id] += out.new_token_ids
+                if out.round is not None and out.round.proposed_token_ids:
+                    drafted.add(out.seq_id)
+        assert tokens == {sid: plain_tokens for sid in tokens}
+        assert drafted == set(tokens)
+        assert (draining.sessions_started, other.sessions_started) == (0, 3)
+        assert [r.retired for r in dpool.replicas if r.address == a1] == [True]
+    finally:
+        for server, _ in servers:
+            server.stop(0)
+
+
 def test_the_internal_services_refuse_callers_without_the_secret(pair):
     """Plaintext (`internal_tls: false`): the secret alone guards every method, GetStats included."""
     servicer = _target(pair)
