@@ -20,6 +20,7 @@ Serve pickles this module by value into its controller: it imports nothing from 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def desired_replicas(held: list[float], slots: list[float], waiting: float,
 
 class SessionLoad:
     """Serve's autoscaling policy for a worker deployment (`autoscaling_config.policy`, instantiated once by Serve
-    with `policy_kwargs`). Returns the replicas the load wants, unrounded: Serve rounds up, then applies the delays and bounds."""
+    with `policy_kwargs`). Returns the replicas the load wants; Serve applies the delays and bounds."""
 
     def __init__(self, target_sessions_per_replica: float | None = None) -> None:
         self.target_sessions_per_replica = target_sessions_per_replica
@@ -63,8 +64,11 @@ class SessionLoad:
             return ctx.target_num_replicas, {}
         # Every replica reports the routers' one sum (sampled at its own times): the most recent view is the largest.
         waiting = max(metrics.get(WAITING, {}).values(), default=0.0)
-        return desired_replicas(list(held.values()), list(metrics.get(SLOTS, {}).values()), waiting,
-                                self.target_sessions_per_replica), {}
+        desired = desired_replicas(list(held.values()), list(metrics.get(SLOTS, {}).values()), waiting,
+                                   self.target_sessions_per_replica)
+        # Rounded up here, past the float noise of time-weighted means: 2 sessions of 2 per replica is 1 replica
+        # even where the means sum to 2.0000000000000004.
+        return math.ceil(desired - 1e-6), {}
 
 
 def serve_options(placement: Placement) -> dict[str, Any]:

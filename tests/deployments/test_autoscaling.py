@@ -99,8 +99,11 @@ def test_the_policy_serve_unpickles_reads_what_the_replicas_report():
     policy = policy_config.get_policy()(**policy_config.policy_kwargs)
     reported = {SESSIONS: {"r1": 3.0, "r2": 3.0}, SLOTS: {"r1": 4.0, "r2": 4.0}, WAITING: {"r1": 5.0, "r2": 6.0}}
     desired, state = policy(_context(reported))
-    assert desired == pytest.approx((3 + 3 + 6) / 3)  # the waiting count is one figure, not one per replica
+    assert desired == 4  # (3 + 3 + 6) / 3: the waiting count is one figure, not one per replica
     assert state == {}
+    noisy = {SESSIONS: {"r1": 1.5000000000000002, "r2": 1.5}, SLOTS: {"r1": 4.0, "r2": 4.0}, WAITING: {}}
+    assert sum(noisy[SESSIONS].values()) / 3 > 1  # the float noise of time-weighted means...
+    assert policy(_context(noisy))[0] == 1  # ...costs no replica: 3 sessions at 3 a replica
     assert policy(_context({}, target_num_replicas=2))[0] == 2  # nothing reported yet: no change
 
 
@@ -111,7 +114,7 @@ SLOTS_PER_REPLICA = 4
 PROMPTS = [list(range(5 + 9 * i, 17 + 9 * i)) for i in range(6)]
 MAX_TOKENS = 64
 PEAK_STREAMS = 12  # target: (4 held + 8 waiting) / 4 -> 3 replicas
-LOW_STREAMS = 2  # target: 2 / 4 -> 1 replica; draft: 2 / 2 -> 1
+LOW_STREAMS = 2  # target: 2 / 4 -> 1 replica; draft: 2 / 2.5 -> 1
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +133,7 @@ def scaling_app(served):
         "target": {**base.target.model_dump(mode="json"), **worker,
                    "autoscaling": {**fast, "max_replicas": 3, "target_sessions_per_replica": 4}},
         "draft": {**base.draft.model_dump(mode="json"), **worker,
-                  "autoscaling": {**fast, "max_replicas": 2, "target_sessions_per_replica": 2}},
+                  "autoscaling": {**fast, "max_replicas": 2, "target_sessions_per_replica": 2.5}},
         # Requests wait for a slot while replicas start: longer than a start takes here.
         "router": {**base.router.model_dump(mode="json"), "worker_refresh_s": 1, "calibrate": False,
                    "queue_timeout_s": 300},
