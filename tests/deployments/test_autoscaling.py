@@ -101,7 +101,7 @@ def test_the_policy_serve_unpickles_reads_what_the_replicas_report():
     desired, state = policy(_context(reported))
     assert desired == 4  # (3 + 3 + 6) / 3: the waiting count is one figure, not one per replica
     assert state == {}
-    noisy = {SESSIONS: {"r1": 1.5000000000000002, "r2": 1.5}, SLOTS: {"r1": 4.0, "r2": 4.0}, WAITING: {}}
+    noisy = {SESSIONS: {"r1": 2.0000000000000004, "r2": 1.0}, SLOTS: {"r1": 4.0, "r2": 4.0}, WAITING: {}}
     assert sum(noisy[SESSIONS].values()) / 3 > 1  # the float noise of time-weighted means...
     assert policy(_context(noisy))[0] == 1  # ...costs no replica: 3 sessions at 3 a replica
     assert policy(_context({}, target_num_replicas=2))[0] == 2  # nothing reported yet: no change
