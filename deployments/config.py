@@ -24,6 +24,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+SERVE_METRICS_INTERVAL_S = 10.0  # Serve's default autoscaling_config.metrics_interval_s
+
+
 class WorkerAutoscaling(_Strict):
     """Serve autoscaling of a worker deployment by its sessions (`deployments.autoscaling`): the replicas each
     report the sessions they hold, the routers the sessions that wait for a slot, and Serve's controller keeps
@@ -38,7 +41,7 @@ class WorkerAutoscaling(_Strict):
     target_sessions_per_replica: float | None = Field(None, gt=0)
     upscale_delay_s: float = Field(10.0, ge=0)  # the load must call for more replicas this long before they start
     downscale_delay_s: float = Field(120.0, ge=0)  # ... and for fewer this long before replicas drain
-    look_back_period_s: float = Field(10.0, gt=0)  # the load is averaged over this window
+    look_back_period_s: float = Field(20.0, gt=0)  # the load is averaged over this window
     # How often each replica sends its load to Serve's controller (Serve's metrics_interval_s; None: Serve's
     # default, 10 s; Serve warns that it will move to an environment variable).
     metrics_interval_s: float | None = Field(None, gt=0)
@@ -47,6 +50,9 @@ class WorkerAutoscaling(_Strict):
     def _order(self) -> "WorkerAutoscaling":
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
+        if self.look_back_period_s <= (self.metrics_interval_s or SERVE_METRICS_INTERVAL_S):
+            raise ValueError(f"look_back_period_s must exceed metrics_interval_s ({SERVE_METRICS_INTERVAL_S:g} s "
+                             "unless set): the window must hold more than one report")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError("initial_replicas must be within [min_replicas, max_replicas]")
         return self

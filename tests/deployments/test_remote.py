@@ -188,20 +188,23 @@ def test_a_draining_target_replica_finishes_its_sessions_and_takes_no_new_one(tw
     prompts = {f"r{i}": list(range(5 + i, 20 + i)) for i in range(8)}
     for i in range(4):
         engine.add_request(f"r{i}", prompts[f"r{i}"], params, 0)
-    engine.step()
+    outputs = engine.step()
     held = {sid for sid in (f"r{i}" for i in range(4)) if pool.replica_of(sid).address == a1}
     assert 0 < len(held) < 4  # spread over both
     first.start_draining()
     for i in range(4, 8):  # new requests while it drains: the pool has not heard of it yet
         engine.add_request(f"r{i}", prompts[f"r{i}"], params, 0)
     finished, tokens = {}, {sid: [] for sid in prompts}
-    while engine.has_work:
-        for out in engine.step():
+    while True:
+        for out in outputs:
             tokens[out.seq_id] += out.new_token_ids
             if out.finished:
                 finished[out.seq_id] = out.finish_reason
             elif out.seq_id in held:
                 assert pool.replica_of(out.seq_id).address == a1  # never moved
+        if not engine.has_work:
+            break
+        outputs = engine.step()
     plain = run_to_completion(make_engine(pair[0]), [(sid, prompt, params, 0) for sid, prompt in prompts.items()])
     assert finished == {sid: FinishReason.LENGTH for sid in prompts}
     assert tokens == {sid: plain[sid][0] for sid in prompts}
