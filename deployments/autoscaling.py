@@ -33,6 +33,10 @@ SLOTS = "specdec_kv_slots"
 WAITING = "specdec_sessions_waiting"
 DEFAULT_UTILIZATION = 0.75  # the share of its slots a replica should hold when no target is configured
 STOP_MARGIN_S = 15.0  # beyond the drain: unregistering and stopping the gRPC server, before Serve kills the replica
+# Serve waits for a stopping replica's Serve requests in steps of this before it calls the replica's shutdown (the
+# drain). Workers get none (routers call them over gRPC): the wait only delays the drain, taking new sessions
+# meanwhile (2 s by default).
+SERVE_WAIT_LOOP_S = 0.2
 
 
 def load_report(held: int, slots: int, waiting: int) -> dict[str, float]:
@@ -74,7 +78,8 @@ class SessionLoad:
 def serve_options(placement: Placement) -> dict[str, Any]:
     """A worker deployment's Serve options for its replica count (fixed, or autoscaled by `SessionLoad`) and for
     stopping a replica (Serve kills it once the drain and the margin are past)."""
-    options: dict[str, Any] = {"graceful_shutdown_timeout_s": placement.drain_timeout_s + STOP_MARGIN_S}
+    options: dict[str, Any] = {"graceful_shutdown_timeout_s": placement.drain_timeout_s + STOP_MARGIN_S,
+                               "graceful_shutdown_wait_loop_s": SERVE_WAIT_LOOP_S}
     scaling = placement.autoscaling
     if scaling is None:
         return {**options, "num_replicas": placement.num_replicas}

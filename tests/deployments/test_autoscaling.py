@@ -112,7 +112,7 @@ def test_the_policy_serve_unpickles_reads_what_the_replicas_report():
 APP = "specdec-scale"
 SLOTS_PER_REPLICA = 4
 PROMPTS = [list(range(5 + 9 * i, 17 + 9 * i)) for i in range(6)]
-MAX_TOKENS = 64
+MAX_TOKENS = 200  # long enough that a replica being stopped holds sessions to drain
 PEAK_STREAMS = 12  # target: (4 held + 8 waiting) / 4 -> 3 replicas
 LOW_STREAMS = 2  # target: 2 / 4 -> 1 replica; draft: 2 / 2.5 -> 1
 
@@ -165,6 +165,7 @@ def _request(stream: int, index: int):
     return message
 
 
+@pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")  # Serve's, at every status
 def test_workers_scale_up_under_load_and_drain_down_after_with_every_request_exact(scaling_app, greedy_reference,
                                                                                    capsys):
     from specdec.v1 import generation_pb2_grpc as pb_grpc
@@ -173,7 +174,7 @@ def test_workers_scale_up_under_load_and_drain_down_after_with_every_request_exa
     address, _ = scaling_app
     channel = grpc.insecure_channel(address)
     load = StepLoad(pb_grpc.GenerationServiceStub(channel), _request, metadata=[("application", APP)], timeout_s=300)
-    timeline = ScalingTimeline(APP, load=load, interval_s=0.5).start()
+    timeline = ScalingTimeline(APP, load=load, interval_s=0.25).start()
     try:
         assert timeline.wait_for(lambda s: s.running("target") == 1 and s.running("draft") == 1, 60)
         load.set_streams(PEAK_STREAMS)
