@@ -66,7 +66,7 @@ class SessionLoad:
         held = metrics.get(SESSIONS, {})
         if not held:  # no replica has reported yet: keep what there is
             return ctx.target_num_replicas, {}
-        # Every replica reports the routers' one sum (sampled at its own times): the most recent view is the largest.
+        # Every replica reports the routers' one sum (each sampled at its own times): the largest, not their total.
         waiting = max(metrics.get(WAITING, {}).values(), default=0.0)
         desired = desired_replicas(list(held.values()), list(metrics.get(SLOTS, {}).values()), waiting,
                                    self.target_sessions_per_replica)

@@ -28,6 +28,8 @@ def _config(**target):
         ({"max_replicas": 4, "initial_replicas": 5}, "target.autoscaling"),
         ({"target_sessions_per_replica": 0}, "target.autoscaling.target_sessions_per_replica"),
         ({"upscale_delay": 5}, "target.autoscaling.upscale_delay"),  # a misspelt key is named
+        ({"look_back_period_s": 5}, "target.autoscaling"),  # within Serve's 10 s between reports
+        ({"look_back_period_s": 2, "metrics_interval_s": 2}, "target.autoscaling"),
     ],
 )
 def test_bad_autoscaling_is_named(scaling, field):
