@@ -29,10 +29,48 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+SERVE_METRICS_INTERVAL_S = 10.0  # Serve's default autoscaling_config.metrics_interval_s
+
+
+class WorkerAutoscaling(_Strict):
+    """Serve autoscaling of a worker deployment by its sessions (`deployments.autoscaling`): the replicas each
+    report the sessions they hold, the routers the sessions that wait for a slot, and Serve's controller keeps
+    (held + waiting) / target_sessions_per_replica replicas, between min_replicas and max_replicas. A replica that
+    is scaled down takes no new session and finishes those it holds first (`Placement.drain_timeout_s`)."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(2, ge=1)
+    initial_replicas: int | None = Field(None, ge=1)  # at deployment; None: min_replicas
+    # The sessions a replica should hold. None: three quarters of its KV slots (as the replicas report them,
+    # after any kv_cache_max_bytes cut), which leaves room for a burst while a new replica starts.
+    target_sessions_per_replica: float | None = Field(None, gt=0)
+    upscale_delay_s: float = Field(10.0, ge=0)  # the load must call for more replicas this long before they start
+    downscale_delay_s: float = Field(120.0, ge=0)  # ... and for fewer this long before replicas drain
+    look_back_period_s: float = Field(20.0, gt=0)  # the load is averaged over this window
+    # How often each replica sends its load to Serve's controller (Serve's metrics_interval_s; None: Serve's
+    # default, 10 s; Serve warns that it will move to an environment variable).
+    metrics_interval_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> "WorkerAutoscaling":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        if self.look_back_period_s <= (self.metrics_interval_s or SERVE_METRICS_INTERVAL_S):
+            raise ValueError(f"look_back_period_s must exceed metrics_interval_s ({SERVE_METRICS_INTERVAL_S:g} s "
+                             "unless set): the window must hold more than one report")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError("initial_replicas must be within [min_replicas, max_replicas]")
+        return self
+
+
 class Placement(_Strict):
     """Where and how many: per worker deployment."""
 
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1)  # ignored when autoscaling is set
+    autoscaling: WorkerAutoscaling | None = None
+    # A replica being stopped (scaled down, redeployed, deleted) refuses new sessions and waits this long at most
+    # for those it holds to end before it stops: longer than the longest request, or that request fails.
+    drain_timeout_s: float = Field(300.0, gt=0)
     # Ray's reservation for each replica (each rank with tensor parallelism): what the scheduler counts, not what
     # the worker computes with. Ray pins no cores, so it limits nothing; `threads` sets the torch threads.
     num_cpus: float = Field(1.0, ge=0)
@@ -56,6 +94,19 @@ class Placement(_Strict):
         if threads == "auto" or (type(threads) is int and threads >= 1):
             return threads
         raise ValueError(f"a number of threads (1 or more) or auto, got {threads!r}")
+
+    @property
+    def initial_replicas(self) -> int:
+        """Replicas at deployment: what the router waits for at its start."""
+        scaling = self.autoscaling
+        if scaling is None:
+            return self.num_replicas
+        return scaling.initial_replicas or scaling.min_replicas
+
+    @property
+    def most_replicas(self) -> int:
+        """The most replicas the deployment may run (what the cluster must have room for)."""
+        return self.num_replicas if self.autoscaling is None else self.autoscaling.max_replicas
 
 
 class TargetConfig(Placement):

@@ -62,10 +62,11 @@ def start_serve(config: ServeConfig, host: str = "0.0.0.0") -> None:
 
 
 def cpus_needed(config: ServeConfig) -> float:
-    """Logical CPUs that every deployment of `config` asks for, plus one for Serve's controller and proxy."""
+    """Logical CPUs that every deployment of `config` asks for (an autoscaled worker deployment at its
+    max_replicas), plus one for Serve's controller and proxy."""
     target = config.target
-    total = target.num_cpus * target.tensor_parallel_size * target.num_replicas
+    total = target.num_cpus * target.tensor_parallel_size * target.most_replicas
     total += config.router.num_cpus * config.router.num_replicas
     if config.draft.runs_draft_model:
-        total += config.draft.num_cpus * config.draft.num_replicas
+        total += config.draft.num_cpus * config.draft.most_replicas
     return total + 1
