@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SPECDEC := $(VENV)/bin/specdec
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench bench-guidellm clean proto image image-test image-clean
+.PHONY: setup test test-cluster demo bench bench-guidellm clean proto image image-test image-clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml tests/clients/node/package-lock.json
 test: setup
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
+
+# The multi-node tests (tests/cluster): several Ray nodes on this machine, nodes lost under load. A pytest session of
+# their own: the suite keeps one Ray cluster per session (pyproject's addopts leave out the `cluster` mark).
+test-cluster: setup
+	$(PY) -m pytest -q -m cluster tests/cluster
 
 # The main job: pull the demo pair once into $(SPECDEC_HOME) (default ~/.cache/specdec), serve it on a local
 # Ray Serve (gRPC, port 9000) and stream one completion with speculation on and off.

@@ -8,6 +8,7 @@ workers, which its replica runs.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -18,7 +19,7 @@ import ray
 from ray import serve
 from ray.serve.config import gRPCOptions
 
-from deployments import registry
+from deployments import autoscaling, registry
 from deployments.auth import ENV_TOKEN, BearerAuth, load_public_token
 from deployments.config import Placement, ServeConfig, TargetConfig, parse_config
 from deployments.discovery import WorkerFollower, wait_for_workers
@@ -85,16 +86,18 @@ class _Worker:
 
     kind = ""
 
-    def _serve(self, config: ServeConfig, servicer: Any) -> None:
+    def _serve(self, config: ServeConfig, placement: Placement, servicer: Any) -> None:
         setup_tracing(f"{config.app_name}-{self.kind}")
         self.servicer = servicer
+        self.drain_timeout_s = placement.drain_timeout_s
         self._stop_metrics = threading.Event()
         credentials = registry.credentials(config.app_name, Role.SERVER, config.tls_setting)
         self.server, port = start_server(servicer, port=config.worker_grpc_port, credentials=credentials)
         self.address = f"{ray.util.get_node_ip_address()}:{port}"
         self.app = config.app_name
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        ray.get(registry.registry().register.remote(self.app, self.kind, self.replica_id, self.address))
+        self._registry = registry.registry()
+        ray.get(self._registry.register.remote(self.app, self.kind, self.replica_id, self.address))
         log.info("%s worker %s serving on %s", self.kind, self.replica_id, self.address)
         self._metrics = WorkerMetrics(self.kind, servicer.model_name)
         threading.Thread(target=self._export_metrics, name="worker-metrics", daemon=True).start()
@@ -103,7 +106,7 @@ class _Worker:
         """Follow the servicer's counters (the same numbers GetStats reports) into Prometheus."""
         while not self._stop_metrics.wait(METRICS_INTERVAL_S):
             try:
-                self._metrics.update(self.servicer.GetStats(None, None))
+                self._metrics.update(self.servicer.stats())
             except Exception:  # metrics must never take the worker down
                 log.warning("exporting worker metrics failed", exc_info=True)
 
@@ -114,17 +117,36 @@ class _Worker:
         if self.servicer is None:
             raise RuntimeError("worker not started")
 
-    def __del__(self) -> None:
-        server = getattr(self, "server", None)
-        if server is None:
-            return
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The replica's load, for Serve's autoscaling policy (`deployments.autoscaling`): sessions held, slots,
+        and the sessions the routers report waiting for a slot of this kind. Serve calls it only for a deployment
+        with autoscaling."""
+        waiting = await self._registry.waiting.remote(self.app, self.kind)
+        return autoscaling.load_report(self.servicer.active_sessions, self.servicer.num_slots, waiting)
+
+    async def __del__(self) -> None:
+        """Serve stops the replica (scaled down, redeployed, deleted): drain, then stop serving. Off the replica's
+        event loop, which goes on answering Serve meanwhile."""
+        if getattr(self, "server", None) is not None:
+            await asyncio.to_thread(self._drain_and_stop)
+
+    def _drain_and_stop(self) -> None:
+        """Refuse new sessions (routers start them elsewhere), unregister (routers stop offering this replica),
+        wait for the sessions held to end, at most `drain_timeout_s`, then stop the server."""
+        self.servicer.start_draining()
         try:
-            ray.get(registry.registry().unregister.remote(self.app, self.kind, self.replica_id), timeout=5)
+            ray.get(self._registry.unregister.remote(self.app, self.kind, self.replica_id), timeout=5)
         except Exception:  # the cluster may be going down
             pass
+        held = self.servicer.active_sessions
+        if not self.servicer.drain(self.drain_timeout_s):
+            serve_log.warning("%s worker %s stops with %d sessions still held after %.0f s of draining", self.kind,
+                              self.replica_id, self.servicer.active_sessions, self.drain_timeout_s)
+        elif held:
+            serve_log.info("%s worker %s drained %d sessions", self.kind, self.replica_id, held)
         self._stop_metrics.set()
         self.servicer.close()
-        server.stop(grace=2)
+        self.server.stop(grace=2)
 
 
 class TargetWorker(_Worker):
@@ -140,13 +162,13 @@ class TargetWorker(_Worker):
 
             target: Any = TensorParallelTarget(t.model, t.dtype, t.device, t.tensor_parallel_size,
                                                _runner_config(cfg, t), t.num_cpus, t.num_gpus, cfg.router.rpc_timeout_s,
-                                               t.resources, threads=t.threads)
+                                               t.resources, threads=t.threads, env=t.rank_environment)
         else:
             loaded = prepare_model(t.model, dtype=t.dtype, device=t.device)
             target = LocalTarget(ModelRunner(loaded.model, _runner_config(cfg, t)))
         who = self.kind if t.tensor_parallel_size == 1 else f"{self.kind} rank 0"
         serve_log.info("%s", worker_summary(who, threads, cores, kernel_path(target.runner.model)))
-        self._serve(cfg, TargetServicer(target, t.model, cfg.session_idle_timeout_s))
+        self._serve(cfg, t, TargetServicer(target, t.model, cfg.session_idle_timeout_s))
 
     def check_health(self) -> None:
         super().check_health()
@@ -170,7 +192,7 @@ class DraftWorker(_Worker):
         drafter = cfg.draft.drafting.build(DraftContext(cfg.draft.spec, target_vocab, runner))
         # The router's engine compiles for the same tokenizer, vocabulary and eos: the draft's masks are the target's.
         grammars = GrammarCompiler(target.tokenizer, target_vocab, sorted(target.eos_token_ids))
-        self._serve(cfg, DraftServicer(drafter, cfg.draft.model, cfg.session_idle_timeout_s, grammars))
+        self._serve(cfg, cfg.draft, DraftServicer(drafter, cfg.draft.model, cfg.session_idle_timeout_s, grammars))
 
 
 def _target_vocab_size(target: Any) -> int:
@@ -191,12 +213,12 @@ def connect_router(config: dict[str, Any]) -> RouterParts:
     timeout = cfg.router.rpc_timeout_s
     credentials = registry.credentials(cfg.app_name, Role.CLIENT, cfg.tls_setting)  # the workers serve only these
     start_s = cfg.router.worker_start_timeout_s
-    target_addresses = wait_for_workers(cfg.app_name, "target", cfg.target.num_replicas, start_s)
+    target_addresses = wait_for_workers(cfg.app_name, "target", cfg.target.initial_replicas, start_s)
     target_pool = ReplicaPool("target", target_addresses, wpb_grpc.TargetServiceStub, timeout, credentials)
     target = RemoteTarget(target_pool, tracer, metrics)
-    method, drafter, draft_pool = cfg.draft.drafting, None, None
+    method, drafter, draft_pool, remote = cfg.draft.drafting, None, None, None
     if method is not None and method.runs_draft_model:
-        addresses = wait_for_workers(cfg.app_name, "draft", cfg.draft.num_replicas, start_s)
+        addresses = wait_for_workers(cfg.app_name, "draft", cfg.draft.initial_replicas, start_s)
         draft_pool = ReplicaPool("draft", addresses, wpb_grpc.DraftServiceStub, timeout, credentials)
         remote = RemoteDrafter(draft_pool, tracer, metrics, timeout_s=cfg.router.draft_timeout_s)
         drafter = methods.assemble(method, remote, DraftContext(cfg.draft.spec, target.vocab_size))
@@ -215,11 +237,21 @@ def connect_router(config: dict[str, Any]) -> RouterParts:
         proposals = ProposalLog(log_cfg.directory, log_cfg.sample_rate, cfg.target.model, cfg.draft.label,
                                 log_cfg.max_bytes, log_cfg.backup_count, log_cfg.include_probs)
     pools = [pool for pool in (target_pool, draft_pool) if pool is not None]
+    waiting = None
+    if cfg.target.autoscaling is not None or (remote is not None and cfg.draft.autoscaling is not None):
+        waiting = functools.partial(_waiting_for_slots, engine, remote)
     return RouterParts(
         config=cfg, engine=engine, tokenizer=tokenizer, auth=auth, tracer=tracer, metrics=metrics,
         max_seq_len=min(cfg.router.max_seq_len, target.max_seq_len), target_pool=target_pool, draft_pool=draft_pool,
-        proposals=proposals, follower=WorkerFollower(cfg.app_name, pools, cfg.router.worker_refresh_s),
+        proposals=proposals, follower=WorkerFollower(cfg.app_name, pools, cfg.router.worker_refresh_s, waiting),
     )
+
+
+def _waiting_for_slots(engine: SpecEngine, drafter: RemoteDrafter | None) -> dict[str, int]:
+    """What this router reports for the workers' autoscaling: requests it holds back for want of a target slot
+    (beyond those the next round admits), and sessions that draft without a draft replica."""
+    return {"target": max(0, engine.num_waiting - engine.target.free_slots),
+            "draft": drafter.num_homeless if drafter is not None else 0}
 
 
 def _calibrate(engine: SpecEngine) -> None:
@@ -246,17 +278,23 @@ def _actor_options(num_cpus: float, num_gpus: float = 0.0, resources: dict[str, 
     return options
 
 
-def _deployment(cls: type, name: str, placement: Placement, ranks: int = 1) -> Any:
-    resources = _actor_options(placement.num_cpus, placement.num_gpus, placement.resources)
-    options: dict[str, Any] = {}
-    if ranks > 1:  # one bundle per rank, reserved together; the replica itself is rank 0, in bundle 0
-        bundle = {"CPU": placement.num_cpus, **({"GPU": placement.num_gpus} if placement.num_gpus else {}),
-                  **placement.resources}
-        options = {"placement_group_bundles": [bundle] * ranks,
-                   "placement_group_strategy": "STRICT_PACK" if placement.num_gpus else "PACK"}
-    return serve.deployment(cls, name=name).options(
-        num_replicas=placement.num_replicas, ray_actor_options=resources, max_ongoing_requests=1000, **options
-    )
+def _deployment(cls: type, name: str, placement: Placement, group: dict[str, Any] | None = None,
+                env: dict[str, str] | None = None) -> Any:
+    """A worker deployment: each replica reserves `placement`'s num_cpus, num_gpus and resources; `group`: Serve's
+    placement-group options (`rank_group`) for a replica of several ranks."""
+    resources = _actor_options(placement.num_cpus, placement.num_gpus, placement.resources, env)
+    options: dict[str, Any] = autoscaling.serve_options(placement)  # replicas: fixed or autoscaled; draining
+    return serve.deployment(cls, name=name).options(ray_actor_options=resources, max_ongoing_requests=1000,
+                                                    **options, **(group or {}))
+
+
+def rank_group(target: TargetConfig) -> dict[str, Any]:
+    """Serve's placement-group options for a tensor-parallel target replica: one bundle per rank, each exactly
+    what the replica reserves for itself (it is rank 0, in bundle 0; `tensor_parallel.TargetRank` r in bundle r),
+    placed by `target.rank_strategy`."""
+    bundle = {"CPU": target.num_cpus, **({"GPU": target.num_gpus} if target.num_gpus else {}), **target.resources}
+    return {"placement_group_bundles": [dict(bundle) for _ in range(target.tensor_parallel_size)],
+            "placement_group_strategy": target.rank_strategy}
 
 
 def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
@@ -265,14 +303,17 @@ def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
     if cfg.target.tensor_parallel_size > 1:
         _check_tensor_parallel(cfg.target)
     args = cfg.model_dump(mode="json")
-    workers = [_deployment(TargetWorker, "TargetWorker", cfg.target, cfg.target.tensor_parallel_size).bind(args)]
+    t = cfg.target
+    group = rank_group(t) if t.tensor_parallel_size > 1 else None
+    workers = [_deployment(TargetWorker, "TargetWorker", t, group, t.rank_environment).bind(args)]
     if cfg.draft.runs_draft_model:
         workers.append(_deployment(DraftWorker, "DraftWorker", cfg.draft).bind(args))
     scaling: dict[str, Any] = {"num_replicas": cfg.router.num_replicas}
     if cfg.router.autoscaling is not None:
         scaling = {"autoscaling_config": cfg.router.autoscaling.model_dump()}
     router = RouterDeployment.options(
-        ray_actor_options=_actor_options(cfg.router.num_cpus, env=_auth_environment()),
+        ray_actor_options=_actor_options(cfg.router.num_cpus, resources=cfg.router.resources,
+                                         env=_auth_environment()),
         max_ongoing_requests=cfg.router.max_ongoing_requests,
         **scaling,
     )
@@ -302,5 +343,9 @@ def _check_tensor_parallel(target: TargetConfig) -> None:
 
 def build(args: dict[str, Any]) -> serve.Application:
     """Serve's application builder: `import_path: deployments.app:build` with the specdec config as `args`."""
-    return build_app(args)
+    config = parse_config(args)
+    if config.proxy_location is not None:
+        log.warning("proxy_location in the application's args has no effect here: Serve was started already, by "
+                    "the Serve config, whose top-level proxy_location says where its proxies run")
+    return build_app(config)
 

@@ -18,16 +18,59 @@ from specdec_core.errors import InvalidArgument
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 Device = Literal["cpu", "cuda"]
+# Ray's placement-group strategies: PACK as few nodes as possible (spread if they must), STRICT_PACK one node or
+# wait, SPREAD as many nodes as possible, STRICT_SPREAD one node per bundle or wait.
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+# Serve's proxy locations: a proxy on EveryNode that holds a replica, HeadOnly, or Disabled (handles only).
+ProxyLocation = Literal["EveryNode", "HeadOnly", "Disabled"]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+SERVE_METRICS_INTERVAL_S = 10.0  # Serve's default autoscaling_config.metrics_interval_s
+
+
+class WorkerAutoscaling(_Strict):
+    """Serve autoscaling of a worker deployment by its sessions (`deployments.autoscaling`): the replicas each
+    report the sessions they hold, the routers the sessions that wait for a slot, and Serve's controller keeps
+    (held + waiting) / target_sessions_per_replica replicas, between min_replicas and max_replicas. A replica that
+    is scaled down takes no new session and finishes those it holds first (`Placement.drain_timeout_s`)."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(2, ge=1)
+    initial_replicas: int | None = Field(None, ge=1)  # at deployment; None: min_replicas
+    # The sessions a replica should hold. None: three quarters of its KV slots (as the replicas report them,
+    # after any kv_cache_max_bytes cut), which leaves room for a burst while a new replica starts.
+    target_sessions_per_replica: float | None = Field(None, gt=0)
+    upscale_delay_s: float = Field(10.0, ge=0)  # the load must call for more replicas this long before they start
+    downscale_delay_s: float = Field(120.0, ge=0)  # ... and for fewer this long before replicas drain
+    look_back_period_s: float = Field(20.0, gt=0)  # the load is averaged over this window
+    # How often each replica sends its load to Serve's controller (Serve's metrics_interval_s; None: Serve's
+    # default, 10 s; Serve warns that it will move to an environment variable).
+    metrics_interval_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> "WorkerAutoscaling":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        if self.look_back_period_s <= (self.metrics_interval_s or SERVE_METRICS_INTERVAL_S):
+            raise ValueError(f"look_back_period_s must exceed metrics_interval_s ({SERVE_METRICS_INTERVAL_S:g} s "
+                             "unless set): the window must hold more than one report")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError("initial_replicas must be within [min_replicas, max_replicas]")
+        return self
+
+
 class Placement(_Strict):
     """Where and how many: per worker deployment."""
 
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1)  # ignored when autoscaling is set
+    autoscaling: WorkerAutoscaling | None = None
+    # A replica being stopped (scaled down, redeployed, deleted) refuses new sessions and waits this long at most
+    # for those it holds to end before it stops: longer than the longest request, or that request fails.
+    drain_timeout_s: float = Field(300.0, gt=0)
     # Ray's reservation for each replica (each rank with tensor parallelism): what the scheduler counts, not what
     # the worker computes with. Ray pins no cores, so it limits nothing; `threads` sets the torch threads.
     num_cpus: float = Field(1.0, ge=0)
@@ -41,7 +84,8 @@ class Placement(_Strict):
     # The replica's KV cache budget in bytes (per rank with tensor parallelism): fewer slots than max_sequences
     # when they would not fit. The cache is allocated whole at start; requests wait for a slot, never for memory.
     kv_cache_max_bytes: int | None = Field(None, ge=1)
-    # Custom Ray resources, e.g. {"target_gpu": 1} to land on a worker group started with that resource.
+    # Custom Ray resources of each replica (each rank with tensor parallelism), e.g. {"target_node": 1} to land on
+    # nodes started with that resource (`ray start --resources`, a KubeRay worker group's rayStartParams).
     resources: dict[str, float] = Field(default_factory=dict)
 
     @field_validator("threads", mode="before")
@@ -51,13 +95,55 @@ class Placement(_Strict):
             return threads
         raise ValueError(f"a number of threads (1 or more) or auto, got {threads!r}")
 
+    @property
+    def initial_replicas(self) -> int:
+        """Replicas at deployment: what the router waits for at its start."""
+        scaling = self.autoscaling
+        if scaling is None:
+            return self.num_replicas
+        return scaling.initial_replicas or scaling.min_replicas
+
+    @property
+    def most_replicas(self) -> int:
+        """The most replicas the deployment may run (what the cluster must have room for)."""
+        return self.num_replicas if self.autoscaling is None else self.autoscaling.max_replicas
+
 
 class TargetConfig(Placement):
     model: str  # a path, a .gguf file or a `specdec models` name
     dtype: Dtype = "bfloat16"
     device: Device = "cpu"
-    # Ranks per replica (1 = unsplit). num_cpus / num_gpus are per rank; the ranks are reserved together.
+    # Ranks per replica (1 = unsplit). num_cpus, num_gpus and resources are per rank (the replica itself is rank 0):
+    # one placement-group bundle each, reserved together.
     tensor_parallel_size: int = Field(1, ge=1)
+    # How Ray places those bundles (PlacementStrategy). None: PACK, or STRICT_PACK when the ranks use GPUs (NCCL
+    # within one node's GPUs; across nodes only when asked). STRICT_SPREAD puts each rank on a node of its own.
+    placement_strategy: PlacementStrategy | None = None
+    # The network interface(s) the ranks' collectives use, on nodes with several (e.g. "eth1", or "eth1,eth2"):
+    # GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME in every rank's environment. None: gloo uses the address its
+    # node's hostname resolves to, NCCL picks one itself.
+    socket_ifname: str | None = Field(None, pattern=r"^[^\s,]+(,[^\s,]+)*$")
+
+    @model_validator(mode="after")
+    def _ranks_only(self) -> "TargetConfig":
+        for key in ("placement_strategy", "socket_ifname"):
+            if getattr(self, key) is not None and self.tensor_parallel_size == 1:
+                raise ValueError(f"{key} places the ranks of a split target: it needs tensor_parallel_size > 1")
+        return self
+
+    @property
+    def rank_strategy(self) -> PlacementStrategy:
+        """The placement-group strategy of a tensor-parallel replica's ranks."""
+        if self.placement_strategy is not None:
+            return self.placement_strategy
+        return "STRICT_PACK" if self.num_gpus else "PACK"
+
+    @property
+    def rank_environment(self) -> dict[str, str]:
+        """Environment variables of every rank (the replica's process included)."""
+        if self.socket_ifname is None:
+            return {}
+        return {"GLOO_SOCKET_IFNAME": self.socket_ifname, "NCCL_SOCKET_IFNAME": self.socket_ifname}
 
 
 class DraftConfig(Placement):
@@ -151,6 +237,8 @@ class RouterConfig(_Strict):
     num_replicas: int = Field(1, ge=1)  # ignored when autoscaling is set
     autoscaling: Autoscaling | None = None
     num_cpus: float = Field(0.5, ge=0)
+    # Custom Ray resources of each router replica, e.g. {"router_node": 1} to keep it on nodes started with that.
+    resources: dict[str, float] = Field(default_factory=dict)
     max_seq_len: int = Field(2048, ge=16)  # prompt plus output tokens per request
     default_max_tokens: int = Field(256, ge=1)  # when a request does not say
     max_ongoing_requests: int = Field(256, ge=1)  # per router replica, waiting ones included
@@ -200,6 +288,10 @@ class ServeConfig(_Strict):
     app_name: str = "specdec"
     grpc_port: int = Field(9000, ge=1, le=65535)
     http_port: int = Field(8000, ge=1, le=65535)  # Ray Serve's HTTP proxy: the OpenAI-compatible API, health
+    # Where Serve runs its proxies (ProxyLocation), when `specdec serve` starts Serve. None: Serve's default
+    # (EveryNode). Cluster-wide and fixed once Serve runs: under `serve run` / `serve deploy`, the Serve config's
+    # own top-level proxy_location says it.
+    proxy_location: ProxyLocation | None = None
     # The model id of the OpenAI-compatible API (`model` in requests, /v1/models): by default target.model.
     served_model_name: str | None = Field(None, min_length=1)
     worker_grpc_port: int = Field(0, ge=0, le=65535)  # workers' internal gRPC servers; 0: any free port

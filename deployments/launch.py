@@ -39,7 +39,7 @@ def serving(config: ServeConfig, quiet: bool = False) -> Iterator[None]:
     if quiet:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
     try:
-        serve.start(http_options={"host": "0.0.0.0", "port": config.http_port}, grpc_options=grpc_options(config))
+        start_serve(config)
         serve.run(build_app(config), name=config.app_name, route_prefix="/")
         yield
     finally:
@@ -53,11 +53,20 @@ def serving(config: ServeConfig, quiet: bool = False) -> Iterator[None]:
                 ray.shutdown()
 
 
+def start_serve(config: ServeConfig, host: str = "0.0.0.0") -> None:
+    """Start Serve on the connected cluster with `config`'s proxies: where they run (`proxy_location`), their HTTP
+    port on `host` and their gRPC port, which serves the public GenerationService. Serve's settings are the
+    cluster's and fixed once it runs: a Serve already started keeps its own."""
+    serve.start(proxy_location=config.proxy_location, http_options={"host": host, "port": config.http_port},
+                grpc_options=grpc_options(config))
+
+
 def cpus_needed(config: ServeConfig) -> float:
-    """Logical CPUs that every deployment of `config` asks for, plus one for Serve's controller and proxy."""
+    """Logical CPUs that every deployment of `config` asks for (an autoscaled worker deployment at its
+    max_replicas), plus one for Serve's controller and proxy."""
     target = config.target
-    total = target.num_cpus * target.tensor_parallel_size * target.num_replicas
+    total = target.num_cpus * target.tensor_parallel_size * target.most_replicas
     total += config.router.num_cpus * config.router.num_replicas
     if config.draft.runs_draft_model:
-        total += config.draft.num_cpus * config.draft.num_replicas
+        total += config.draft.num_cpus * config.draft.most_replicas
     return total + 1

@@ -17,14 +17,15 @@ import grpc
 from deployments import codec, status
 from deployments.affinity import Candidate, PrefixAffinity
 from deployments.auth import InternalCredentials, dial
-from deployments.status import WorkerUnavailable
+from deployments.status import WorkerDraining, WorkerUnavailable
 from deployments.telemetry import RequestTracer, carrier_metadata
 from deployments.workers import GRPC_OPTIONS
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.errors import InvalidArgument
-from specdec_core.target import PartialVerifyFailure, Prefilled, PrefillItem, VerifyItem, VerifyOutcome
+from specdec_core.target import (PartialPrefill, PartialVerifyFailure, Prefilled, PrefillItem, VerifyItem,
+                                 VerifyOutcome)
 
 if TYPE_CHECKING:
     from deployments.metrics import ServingMetrics
@@ -42,7 +43,7 @@ class Replica:
     sessions: set[str]
     stats: wpb.WorkerStats
     last_pinned: int = 0  # when it last got a session: ties go to the one that waited longest
-    retired: bool = False  # no longer registered: takes no new sessions
+    retired: bool = False  # no longer registered, or draining (being stopped): takes no new sessions
     failed: bool = False  # a call to it failed: takes no new sessions until a probe finds it answering again
 
     @property
@@ -129,6 +130,16 @@ class ReplicaPool:
         log.warning("%s worker at %s failed; %d sessions lost there", self.kind, address, len(lost))
         return lost
 
+    def retire(self, address: str) -> None:
+        """The replica is draining (Serve is stopping it): it takes no new sessions, and those it holds go on there
+        until they end; it is dropped once it is unregistered and idle (`update`)."""
+        with self._lock:
+            replica = self._replicas.get(address)
+            if replica is None or replica.retired:
+                return
+            replica.retired = True
+        log.info("%s worker at %s is draining; %d sessions finish there", self.kind, address, len(replica.sessions))
+
     @property
     def has_usable(self) -> bool:
         return any(r.usable for r in self.replicas)
@@ -182,7 +193,8 @@ class ReplicaPool:
                 timeout_s: float | None = None) -> tuple[dict[str, object], dict[str, Exception]]:
         """Send one request per replica, all at once; every call runs to its end: (responses, errors) by address.
         A replica that could not be reached or did not answer in time is marked failed (an error it reported,
-        such as INTERNAL, is not: it is alive and has released what the call touched)."""
+        such as INTERNAL, is not: it is alive and has released what the call touched); one that is draining is
+        retired."""
         metadata = metadata or {}
         timeout = timeout_s or self.timeout_s
         calls = {
@@ -199,6 +211,8 @@ class ReplicaPool:
                 error = failures[address] = status.error_of(exc.code(), exc.details(), what)
                 if _lost(error):
                     self.mark_failed(address)
+                elif isinstance(error, WorkerDraining):
+                    self.retire(address)
         return responses, failures
 
     def release(self, seq_id: str) -> None:
@@ -218,6 +232,12 @@ class ReplicaPool:
 def _lost(error: Exception) -> bool:
     """The replica could not be reached or did not answer: whatever it held for the call is gone or in doubt."""
     return isinstance(error, WorkerUnavailable) and error.code == grpc.StatusCode.UNAVAILABLE
+
+
+def _elsewhere(error: Exception) -> bool:
+    """A new session that met this error may start on another replica: its replica is lost or draining (either
+    way the pool no longer offers it), and nothing was produced yet."""
+    return _lost(error) or isinstance(error, WorkerDraining)
 
 
 def _group(pool: ReplicaPool, items: Sequence[T], session_of: Callable[[T], str]) -> dict[str, list[int]]:
@@ -262,25 +282,37 @@ class RemoteTarget:
         return self.pool.free_slots
 
     def prefill(self, items: Sequence[PrefillItem]) -> list[Prefilled]:
-        """Start sessions on the least-loaded replicas. Items whose replica turned out dead are tried once more on
-        another: they have produced nothing yet, so a retry is invisible to the client."""
+        """Start sessions on the least-loaded replicas. Items whose replica turned out dead or draining are tried
+        again on another: they have produced nothing yet, so a retry is invisible to the client. Every try that
+        fails takes the replicas it failed on out of the pool's choice, so the tries end. Items the replicas left
+        have no room for (the engine counted a draining replica's slots) wait again (`PartialPrefill`)."""
+        results: list[Prefilled | None] = [None] * len(items)
+        todo, deferred = list(range(len(items))), []
         try:
-            first, failed = self._prefill_once(items)
-            if failed and self.pool.has_usable:
-                retried, still = self._prefill_once([items[i] for i in failed])
-                for i, result in zip(failed, retried):
-                    first[i] = result
-                failed = [failed[j] for j in still]
-            if failed:
-                raise WorkerUnavailable(f"no target worker could prefill {len(failed)} of {len(items)} requests")
+            for _ in range(len(self.pool.replicas) + 1):
+                room = self.pool.free_slots
+                todo, deferred = todo[:room], deferred + todo[room:]
+                if not todo:
+                    break
+                done, failed = self._prefill_once([items[i] for i in todo])
+                for i, result in zip(todo, done):
+                    results[i] = result
+                todo = [todo[j] for j in failed]
+                if not todo or not self.pool.has_usable:
+                    break
+            if todo:
+                raise WorkerUnavailable(f"no target worker could prefill {len(todo)} of {len(items)} requests")
         except Exception:
             for item in items:
                 self.pool.release(item.seq_id)
             raise
-        return first  # type: ignore[return-value]
+        if deferred:
+            raise PartialPrefill(results)
+        return results  # type: ignore[return-value]
 
     def _prefill_once(self, items: Sequence[PrefillItem]) -> tuple[list[Prefilled | None], list[int]]:
-        """Results (None where failed) and the indices of items whose replica could not be reached."""
+        """Results (None where failed) and the indices of items whose replica could not be reached or is draining
+        (unpinned, to be placed again)."""
         for item in items:
             self.pool.pin(item.seq_id, item.prompt_ids, item.cache_salt)
         groups = _group(self.pool, items, lambda item: item.seq_id)
@@ -290,13 +322,16 @@ class RemoteTarget:
         }
         metadata = _trace_metadata(self.tracer, groups, [item.seq_id for item in items], rounds=False)
         responses, failures = self.pool.fan_out(requests, "Prefill", metadata)
-        if any(not _lost(error) for error in failures.values()):
-            raise next(error for error in failures.values() if not _lost(error))
+        if any(not _elsewhere(error) for error in failures.values()):
+            raise next(error for error in failures.values() if not _elsewhere(error))
         first: list[Prefilled | None] = [None] * len(items)
         for address, response in responses.items():
             for i, result in zip(groups[address], codec.decode_prefilled(response)):
                 first[i] = result
-        return first, sorted(i for address in failures for i in groups[address])
+        failed = sorted(i for address in failures for i in groups[address])
+        for i in failed:
+            self.pool.unpin(items[i].seq_id)  # a draining replica still lists it (a lost one already forgot it)
+        return first, failed
 
     def verify(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome]:
         ids = [item.seq_id for item in items]
@@ -365,25 +400,28 @@ class RemoteDrafter:
         return cached or 0
 
     def _place(self, seq_id: str, token_ids: Sequence[int]) -> int | None:
-        """Start the session on the replica that most likely holds its prefix, else the least loaded usable one:
-        the tokens it found cached; None if none took it."""
-        try:
-            replica = self.pool.pin(seq_id, token_ids, self._salts.get(seq_id))
-        except WorkerUnavailable:
-            return None
-        request = codec.encode_start(seq_id, token_ids, self._salts.get(seq_id))
-        metadata = {}
-        if self.tracer is not None:
-            metadata = {replica.address: carrier_metadata(self.tracer.spans([seq_id], rounds=False))}
-        responses, failures = self.pool.fan_out({replica.address: (replica, request)}, "Start", metadata,
-                                                self.timeout_s)
-        if failures:
+        """Start the session on the replica that most likely holds its prefix, else the least loaded usable one
+        (another at once, if that one is draining): the tokens it found cached; None if none took it."""
+        for _ in range(len(self.pool.replicas)):
+            try:
+                replica = self.pool.pin(seq_id, token_ids, self._salts.get(seq_id))
+            except WorkerUnavailable:
+                return None
+            request = codec.encode_start(seq_id, token_ids, self._salts.get(seq_id))
+            metadata = {}
+            if self.tracer is not None:
+                metadata = {replica.address: carrier_metadata(self.tracer.spans([seq_id], rounds=False))}
+            responses, failures = self.pool.fan_out({replica.address: (replica, request)}, "Start", metadata,
+                                                    self.timeout_s)
+            if not failures:
+                self._sent[seq_id] = len(token_ids)
+                self._constrained.discard(seq_id)  # a new session: its grammar goes with its first Propose
+                return codec.decode_started(responses[replica.address], 1)[0]
             self.pool.unpin(seq_id)
-            log.warning("draft session %s not started: %s", seq_id, failures[replica.address])
-            return None
-        self._sent[seq_id] = len(token_ids)
-        self._constrained.discard(seq_id)  # a new session: its grammar goes with its first Propose
-        return codec.decode_started(responses[replica.address], 1)[0]
+            if not isinstance(failures[replica.address], WorkerDraining):  # the pool retired a draining one
+                log.warning("draft session %s not started: %s", seq_id, failures[replica.address])
+                return None
+        return None
 
     def observe(self, seq_id: str, num_committed: int) -> None:
         pass  # sent with the next Propose
@@ -459,3 +497,9 @@ class RemoteDrafter:
     @property
     def active_sequences(self) -> int:
         return len(self._sent)
+
+    @property
+    def num_homeless(self) -> int:
+        """Sessions that draft without a draft replica (none took them: full, draining or failed): what the router
+        reports to the draft deployment's autoscaling as waiting for a slot."""
+        return len(self._homeless)

@@ -27,6 +27,14 @@ class WorkerUnavailable(RuntimeError):
         self.code = code
 
 
+class WorkerDraining(WorkerUnavailable):
+    """A worker being stopped (scaled down) refuses new sessions and finishes those it holds. FAILED_PRECONDITION
+    between worker and router, which starts the session on another replica: no client sees it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=grpc.StatusCode.FAILED_PRECONDITION)
+
+
 class UnknownSession(LookupError):
     """A worker holds no session of that id (never started, or already released)."""
 
@@ -44,6 +52,7 @@ class Status:
 
 INTERNAL = Status(grpc.StatusCode.INTERNAL, 500, "server_error")
 UNAVAILABLE = Status(grpc.StatusCode.UNAVAILABLE, 503, "server_error")
+DRAINING = Status(grpc.StatusCode.FAILED_PRECONDITION, 503, "server_error")  # worker to router only
 
 TABLE: tuple[tuple[type[BaseException], Status], ...] = (
     (InvalidArgument, Status(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")),
@@ -56,7 +65,7 @@ TABLE: tuple[tuple[type[BaseException], Status], ...] = (
     (WorkerUnavailable, UNAVAILABLE),  # or INTERNAL: see `status_of`
 )
 
-_BY_CODE = {status.grpc: status for _, status in TABLE} | {INTERNAL.grpc: INTERNAL}
+_BY_CODE = {status.grpc: status for _, status in TABLE} | {INTERNAL.grpc: INTERNAL, DRAINING.grpc: DRAINING}
 
 
 def _row(error: BaseException) -> Status | None:
@@ -107,4 +116,6 @@ def error_of(code: grpc.StatusCode, details: str | None, what: str) -> Exception
         return kind(field or "request", message or details)
     if code in _LOST:
         return WorkerUnavailable(f"{what}: {code.name}: {details}")
+    if code == DRAINING.grpc:
+        return WorkerDraining(f"{what}: {details}")
     return WorkerUnavailable(f"{what}: {code.name}: {details}", code=grpc.StatusCode.INTERNAL)

@@ -1,7 +1,8 @@
 """A tensor-parallel target: one TargetWorker replica spanning N ranks (Ray actors in one placement group).
 
 The replica's own process is rank 0: it serves the internal gRPC service, as an unsplit target worker does. Ranks
-1..N-1 are actors it creates in the replica's placement group (one bundle per rank, reserved together by Serve).
+1..N-1 are actors it creates in the replica's placement group (one bundle per rank, reserved together by Serve and
+placed by `target.placement_strategy`: on one node, or across nodes).
 All ranks join one torch.distributed process group (gloo on CPU, NCCL on CUDA) and hold their shard of the model
 (`specdec_core.parallel`) and of every session's KV cache.
 
@@ -82,10 +83,17 @@ class TensorParallelTarget:
 
     def __init__(self, model: str, dtype: str, device: str, world_size: int, runner_config: RunnerConfig,
                  num_cpus: float, num_gpus: float, timeout_s: float = 120.0,
-                 resources: dict[str, float] | None = None, threads: int | str = "auto") -> None:
+                 resources: dict[str, float] | None = None, threads: int | str = "auto",
+                 env: dict[str, str] | None = None) -> None:
+        """`num_cpus`, `num_gpus` and `resources`: each rank's, as its bundle in the replica's placement group holds
+        them. `env`: environment variables of the ranks (this process, rank 0, already has them: Serve started it
+        with the same), e.g. the network interface of their collectives."""
         self.timeout_s = timeout_s
         self.world_size = world_size
         self.healthy = True
+        # Rank 0's node address as Ray knows it (`ray start --node-ip-address`): every rank's node must reach it.
+        # The collectives' own connections go over the interface that GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
+        # name (`env`), else the one the backend picks.
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
         pg = ray.util.get_current_placement_group()
         group_id = uuid.uuid4().hex[:8]
@@ -97,6 +105,7 @@ class TensorParallelTarget:
                     name=f"{RANK_NAME_PREFIX}{group_id}-{rank}", num_cpus=num_cpus, num_gpus=num_gpus,
                     resources=dict(resources or {}),
                     scheduling_strategy=strategy,
+                    runtime_env={"env_vars": dict(env)} if env else None,
                 ).remote(
                     model, dtype, device, rank, world_size, init_method, runner_config, threads, timeout_s
                 )

@@ -24,7 +24,7 @@ from opentelemetry.trace import SpanKind
 
 from deployments import codec
 from deployments.auth import InternalAuthInterceptor, InternalCredentials
-from deployments.status import UnknownSession, grpc_status_of
+from deployments.status import UnknownSession, WorkerDraining, grpc_status_of
 from deployments.telemetry import context_from_metadata, tracer
 from deployments.tls import server_credentials
 from specdec.v1 import worker_pb2 as wpb
@@ -100,6 +100,7 @@ class _SessionWorker:
         self.sessions_expired = 0
         self._lock = threading.RLock()
         self._last_used: dict[str, float] = {}
+        self._draining = threading.Event()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="session-reaper", daemon=True)
         self._reaper.start()
@@ -149,9 +150,41 @@ class _SessionWorker:
     def close(self) -> None:
         self._stop.set()
 
+    # -- draining: the replica is being stopped (scaled down, redeployed) -------------------------------------------
+
+    def start_draining(self) -> None:
+        """Refuse new sessions from now on (`WorkerDraining`: the router starts them on another replica); the
+        sessions held go on as before."""
+        self._draining.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def _refuse_if_draining(self) -> None:
+        if self._draining.is_set():
+            raise WorkerDraining(f"this {self.kind} worker is being stopped and takes no new session")
+
+    def drain(self, timeout_s: float, poll_s: float = 0.1) -> bool:
+        """Wait until no session is held (True), or `timeout_s` passed (False). Sessions end as their requests
+        do (the router releases them) or, those of a router gone, at the idle timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.active_sessions and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        return not self.active_sessions
+
     @property
     def active_sessions(self) -> int:
         return len(self._last_used)
+
+    @property
+    def num_slots(self) -> int:
+        """Sessions the worker can hold at once (its KV cache's slots)."""
+        return self.runner.cache.num_slots
+
+    # Subclasses: what GetStats reports (and the worker exports as metrics, `deployments.app`).
+    def stats(self) -> wpb.WorkerStats:
+        raise NotImplementedError
 
     # Subclasses: the runner whose cache holds the sessions (rank 0's, with tensor parallelism).
     @property
@@ -198,6 +231,7 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
 
     @rpc
     def Prefill(self, request: wpb.PrefillRequest) -> wpb.PrefillResponse:
+        self._refuse_if_draining()
         items = codec.decode_prefill(request, self.target.vocab_size)
         for item in items:
             if not item.prompt_ids or max(item.prompt_ids) >= self.target.vocab_size:
@@ -214,9 +248,16 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
         items = codec.decode_verify(request, self.target.vocab_size)
         return codec.encode_outcomes(self.target.verify(items))
 
-    def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+    def stats(self) -> wpb.WorkerStats:
         return self._stats(self.target.free_slots, self.runner.cache.num_slots, self.target.vocab_size,
                            self.target.max_seq_len)
+
+    def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+        if not getattr(self.target, "healthy", True):
+            # A tensor-parallel rank failed, and Serve replaces this replica: a router that probes it must not take
+            # it back (`remote.ReplicaPool.update`), or new sessions would start here only to fail.
+            context.abort(grpc.StatusCode.UNAVAILABLE, "a tensor-parallel rank failed; the replica is being replaced")
+        return self.stats()
 
 
 class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
@@ -245,6 +286,7 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
 
     @rpc
     def Start(self, request: wpb.StartRequest) -> wpb.StartResponse:
+        self._refuse_if_draining()
         runner = self.runner
         items = codec.decode_start(request)
         if len(items) > runner.cache.free_slots:
@@ -296,9 +338,12 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
             raise InvalidArgument("items.new_token_ids", f"session {item.seq_id!r}: committed tokens its grammar refuses")
         return state
 
-    def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+    def stats(self) -> wpb.WorkerStats:
         runner = self.drafter.runner
         return self._stats(runner.cache.free_slots, runner.cache.num_slots, self.drafter.target_vocab_size, runner.max_seq_len)
+
+    def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+        return self.stats()
 
 
 def start_server(servicer: Any, host: str = "0.0.0.0", port: int = 0, max_workers: int = 8,

@@ -35,7 +35,7 @@ from specdec_core.grammar.constraint import Constraint
 from specdec_core.grammar.masks import draft_masks, verify_masks
 from specdec_core.grammar.state import GrammarState
 from specdec_core.stopping import FinishReason, IncrementalDetokenizer, StopChecker
-from specdec_core.target import PartialVerifyFailure, PrefillItem, Target, VerifyItem
+from specdec_core.target import PartialPrefill, PartialVerifyFailure, PrefillItem, Target, VerifyItem
 
 log = logging.getLogger(__name__)
 
@@ -317,11 +317,16 @@ class SpecEngine:
         ]
         try:
             first = self.target.prefill(items)
+        except PartialPrefill as exc:  # no room for some after all: they wait again, first in line
+            first = exc.results
+            self._waiting = [seq for seq, done in zip(admitted, first) if done is None] + self._waiting
         except Exception as exc:  # the target released whatever it had allocated for these
             log.warning("prefill of %d requests failed: %s", len(admitted), exc, exc_info=True)
             return [self._final(seq, FinishReason.ERROR, exc) for seq in admitted]
         outputs = []
         for seq, done in zip(admitted, first):
+            if done is None:
+                continue
             # The drafter starts the sequence the first time it drafts: under load `auto` may keep it at k = 0
             # for its whole life, and then the drafter never reads its context.
             seq.started, seq.num_cached = True, done.num_cached_tokens

@@ -83,6 +83,16 @@ class PartialVerifyFailure(Exception):
         self.errors = errors
 
 
+class PartialPrefill(Exception):
+    """A prefill that started only some sequences: the target found no room for the others after all (a replica it
+    counted on stopped taking new sequences). `results[i]` is None for those: they hold nothing, and wait for a
+    slot again."""
+
+    def __init__(self, results: list[Prefilled | None]) -> None:
+        super().__init__(f"{results.count(None)} of {len(results)} sequences found no slot")
+        self.results = results
+
+
 class Target(Protocol):
     """What the engine needs from the target model, wherever it runs."""
 
@@ -93,7 +103,8 @@ class Target(Protocol):
     def free_slots(self) -> int: ...
 
     def prefill(self, items: Sequence[PrefillItem]) -> list[Prefilled]:
-        """Start each sequence: read its prompt (what its prefix cache lacks) and return its first token."""
+        """Start each sequence: read its prompt (what its prefix cache lacks) and return its first token. May raise
+        `PartialPrefill` when some found no slot after all."""
 
     def verify(self, items: Sequence[VerifyItem]) -> list[VerifyOutcome]:
         """One batched forward over every row's last token plus drafts; accept and roll back per row. May raise

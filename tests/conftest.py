@@ -74,7 +74,8 @@ def ray_cluster():
 
     limit_public_messages()  # as `specdec serve` does: the proxies started below inherit it
 
-    ray.init(num_cpus=10, include_dashboard=False, log_to_driver=False)
+    # address="local": a cluster of its own, even where another runs on this machine (a `ray start` of a developer)
+    ray.init(address="local", num_cpus=10, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:

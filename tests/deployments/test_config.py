@@ -153,3 +153,81 @@ def test_draft_quantization_values(quantization):
     assert config.draft.quantization == quantization
     with pytest.raises(InvalidArgument, match="draft.quantization"):
         parse_config({"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d", "quantization": "int4"}})
+
+
+# -- many nodes: where the ranks, the router and the proxies go --------------------------------------------------
+
+TP2 = {"model": "m", "tensor_parallel_size": 2}
+
+
+@pytest.mark.parametrize("strategy", ["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
+def test_the_ranks_placement_strategy_is_rays(strategy):
+    from deployments.app import rank_group
+
+    target = parse_config({"target": {**TP2, "placement_strategy": strategy}}).target
+    assert target.rank_strategy == strategy == rank_group(target)["placement_group_strategy"]
+
+
+@pytest.mark.parametrize("gpus, strategy", [(0, "PACK"), (1, "STRICT_PACK")])
+def test_ranks_pack_by_default_and_keep_to_one_node_with_gpus(gpus, strategy):
+    assert parse_config({"target": {**TP2, "num_gpus": gpus}}).target.rank_strategy == strategy
+
+
+def test_every_rank_reserves_what_the_replica_driving_them_reserves():
+    """The replica is rank 0 and sits in bundle 0: each bundle holds a rank's num_cpus, num_gpus and resources."""
+    from deployments.app import rank_group
+
+    target = parse_config({"target": {**TP2, "tensor_parallel_size": 3, "num_cpus": 2, "num_gpus": 1,
+                                      "resources": {"target_node": 1}}}).target
+    group = rank_group(target)
+    assert group["placement_group_bundles"] == [{"CPU": 2, "GPU": 1, "target_node": 1}] * 3
+    cpu_only = rank_group(parse_config({"target": {**TP2, "resources": {"big": 0.5}}}).target)
+    assert cpu_only["placement_group_bundles"] == [{"CPU": 1, "big": 0.5}] * 2  # no GPU key where none is asked
+
+
+def test_the_ranks_interface_reaches_gloo_and_nccl():
+    target = parse_config({"target": {**TP2, "socket_ifname": "eth1,eth2"}}).target
+    assert target.rank_environment == {"GLOO_SOCKET_IFNAME": "eth1,eth2", "NCCL_SOCKET_IFNAME": "eth1,eth2"}
+    assert parse_config({"target": TP2}).target.rank_environment == {}
+
+
+@pytest.mark.parametrize("target, field", [
+    ({**TP2, "placement_strategy": "STRICT"}, "target.placement_strategy"),
+    ({**TP2, "placement_strategy": "pack"}, "target.placement_strategy"),
+    ({**TP2, "socket_ifname": "eth 1"}, "target.socket_ifname"),
+    ({**TP2, "socket_ifname": ""}, "target.socket_ifname"),
+    ({**TP2, "socket_ifname": "eth1,"}, "target.socket_ifname"),
+    ({"model": "m", "placement_strategy": "SPREAD"}, "placement_strategy"),  # one rank: nothing to place
+    ({"model": "m", "socket_ifname": "eth1"}, "socket_ifname"),
+])
+def test_bad_rank_settings_are_named(target, field):
+    with pytest.raises(InvalidArgument) as err:
+        parse_config({"target": target})
+    assert field in str(err.value) and "target" in str(err.value)
+
+
+@pytest.mark.parametrize("location", ["EveryNode", "HeadOnly", "Disabled"])
+def test_the_proxy_location_is_serves(location):
+    assert parse_config({"target": {"model": "m"}, "proxy_location": location}).proxy_location == location
+    assert parse_config({"target": {"model": "m"}}).proxy_location is None  # Serve's own default
+    with pytest.raises(InvalidArgument, match="proxy_location"):
+        parse_config({"target": {"model": "m"}, "proxy_location": "everywhere"})
+
+
+def test_the_router_takes_custom_resources():
+    config = parse_config({"target": {"model": "m"}, "router": {"resources": {"router_node": 1}}})
+    assert config.router.resources == {"router_node": 1}
+    assert parse_config({"target": {"model": "m"}}).router.resources == {}
+
+
+def test_a_proxy_location_in_a_serve_configs_args_is_called_out(caplog):
+    """Under `serve run` / `serve deploy` Serve is started by the Serve config: the key in `args` cannot move it."""
+    from deployments.app import build
+
+    with caplog.at_level("WARNING", logger="deployments.app"):
+        build({"target": {"model": "m"}, "proxy_location": "HeadOnly"})
+    assert "proxy_location" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="deployments.app"):
+        build({"target": {"model": "m"}})
+    assert "proxy_location" not in caplog.text

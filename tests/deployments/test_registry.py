@@ -54,3 +54,22 @@ def test_a_mounted_directory_is_read_by_the_process_that_asks(ray_cluster, tmp_p
     mounted = registry.credentials("reg-mounted", Role.SERVER, TlsSetting(directory=str(directory)))
     assert mounted.tls.cert == (directory / "tls.crt").read_bytes()
     assert mounted.tls.server_name == "specdec.example.internal"
+
+
+def test_the_routers_waiting_sessions_add_up_per_kind_until_a_router_stops_reporting(ray_cluster):
+    """What the worker replicas report to Serve's autoscaling as waiting (`deployments.autoscaling`)."""
+    import time
+
+    from deployments import registry
+
+    reg, get = registry.registry(), ray_cluster.get
+    get(reg.report_waiting.remote("reg-wait", "router-a", {"target": 3, "draft": 1}))
+    get(reg.report_waiting.remote("reg-wait", "router-b", {"target": 2}))
+    assert (get(reg.waiting.remote("reg-wait", "target")), get(reg.waiting.remote("reg-wait", "draft"))) == (5, 1)
+    get(reg.report_waiting.remote("reg-wait", "router-a", {}))  # its latest report replaces the last
+    assert get(reg.waiting.remote("reg-wait", "target")) == 2
+    assert get(reg.waiting.remote("reg-other", "target")) == 0  # per application
+    deadline = time.monotonic() + 3 * registry.WAITING_TTL_S
+    while get(reg.waiting.remote("reg-wait", "target")) and time.monotonic() < deadline:
+        time.sleep(0.5)  # router-b went silent: its count lapses
+    assert get(reg.waiting.remote("reg-wait", "target")) == 0

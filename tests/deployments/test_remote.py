@@ -180,6 +180,65 @@ def test_a_prefill_that_meets_a_dead_replica_is_retried_on_a_live_one(two_target
     assert [r.usable for r in pool.replicas if r.address == a1] == [False]
 
 
+def test_a_draining_target_replica_finishes_its_sessions_and_takes_no_new_one(two_targets, pair):
+    """Scale-down: the replica Serve stops refuses new sessions (which start on the other, unseen by the client)
+    and serves those it holds to their end."""
+    engine, pool, ((_, a1), _), (first, second) = two_targets
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = {f"r{i}": list(range(5 + i, 20 + i)) for i in range(8)}
+    for i in range(4):
+        engine.add_request(f"r{i}", prompts[f"r{i}"], params, 0)
+    outputs = engine.step()
+    held = {sid for sid in (f"r{i}" for i in range(4)) if pool.replica_of(sid).address == a1}
+    assert 0 < len(held) < 4  # spread over both
+    first.start_draining()
+    for i in range(4, 8):  # new requests while it drains: the pool has not heard of it yet
+        engine.add_request(f"r{i}", prompts[f"r{i}"], params, 0)
+    finished, tokens = {}, {sid: [] for sid in prompts}
+    while True:
+        for out in outputs:
+            tokens[out.seq_id] += out.new_token_ids
+            if out.finished:
+                finished[out.seq_id] = out.finish_reason
+            elif out.seq_id in held:
+                assert pool.replica_of(out.seq_id).address == a1  # never moved
+        if not engine.has_work:
+            break
+        outputs = engine.step()
+    plain = run_to_completion(make_engine(pair[0]), [(sid, prompt, params, 0) for sid, prompt in prompts.items()])
+    assert finished == {sid: FinishReason.LENGTH for sid in prompts}
+    assert tokens == {sid: plain[sid][0] for sid in prompts}
+    assert first.sessions_started == len(held) and second.sessions_started == 8 - len(held)
+    assert [r.retired for r in pool.replicas if r.address == a1] == [True]  # learnt from its refusal
+    assert first.drain(timeout_s=5)  # what it held has ended
+    assert first.active_sessions == 0 and second.active_sessions == 0
+
+
+def test_a_draining_draft_replica_takes_no_new_session_and_speculation_goes_on(pair, plain_tokens):
+    """Its refusal sends a new session to the other draft replica at once: it drafts from its first round."""
+    draining, other = _draft(pair, name="draining"), _draft(pair, name="other")
+    servers = [_serve(_target(pair)), _serve(draining), _serve(other)]
+    (_, taddr), (_, a1), (_, a2) = servers
+    try:
+        engine, dpool = _engine(pair, [taddr], [a1, a2])
+        draining.start_draining()
+        for i in range(3):
+            engine.add_request(f"r{i}", PROMPT, GREEDY, 3)
+        tokens, drafted = {f"r{i}": [] for i in range(3)}, set()
+        while engine.has_work:
+            for out in engine.step():
+                tokens[out.seq_id] += out.new_token_ids
+                if out.round is not None and out.round.proposed_token_ids:
+                    drafted.add(out.seq_id)
+        assert tokens == {sid: plain_tokens for sid in tokens}
+        assert drafted == set(tokens)
+        assert (draining.sessions_started, other.sessions_started) == (0, 3)
+        assert [r.retired for r in dpool.replicas if r.address == a1] == [True]
+    finally:
+        for server, _ in servers:
+            server.stop(0)
+
+
 def test_the_internal_services_refuse_callers_without_the_secret(pair):
     """Plaintext (`internal_tls: false`): the secret alone guards every method, GetStats included."""
     servicer = _target(pair)
