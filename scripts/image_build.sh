@@ -14,6 +14,7 @@
 #   IMAGE_CACHE      where the rootfs tarball is kept (~/.cache/specdec/image)
 #   DEBIAN_SUITE, DEBIAN_MIRROR   the rootfs's release and mirror (this machine's, from /etc/os-release and apt)
 #   PYTHON           the Python whose pip looks for a local torch wheel (python3.11)
+#   CA_BUNDLE        the CA bundle pip trusts in the build (/etc/ssl/certs/ca-certificates.crt; none: an empty one)
 #   PODMAN, PODMAN_BUILD_FLAGS    the podman command and extra flags for `podman build`
 set -euo pipefail
 cd "$(dirname "$0")/.."
