@@ -83,6 +83,8 @@ def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> dict
 
 
 def check_image(image: str, run_flags: list[str]) -> None:
+    if podman("image", "exists", image, check=False).returncode:
+        raise SmokeError(f"no image {image} here: build it first (make image IMAGE={image})")
     result = podman("run", "--rm", *run_flags, image, "bash", "-lc", IMAGE_CHECK, check=False)
     print(result.stdout, end="")
     if result.returncode:
