@@ -199,6 +199,9 @@ def register_tp(modes: Any) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
     parser.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--across-nodes", action="store_true",
+                        help="then the same ranks each on a Ray node of its own (nodes started on this machine), "
+                             "side by side with the one-node run")
     parser.add_argument("--json", required=True, type=Path)
     parser.set_defaults(func=_tp_main)
 
@@ -208,24 +211,58 @@ def _tp_main(args: argparse.Namespace) -> int:
 
     from specdec_tools.reports import write_report
 
-    world = args.tensor_parallel_size
-    ray.init(num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False, log_to_driver=False)
+    world, cpus = args.tensor_parallel_size, os.cpu_count() or 1
+    threads = max(1, cpus // world)
+    work = (args.model, args.dtype, args.context, args.repeats)
+    ray.init(address="local", num_cpus=max(cpus, world), include_dashboard=False, log_to_driver=False)
     try:
-        cpus = os.cpu_count() or 1
-        unsplit = ray.get(_time_forwards.remote(args.model, args.dtype, 0, 1, "", cpus, args.context, args.repeats))
-        init = f"tcp://127.0.0.1:{_port()}"
-        threads = max(1, cpus // world)
-        ranks = ray.get([_time_forwards.remote(args.model, args.dtype, r, world, init, threads, args.context, args.repeats)
-                         for r in range(world)])
+        unsplit = ray.get(_time_forwards.remote(*work[:2], 0, 1, "", cpus, *work[2:]))
+        one_node = _time_ranks(work, world, threads, placement=None)
     finally:
         ray.shutdown()
     report = {"model": args.model, "dtype": args.dtype, "tensor_parallel_size": world, "cpus": cpus,
-              "unsplit_threads": cpus, "threads_per_rank": threads, "unsplit": unsplit, "rank0": ranks[0]}
+              "unsplit_threads": cpus, "threads_per_rank": threads, "unsplit": unsplit, "rank0": one_node[0]}
     for t in unsplit["step_ms"]:
-        report[f"tp_over_unsplit_time_T{t}"] = ranks[0]["step_ms"][t] / unsplit["step_ms"][t]
+        report[f"tp_over_unsplit_time_T{t}"] = one_node[0]["step_ms"][t] / unsplit["step_ms"][t]
+    if args.across_nodes:
+        across = _time_ranks_across_nodes(work, world, threads)
+        report["across_nodes"] = {"rank0": across[0], "nodes": len({r["node_id"] for r in across})}
+        for t in unsplit["step_ms"]:
+            report[f"across_nodes_over_one_node_time_T{t}"] = across[0]["step_ms"][t] / one_node[0]["step_ms"][t]
     write_report(report, args.json)
     print(json.dumps(report, indent=2))
     return 0
+
+
+def _time_ranks(work: tuple, world: int, threads: int, placement: str | None) -> list[dict[str, Any]]:
+    """Every rank's timings; `placement`: a custom resource prefix, rank r asking for `{placement}{r}` (None: any
+    node)."""
+    model, dtype, context, repeats = work
+    init = f"tcp://127.0.0.1:{_port()}"
+    calls = [_time_forwards.options(resources={} if placement is None else {f"{placement}{r}": 1})
+             .remote(model, dtype, r, world, init, threads, context, repeats) for r in range(world)]
+    return ray.get(calls)
+
+
+def _time_ranks_across_nodes(work: tuple, world: int, threads: int) -> list[dict[str, Any]]:
+    """The ranks on `world` Ray nodes of their own: a local cluster (`ray.cluster_utils.Cluster`), one node per rank
+    with a resource only that rank asks for, so Ray cannot put two on one node."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        for r in range(world):
+            cluster.add_node(num_cpus=max(1, threads), resources={f"specdec_tp_rank{r}": 1})
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            ranks = _time_ranks(work, world, threads, placement="specdec_tp_rank")
+        finally:
+            ray.shutdown()
+    finally:
+        cluster.shutdown()
+    if len({r["node_id"] for r in ranks}) != world:
+        raise RuntimeError(f"the {world} ranks did not land on {world} nodes: {[r['node_id'] for r in ranks]}")
+    return ranks
 
 
 def _port() -> int:
@@ -266,7 +303,7 @@ def _remote_time_forwards(model: str, dtype: str, rank: int, world: int, init: s
             if elapsed < best:
                 best, coll = elapsed, RowParallelLinear.collective_seconds
         step_ms[T], collective_ms[T] = 1000 * best, 1000 * coll
-    return {"step_ms": step_ms, "collective_ms": collective_ms}
+    return {"step_ms": step_ms, "collective_ms": collective_ms, "node_id": ray.get_runtime_context().get_node_id()}
 
 
 _time_forwards = ray.remote(num_cpus=1)(_remote_time_forwards)
