@@ -202,5 +202,6 @@ def test_workers_scale_up_under_load_and_drain_down_after_with_every_request_exa
     wrong = [r for r in load.results if r.token_ids != greedy_reference[(r.stream + r.index) % len(PROMPTS)]]
     assert not wrong, (len(wrong), story)
     assert len(load.results) > PEAK_STREAMS
-    # The scale-down stopped replicas that held sessions: they finished them, unregistered, before stopping.
-    assert any(s.draining("target") and any(s.draining("target").values()) for s in timeline.samples), story
+    # The scale-down stopped replicas while requests ran, and none failed: a cut session would have. Whether a sample
+    # caught a replica draining depends on how fast its sessions ended against the sampling interval, so it is not
+    # asserted here; the drain itself is tested deterministically in test_remote.py (refusal, requeue, finish).
