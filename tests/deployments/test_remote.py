@@ -322,6 +322,19 @@ def _structured(target, engine, params, k):
     return results, rounds
 
 
+def _structured_remotely(pair, params, draft):
+    """`_structured` over an engine whose target and `draft` servicer serve on loopback: (results, rounds, engine)."""
+    tserver, taddr = _serve(_target(pair))
+    dserver, daddr = _serve(draft)
+    try:
+        engine, _ = _engine(pair, [taddr], [daddr])
+        got, rounds = _structured(pair[0], engine, params, 3)
+    finally:
+        tserver.stop(0)
+        dserver.stop(0)
+    return got, rounds, engine
+
+
 def test_constrained_requests_over_the_workers_give_constrained_plain_decodings_tokens(pair):
     """The grammar's masks cross to the target worker with every prefill and verify, and the grammar to the draft
     worker: at T = 0 the remote engine's JSON is constrained greedy decoding's, token for token."""
@@ -330,14 +343,7 @@ def test_constrained_requests_over_the_workers_give_constrained_plain_decodings_
     params = SamplingParams(max_tokens=80, constraint=constraint)
     expected, _ = _structured(target, make_engine(target), params, 0)
     assert any(last.finish_reason == FinishReason.EOS for _, _, last in expected.values())
-    tserver, taddr = _serve(_target(pair))
-    dserver, daddr = _serve(_draft(pair))
-    try:
-        engine, _ = _engine(pair, [taddr], [daddr])
-        got, _ = _structured(target, engine, params, 3)
-    finally:
-        tserver.stop(0)
-        dserver.stop(0)
+    got, _, _ = _structured_remotely(pair, params, _draft(pair))
     assert sum(last.stats.proposed for _, _, last in got.values()) > 0
     for request_id, (tokens, text, last) in expected.items():
         assert got[request_id][0] == tokens and got[request_id][2].finish_reason == last.finish_reason
@@ -352,16 +358,9 @@ def test_the_draft_worker_samples_its_drafts_from_the_grammars_masked_q(pair):
     target, _ = pair
     constraint = Constraint("json_schema", json.dumps(SERVED_SCHEMA), compact=True)
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=60, constraint=constraint)
-    tserver, taddr = _serve(_target(pair))
     draft = _draft(pair)
-    dserver, daddr = _serve(draft)
-    try:
-        engine, _ = _engine(pair, [taddr], [daddr])
-        got, rounds = _structured(target, engine, params, 3)
-        compiled = engine.compile(constraint)
-    finally:
-        tserver.stop(0)
-        dserver.stop(0)
+    got, rounds, engine = _structured_remotely(pair, params, draft)
+    compiled = engine.compile(constraint)
     drafted, partial = 0, 0
     for request_id, (tokens, text, last) in got.items():
         assert last.error is None and GrammarState(compiled).advance(tokens) == len(tokens)
@@ -385,14 +384,7 @@ def test_a_draft_worker_without_a_compiler_costs_speculation_not_the_request(pai
     constraint = Constraint("json_schema", json.dumps(SERVED_SCHEMA), compact=True)
     params = SamplingParams(max_tokens=40, constraint=constraint)
     expected, _ = _structured(target, make_engine(target), params, 0)
-    tserver, taddr = _serve(_target(pair))
-    dserver, daddr = _serve(_draft(pair, grammars=False))
-    try:
-        engine, _ = _engine(pair, [taddr], [daddr])
-        got, rounds = _structured(target, engine, params, 3)
-    finally:
-        tserver.stop(0)
-        dserver.stop(0)
+    got, rounds, _ = _structured_remotely(pair, params, _draft(pair, grammars=False))
     assert {r: g[0] for r, g in got.items()} == {r: e[0] for r, e in expected.items()}
     methods = {info.method for per in rounds.values() for _, info in per if info is not None and info.proposed_token_ids}
     assert methods == {"forced"}  # the grammar's forced tokens still need no draft
