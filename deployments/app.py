@@ -21,7 +21,7 @@ from ray.serve.config import gRPCOptions
 
 from deployments import autoscaling, registry
 from deployments.auth import ENV_TOKEN, BearerAuth, load_public_token
-from deployments.config import Placement, ServeConfig, TargetConfig, parse_config
+from deployments.config import DEFAULT_VARIANT, Placement, ServeConfig, TargetConfig, parse_config
 from deployments.discovery import WorkerFollower, wait_for_workers
 from deployments.metrics import ServingMetrics, WorkerMetrics
 from deployments.proposals import ProposalLog
@@ -35,6 +35,7 @@ from specdec_core.build import prepare_draft, prepare_model
 from specdec_core.calibration import calibrate
 from specdec_core.drafters.base import DraftContext
 from specdec_core.drafters import registry as methods
+from specdec_core.drafters.variants import VariantDrafter
 from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.environment import auth_token
 from specdec_core.grammar.compiler import GrammarCompiler
@@ -179,20 +180,28 @@ class TargetWorker(_Worker):
 class DraftWorker(_Worker):
     kind = "draft"
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], variant: str | None = None) -> None:
+        """`variant`: the draft variant of `drafts:` this deployment serves; None: the single `draft`."""
         cfg = parse_config(config)
-        threads, cores = use_threads(cfg.draft.threads)
+        draft = cfg.draft if variant is None else cfg.variant(variant)
+        self.kind = draft_kind(variant)
+        threads, cores = use_threads(draft.threads)
         target = load_tokenizer(cfg.target.model)
         # Refuses to start with a mismatched pair.
-        loaded = prepare_draft(cfg.draft.model, target.tokenizer, dtype=cfg.draft.dtype, device=cfg.draft.device,
-                               quantization=cfg.draft.quantization)
+        loaded = prepare_draft(draft.model, target.tokenizer, dtype=draft.dtype, device=draft.device,
+                               quantization=draft.quantization)
         serve_log.info("%s", worker_summary(self.kind, threads, cores, kernel_path(loaded.model)))
         target_vocab = max(_target_vocab_size(target), len(target.tokenizer))
-        runner = ModelRunner(loaded.model, _runner_config(cfg, cfg.draft))
-        drafter = cfg.draft.drafting.build(DraftContext(cfg.draft.spec, target_vocab, runner))
+        runner = ModelRunner(loaded.model, _runner_config(cfg, draft))
+        drafter = draft.drafting.build(DraftContext(draft.spec, target_vocab, runner))
         # The router's engine compiles for the same tokenizer, vocabulary and eos: the draft's masks are the target's.
         grammars = GrammarCompiler(target.tokenizer, target_vocab, sorted(target.eos_token_ids))
-        self._serve(cfg, cfg.draft, DraftServicer(drafter, cfg.draft.model, cfg.session_idle_timeout_s, grammars))
+        self._serve(cfg, draft, DraftServicer(drafter, draft.model, cfg.session_idle_timeout_s, grammars))
+
+
+def draft_kind(variant: str | None) -> str:
+    """The registry's name for the draft workers of `variant` (None: the single `draft`)."""
+    return "draft" if variant is None else f"draft-{variant}"
 
 
 def _target_vocab_size(target: Any) -> int:
@@ -216,14 +225,25 @@ def connect_router(config: dict[str, Any]) -> RouterParts:
     target_addresses = wait_for_workers(cfg.app_name, "target", cfg.target.initial_replicas, start_s)
     target_pool = ReplicaPool("target", target_addresses, wpb_grpc.TargetServiceStub, timeout, credentials)
     target = RemoteTarget(target_pool, tracer, metrics)
-    method, drafter, draft_pool, remote = cfg.draft.drafting, None, None, None
-    if method is not None and method.runs_draft_model:
-        addresses = wait_for_workers(cfg.app_name, "draft", cfg.draft.initial_replicas, start_s)
-        draft_pool = ReplicaPool("draft", addresses, wpb_grpc.DraftServiceStub, timeout, credentials)
-        remote = RemoteDrafter(draft_pool, tracer, metrics, timeout_s=cfg.router.draft_timeout_s)
-        drafter = methods.assemble(method, remote, DraftContext(cfg.draft.spec, target.vocab_size))
-    elif method is not None:
-        drafter = method.build(DraftContext(cfg.draft.spec, target.vocab_size))
+    drafters: dict[str, Any] = {}
+    remotes: dict[str, RemoteDrafter] = {}
+    for variant in cfg.variants:
+        method = variant.drafting
+        context = DraftContext(variant.spec, target.vocab_size)
+        if method is None:
+            continue
+        if not method.runs_draft_model:
+            drafters[variant.name] = method.build(context)
+            continue
+        kind = draft_kind(variant.name if cfg.drafts is not None else None)
+        addresses = wait_for_workers(cfg.app_name, kind, variant.initial_replicas, start_s)
+        pool = ReplicaPool(kind, addresses, wpb_grpc.DraftServiceStub, timeout, credentials)
+        remotes[variant.name] = RemoteDrafter(pool, tracer, metrics, timeout_s=cfg.router.draft_timeout_s)
+        drafters[variant.name] = methods.assemble(method, remotes[variant.name], context)
+    if cfg.drafts is None:
+        drafter = drafters.get(DEFAULT_VARIANT)
+    else:
+        drafter = VariantDrafter(drafters, cfg.control_variant.name)
     engine_config = EngineConfig(
         max_speculative_tokens=cfg.draft.max_speculative_tokens,
         num_speculative_tokens=cfg.draft.num_speculative_tokens,
@@ -236,22 +256,23 @@ def connect_router(config: dict[str, Any]) -> RouterParts:
         log_cfg = cfg.proposal_log
         proposals = ProposalLog(log_cfg.directory, log_cfg.sample_rate, cfg.target.model, cfg.draft.label,
                                 log_cfg.max_bytes, log_cfg.backup_count, log_cfg.include_probs)
-    pools = [pool for pool in (target_pool, draft_pool) if pool is not None]
+    draft_pools = {name: remote.pool for name, remote in remotes.items()}
+    pools = [target_pool, *draft_pools.values()]
     waiting = None
-    if cfg.target.autoscaling is not None or (remote is not None and cfg.draft.autoscaling is not None):
-        waiting = functools.partial(_waiting_for_slots, engine, remote)
+    if cfg.target.autoscaling is not None or any(cfg.variant(n).autoscaling is not None for n in remotes):
+        waiting = functools.partial(_waiting_for_slots, engine, remotes)
     return RouterParts(
         config=cfg, engine=engine, tokenizer=tokenizer, auth=auth, tracer=tracer, metrics=metrics,
-        max_seq_len=min(cfg.router.max_seq_len, target.max_seq_len), target_pool=target_pool, draft_pool=draft_pool,
+        max_seq_len=min(cfg.router.max_seq_len, target.max_seq_len), target_pool=target_pool, draft_pools=draft_pools,
         proposals=proposals, follower=WorkerFollower(cfg.app_name, pools, cfg.router.worker_refresh_s, waiting),
     )
 
 
-def _waiting_for_slots(engine: SpecEngine, drafter: RemoteDrafter | None) -> dict[str, int]:
+def _waiting_for_slots(engine: SpecEngine, drafters: dict[str, RemoteDrafter]) -> dict[str, int]:
     """What this router reports for the workers' autoscaling: requests it holds back for want of a target slot
-    (beyond those the next round admits), and sessions that draft without a draft replica."""
+    (beyond those the next round admits), and, per draft deployment, sessions that draft without a replica."""
     return {"target": max(0, engine.num_waiting - engine.target.free_slots),
-            "draft": drafter.num_homeless if drafter is not None else 0}
+            **{remote.pool.kind: remote.num_homeless for remote in drafters.values()}}
 
 
 def _calibrate(engine: SpecEngine) -> None:
@@ -306,8 +327,11 @@ def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
     t = cfg.target
     group = rank_group(t) if t.tensor_parallel_size > 1 else None
     workers = [_deployment(TargetWorker, "TargetWorker", t, group, t.rank_environment).bind(args)]
-    if cfg.draft.runs_draft_model:
+    if cfg.drafts is None and cfg.draft.runs_draft_model:
         workers.append(_deployment(DraftWorker, "DraftWorker", cfg.draft).bind(args))
+    for variant in cfg.drafts or ():  # A/B: a deployment per variant that runs a model, scaled on its own
+        if variant.runs_draft_model:
+            workers.append(_deployment(DraftWorker, f"DraftWorker-{variant.name}", variant).bind(args, variant.name))
     scaling: dict[str, Any] = {"num_replicas": cfg.router.num_replicas}
     if cfg.router.autoscaling is not None:
         scaling = {"autoscaling_config": cfg.router.autoscaling.model_dump()}

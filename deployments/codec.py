@@ -60,6 +60,7 @@ class GenerateCall:
     num_speculative_tokens: int | str | None  # None: the server's default
     cache_salt: str | None = None  # prefix caching: share cached prefixes only within this salt
     speculation_method: str | None = None  # None: any method the server runs ("auto"); the engine checks the name
+    draft_variant: str | None = None  # None: assigned by weight; the router checks the name
 
 
 def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> GenerateCall:
@@ -85,6 +86,7 @@ def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> Gen
         num_speculative_tokens=decode_speculation(request.speculation),
         cache_salt=decode_cache_salt(request.cache_salt),
         speculation_method=request.speculation_method or None,
+        draft_variant=request.draft_variant or None,
     )
 
 
@@ -180,7 +182,8 @@ def decode_speculation(options: pb.SpeculationOptions) -> int | str | None:
 
 
 def encode_stats(stats: SpecStats) -> pb.SpeculationStats:
-    return pb.SpeculationStats(rounds=stats.rounds, proposed=stats.proposed, accepted=stats.accepted)
+    return pb.SpeculationStats(rounds=stats.rounds, proposed=stats.proposed, accepted=stats.accepted,
+                               draft_variant=stats.draft_variant)
 
 
 def encode_usage(output: RequestOutput) -> pb.Usage:

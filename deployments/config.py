@@ -218,6 +218,55 @@ class DraftConfig(Placement):
         return self.model if self.runs_draft_model and self.model else self.method
 
 
+VARIANT_METHODS = ("draft_model", "ngram", "suffix")  # what an A/B variant may run (one drafter each)
+DEFAULT_VARIANT = "default"  # the variant of a single `draft:` config
+
+
+class DraftVariant(DraftConfig):
+    """One draft of an A/B test (`drafts:`): a draft config with a name, and a weight for assigning requests."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")  # in responses, metrics labels and deployment names
+    # Requests go to variants in proportion to their weights (0: only requests that pin it by name).
+    weight: float = Field(1.0, ge=0)
+
+    @field_validator("method")
+    @classmethod
+    def _one_drafter(cls, method: str) -> str:
+        if method not in VARIANT_METHODS:
+            raise ValueError(f"a draft variant runs one of {', '.join(VARIANT_METHODS)}, got {method!r}")
+        return method
+
+    def as_draft(self) -> DraftConfig:
+        return DraftConfig(**self.model_dump(exclude={"name", "weight"}))
+
+
+class Demotion(_Strict):
+    """Automatic demotion of a variant (its weight set to 0, logged and counted in
+    `specdec_draft_variant_demotions`) that does worse than the control. Promotion back is by config only."""
+
+    # What is compared: acceptance rate, committed tokens per second of speculative rounds, or either one.
+    metric: Literal["acceptance", "tokens_per_second", "either"] = "either"
+    margin: float = Field(0.1, gt=0, lt=1)  # demoted below (1 - margin) times the control's figure
+    window_rounds: int = Field(1024, ge=16)  # the rounds of each variant the comparison looks at (the latest)
+    min_rounds: int = Field(200, ge=1)  # neither variant is judged with fewer rounds than this in its window
+    check_interval_s: float = Field(30.0, gt=0)  # how often each router compares
+    # The comparison must fail this many checks in a row: a window's noise seldom lasts several checks.
+    consecutive_checks: int = Field(3, ge=1)
+
+    @model_validator(mode="after")
+    def _window(self) -> "Demotion":
+        if self.min_rounds > self.window_rounds:
+            raise ValueError("min_rounds must be <= window_rounds")
+        return self
+
+
+class ABConfig(_Strict):
+    """How the variants of `drafts:` are compared."""
+
+    control: str | None = None  # the variant others are judged against; None: the first
+    demotion: Demotion | None = None  # None: variants are never demoted automatically
+
+
 class Autoscaling(_Strict):
     """Serve autoscaling of the router by its ongoing requests (new replicas may need new nodes: in-tree Ray
     autoscaling adds them on KubeRay)."""
@@ -312,8 +361,71 @@ class ServeConfig(_Strict):
     prefix_caching: bool = True
     target: TargetConfig
     draft: DraftConfig = DraftConfig(method="none")
+    # A/B of drafts: several variants served at once, requests assigned by weight (sticky for their life) or
+    # pinned by name. The control variant is also `draft` (what `draft` alone would configure): give one or the
+    # other.
+    drafts: tuple[DraftVariant, ...] | None = None
+    ab: ABConfig = ABConfig()
     router: RouterConfig = RouterConfig()
     proposal_log: ProposalLogConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _control_as_draft(cls, data: Any) -> Any:
+        """With `drafts:`, `draft` is the control variant: filled in from it when absent (a dumped config has both)."""
+        if isinstance(data, dict) and data.get("drafts") and "draft" not in data:
+            variants = data["drafts"]
+            control = (data.get("ab") or {}).get("control")
+            chosen = next((v for v in variants if _name_of(v) == control), variants[0])
+            if isinstance(chosen, DraftVariant):
+                data = {**data, "draft": chosen.as_draft()}
+            elif isinstance(chosen, dict):
+                data = {**data, "draft": {k: v for k, v in chosen.items() if k not in ("name", "weight")}}
+        return data
+
+    @model_validator(mode="after")
+    def _variants(self) -> "ServeConfig":
+        if self.drafts is None:
+            if self.ab != ABConfig():
+                raise ValueError("ab configures the variants of drafts: there are none")
+            return self
+        if not self.drafts:
+            raise ValueError("drafts: give at least one variant")
+        names = [v.name for v in self.drafts]
+        if len(set(names)) != len(names):
+            raise ValueError("drafts: variant names must be unique")
+        if self.ab.control is not None and self.ab.control not in names:
+            raise ValueError(f"ab.control: no variant named {self.ab.control!r}")
+        if not any(v.weight > 0 for v in self.drafts):
+            raise ValueError("drafts: at least one variant needs a weight > 0")
+        control = self.control_variant
+        for key in ("num_speculative_tokens", "max_speculative_tokens"):  # one engine verifies every variant
+            if any(getattr(v, key) != getattr(control, key) for v in self.drafts):
+                raise ValueError(f"drafts: every variant needs the same {key}")
+        if self.draft != control.as_draft():
+            raise ValueError("draft and drafts: with drafts, draft is the control variant; give only drafts")
+        return self
+
+    @property
+    def control_variant(self) -> DraftVariant:
+        """The variant others are compared with (the only one of a single `draft:` config)."""
+        variants = self.variants
+        return next((v for v in variants if v.name == self.ab.control), variants[0])
+
+    def variant(self, name: str) -> DraftVariant:
+        """The variant called `name` (DEFAULT_VARIANT: the single `draft`)."""
+        found = next((v for v in self.variants if v.name == name), None)
+        if found is None:
+            raise InvalidArgument("draft_variant", f"no draft variant {name!r}")
+        return found
+
+    @property
+    def variants(self) -> tuple[DraftVariant, ...]:
+        """Every draft variant served: `drafts`, or the single `draft` as the variant "default"."""
+        if self.drafts is not None:
+            return self.drafts
+        # Not validated again: a single draft may run any method (hybrid, none), which a variant of drafts may not.
+        return (DraftVariant.model_construct(name=DEFAULT_VARIANT, weight=1.0, **dict(self.draft)),)
 
     @model_validator(mode="after")
     def _tls(self) -> "ServeConfig":
@@ -328,6 +440,10 @@ class ServeConfig(_Strict):
     @property
     def tls_setting(self) -> TlsSetting:
         return TlsSetting(self.internal_tls, self.internal_tls_dir)
+
+
+def _name_of(variant: Any) -> Any:
+    return variant.get("name") if isinstance(variant, dict) else getattr(variant, "name", None)
 
 
 def parse_config(data: Any) -> ServeConfig:

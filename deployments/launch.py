@@ -67,6 +67,7 @@ def cpus_needed(config: ServeConfig) -> float:
     target = config.target
     total = target.num_cpus * target.tensor_parallel_size * target.most_replicas
     total += config.router.num_cpus * config.router.num_replicas
-    if config.draft.runs_draft_model:
-        total += config.draft.num_cpus * config.draft.most_replicas
+    for variant in config.variants:  # a draft deployment per variant that runs a model
+        if variant.runs_draft_model:
+            total += variant.num_cpus * variant.most_replicas
     return total + 1

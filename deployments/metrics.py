@@ -18,6 +18,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 from deployments.status import status_of
 from specdec_core.stopping import FinishReason
+from specdec_core.watch import WindowSnapshot
 
 _LATENCY_S = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120]
 _PER_TOKEN_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2]
@@ -28,14 +29,17 @@ _PAIR = ("target", "draft")
 REFUSED = "refused"  # `finish_reason` of a request refused before the engine took it
 
 
+NO_VARIANT = "none"  # the `variant` of a request refused before it was assigned one
+
+
 class ServingMetrics:
     def __init__(self, target: str, draft: str) -> None:
-        self._tags = {"target": target, "draft": draft}
+        self._tags = {"target": target, "draft": draft, "variant": NO_VARIANT}
         # Every request once, when it ends: `finish_reason` the engine's (length, eos, stop, cancelled, error), or
         # "refused" for one refused before the engine took it (a limit, admission, bad input, authentication) and
         # "error" for one a raised error ended later (a deadline); `code`, the status its client got, says why.
         self.requests = Counter("specdec_requests", "Requests by finish reason and status code.",
-                                tag_keys=(*_PAIR, "finish_reason", "code"))
+                                tag_keys=(*_PAIR, "variant", "finish_reason", "code"))
         self.ttft = Histogram("gen_ai_server_time_to_first_token", "Seconds to the first output token.",
                               boundaries=_LATENCY_S, tag_keys=_PAIR)
         self.tpot = Histogram("gen_ai_server_time_per_output_token", "Seconds per output token after the first.",
@@ -43,16 +47,17 @@ class ServingMetrics:
         self.duration = Histogram("gen_ai_server_request_duration", "Seconds per request.", boundaries=_LATENCY_S,
                                   tag_keys=_PAIR)
         self.acceptance = Histogram("specdec_acceptance_rate", "Accepted / proposed draft tokens per request.",
-                                    boundaries=_RATE, tag_keys=_PAIR)
+                                    boundaries=_RATE, tag_keys=(*_PAIR, "variant"))
         self.accepted_per_round = Histogram("specdec_accepted_tokens_per_round", "Draft tokens accepted per round.",
-                                            boundaries=[0.5, *_TOKENS], tag_keys=(*_PAIR, "method"))
+                                            boundaries=[0.5, *_TOKENS], tag_keys=(*_PAIR, "variant", "method"))
         # By the method that proposed (hybrid drafting switches per request and round): acceptance per method is
         # accepted / proposed of these counters.
         self.proposed = Counter("specdec_proposed_tokens", "Draft tokens proposed, by drafting method.",
-                                tag_keys=(*_PAIR, "method"))
+                                tag_keys=(*_PAIR, "variant", "method"))
         self.accepted = Counter("specdec_accepted_tokens", "Draft tokens accepted, by drafting method.",
-                                tag_keys=(*_PAIR, "method"))
-        self.k = Histogram("specdec_speculation_length", "k chosen per round.", boundaries=[0.5, *_TOKENS], tag_keys=_PAIR)
+                                tag_keys=(*_PAIR, "variant", "method"))
+        self.k = Histogram("specdec_speculation_length", "k chosen per round.", boundaries=[0.5, *_TOKENS],
+                           tag_keys=(*_PAIR, "variant"))
         self.draft_latency = Histogram("specdec_draft_latency_seconds",
                                        "Seconds per batched draft call (all k steps) of a round.",
                                        boundaries=_CALL_S, tag_keys=_PAIR)
@@ -61,36 +66,39 @@ class ServingMetrics:
         self.fallbacks = Counter("specdec_target_only_rounds",
                                  "Rounds that asked for drafts (k > 0) and got none (no draft replica held the "
                                  "session, or the drafter failed).",
-                                 tag_keys=_PAIR)
+                                 tag_keys=(*_PAIR, "variant"))
         self.slots = Gauge("specdec_kv_slots_in_use", "Sessions this router holds in the workers' KV caches.",
                            tag_keys=(*_PAIR, "worker"))
         for metric in (self.requests, self.ttft, self.tpot, self.duration, self.acceptance, self.accepted_per_round,
                        self.proposed, self.accepted, self.k, self.draft_latency, self.verify_latency, self.fallbacks, self.slots):
-            metric.set_default_tags(self._tags)
+            metric.set_default_tags({key: value for key, value in self._tags.items() if key in metric._tag_keys})
 
-    def round(self, k: int, proposed: int, accepted: int, method: str | None = None) -> None:
+    def round(self, k: int, proposed: int, accepted: int, method: str | None = None,
+              variant: str = NO_VARIANT) -> None:
         """`k` chosen, `proposed` drafts made by `method` (none for k > 0: a fallback, where no draft replica held
-        the session; k = 0 is plain decoding, chosen by the request or by `auto`, not a fallback)."""
-        self.k.observe(k)
+        the session; k = 0 is plain decoding, chosen by the request or by `auto`, not a fallback), for a request
+        drafting with `variant`."""
+        self.k.observe(k, tags={"variant": variant})
         if proposed > 0:
-            tags = {"method": method or "unknown"}
+            tags = {"method": method or "unknown", "variant": variant}
             self.accepted_per_round.observe(accepted, tags=tags)
             self.proposed.inc(proposed, tags=tags)
             if accepted:
                 self.accepted.inc(accepted, tags=tags)
         elif k > 0:
-            self.fallbacks.inc()
+            self.fallbacks.inc(tags={"variant": variant})
 
-    def finished(self, output: Any, start: float, first_token: float | None) -> None:
+    def finished(self, output: Any, start: float, first_token: float | None, variant: str = NO_VARIANT) -> None:
         now = time.monotonic()
-        self.requests.inc(tags={"finish_reason": output.finish_reason.value, "code": _code_of_output(output)})
+        self.requests.inc(tags={"finish_reason": output.finish_reason.value, "code": _code_of_output(output),
+                                "variant": variant})
         self.duration.observe(now - start)
         if first_token is not None:
             self.ttft.observe(first_token - start)
             if output.num_output_tokens > 1:
                 self.tpot.observe((now - first_token) / (output.num_output_tokens - 1))
         if output.stats.proposed:
-            self.acceptance.observe(output.stats.accepted / output.stats.proposed)
+            self.acceptance.observe(output.stats.accepted / output.stats.proposed, tags={"variant": variant})
 
     def ended_with(self, error: BaseException, ran: bool) -> None:
         """A request ended by `error` rather than by a final output: refused, unless the engine had `ran` it (or its
@@ -145,3 +153,56 @@ class WorkerMetrics:
         self._last = now
         self.bytes.set(stats.prefix_cache_bytes)
         self.entries.set(stats.prefix_cache_entries)
+
+
+class WatchMetrics:
+    """The router's online watch (`specdec_core.watch`), per draft variant: each `export` sets the gauges from one
+    variant's window (its last N rounds, the watch's `window_rounds`), tagged `variant` besides the pair.
+
+    A field the window cannot tell (None: no proposals, no plain rounds in it) leaves its gauge unset: it keeps the
+    value it last had, or stays absent. Position gauges are tagged `position` "1".."16".
+    The alert rules read these by name: a rename here must change k8s/monitoring/specdec-alerts.yaml too.
+    """
+
+    def __init__(self, target: str, draft: str) -> None:
+        tags = (*_PAIR, "variant")
+        self.acceptance = Gauge("specdec_draft_window_acceptance_rate",
+                                "Accepted / proposed draft tokens over the variant's window of rounds.", tag_keys=tags)
+        self.position_acceptance = Gauge(
+            "specdec_draft_window_position_acceptance_rate",
+            "Acceptance at a draft position, given the drafts before it were accepted, over the variant's window.",
+            tag_keys=(*tags, "position"))
+        self.tokens_per_round = Gauge("specdec_draft_window_tokens_per_round",
+                                      "Tokens committed per speculative round (k > 0) over the variant's window.",
+                                      tag_keys=tags)
+        self.speculative_rate = Gauge("specdec_draft_window_speculative_tokens_per_second",
+                                      "Tokens per second per sequence in speculative rounds over the variant's window.",
+                                      tag_keys=tags)
+        self.plain_rate = Gauge("specdec_draft_window_plain_tokens_per_second",
+                                "Tokens per second per sequence of plain decoding (k = 0), measured or estimated.",
+                                tag_keys=tags)
+        self.replicas = Gauge("specdec_draft_replicas", "Draft replicas this router can reach for the variant.",
+                              tag_keys=tags)
+        self.weight = Gauge("specdec_draft_variant_weight", "The variant's share of new requests.", tag_keys=tags)
+        self.demotions = Counter("specdec_draft_variant_demotions",
+                                 "Times the variant was demoted (its weight cut for doing worse than the others).",
+                                 tag_keys=tags)
+        for metric in (self.acceptance, self.position_acceptance, self.tokens_per_round, self.speculative_rate,
+                       self.plain_rate, self.replicas, self.weight, self.demotions):
+            metric.set_default_tags({"target": target, "draft": draft})
+
+    def export(self, snapshot: WindowSnapshot, replicas: int | None, weight: float) -> None:
+        """Sets the variant's gauges from `snapshot`; `replicas` None for a variant that needs no draft model."""
+        variant = {"variant": snapshot.variant}
+        for gauge, value in ((self.acceptance, snapshot.acceptance_rate), (self.tokens_per_round,
+                             snapshot.tokens_per_round), (self.speculative_rate, snapshot.speculative_tokens_per_s),
+                             (self.plain_rate, snapshot.plain_tokens_per_s), (self.replicas, replicas),
+                             (self.weight, weight)):
+            if value is not None:
+                gauge.set(value, tags=variant)
+        for position, rate in enumerate(snapshot.position_acceptance, start=1):
+            if rate is not None:
+                self.position_acceptance.set(rate, tags={**variant, "position": str(position)})
+
+    def demoted(self, variant: str) -> None:
+        self.demotions.inc(tags={"variant": variant})

@@ -50,23 +50,28 @@ class ProposalLog:
         self._logger = logging.Logger(f"specdec.proposals.{id(self)}")  # not in the logging tree: no propagation
         self._logger.addHandler(logging.handlers.QueueHandler(self._queue))
         self._sampled: dict[str, tuple[str, int]] = {}  # session -> (request id, rounds logged)
+        self._variants: dict[str, str] = {}  # session -> its draft variant, where the server A/B-tests drafts
         # `observe` runs on the engine thread, `start` and `discard` on the router's event loop: a request discarded
         # while its round is observed must stay discarded.
         self._lock = threading.Lock()
 
-    def start(self, seq_id: str, request_id: str) -> bool:
-        """Sample a new request. True when its rounds must carry probabilities (sampled, and include_probs). The
-        caller must `discard` it when it ends, however it ends."""
+    def start(self, seq_id: str, request_id: str, draft_variant: str | None = None) -> bool:
+        """Sample a new request (`draft_variant`: the draft variant it drafts with, recorded where given). True when
+        its rounds must carry probabilities (sampled, and include_probs). The caller must `discard` it when it
+        ends, however it ends."""
         if random.random() >= self.sample_rate:
             return False
         with self._lock:
             self._sampled[seq_id] = (request_id, 0)
+            if draft_variant is not None:
+                self._variants[seq_id] = draft_variant
         return self.include_probs
 
     def discard(self, seq_id: str) -> None:
         """The request has ended (finished, refused, past its deadline, cancelled): forget it. Idempotent."""
         with self._lock:
             self._sampled.pop(seq_id, None)
+            self._variants.pop(seq_id, None)
 
     @property
     def num_pending(self) -> int:
@@ -82,8 +87,10 @@ class ProposalLog:
             if entry is None:
                 return
             request_id, index = entry
+            variant = self._variants.get(seq_id)
             if output.finished:
                 del self._sampled[seq_id]
+                self._variants.pop(seq_id, None)
             elif logged:
                 self._sampled[seq_id] = (request_id, index + 1)
         if logged:
@@ -98,6 +105,7 @@ class ProposalLog:
                 "bonus": info.bonus,
                 "method": info.method,
                 **self._models,
+                **({"draft_variant": variant} if variant is not None else {}),
                 **_probs("q", info.draft_probs),
                 **_probs("p", info.target_probs),
             }

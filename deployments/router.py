@@ -13,7 +13,8 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from ray import serve
@@ -30,6 +31,7 @@ from deployments.remote import ReplicaPool
 from deployments.scheduler import Admission, Scheduler
 from deployments.status import WorkerUnavailable, grpc_status_of
 from deployments.telemetry import RequestTracer, context_from_metadata
+from deployments.variants import ABTest
 from specdec.v1 import generation_pb2 as pb
 from specdec_core.chat import encode_chat, encode_prompt
 from specdec_core.engine import RequestOutput, SpecEngine
@@ -61,7 +63,7 @@ class RouterParts:
     metrics: ServingMetrics
     max_seq_len: int  # what GetModelInfo reports: router.max_seq_len, capped by the target's
     target_pool: ReplicaPool | None = None  # the workers the engine's target and drafter call, when remote
-    draft_pool: ReplicaPool | None = None
+    draft_pools: dict[str, ReplicaPool] = field(default_factory=dict)  # by draft variant, for those that run a model
     proposals: ProposalLog | None = None
     follower: WorkerFollower | None = None  # keeps the pools' replicas current; stopped with the router
 
@@ -86,16 +88,17 @@ class Router:
         self.tool_call_format = ToolCallFormat.of(parts.tokenizer.tokenizer)  # the HTTP API's forced tool calls
         self.max_seq_len = parts.max_seq_len
         self.target_pool = parts.target_pool
-        self.draft_pool = parts.draft_pool
+        self.draft_pools = parts.draft_pools
         self.proposals = parts.proposals
         self._follower = parts.follower
         admission = Admission(cfg.router.max_queued_requests, cfg.router.queue_timeout_s, cfg.router.request_timeout_s)
         self.scheduler = Scheduler(parts.engine, admission, self._why_waiting)
+        self.ab = ABTest(cfg, parts.engine, self.draft_pools)
         self._tag = uuid.uuid4().hex[:8]
         self.started_at = int(time.time())
         log.info("router %s ready: %d target, %d draft replicas", self._tag,
                  len(self.target_pool.replicas) if self.target_pool else 0,
-                 len(self.draft_pool.replicas) if self.draft_pool else 0)
+                 sum(len(pool.replicas) for pool in self.draft_pools.values()))
 
     def _why_waiting(self) -> Exception:
         """What a request that waited out the queue timeout is told."""
@@ -122,6 +125,7 @@ class Router:
             eos_token_ids=sorted(self.tokenizer.eos_token_ids),
             served_model_name=self.served_model_name,
             speculation_methods=list(self.scheduler.engine.methods),
+            draft_variants=[pb.DraftVariantInfo(**info) for info in self.ab.describe()],
         )
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
@@ -157,6 +161,7 @@ class Router:
         traceparent). Cancelled (the client went away) -> the engine aborts it, which frees its caches. Every
         request is counted once in `specdec_requests`: by its final output, or by the error that ended it."""
         try:
+            variant = self.ab.assign(call.draft_variant)
             prompt_ids = await self._admissible_prompt(call)
         except (Exception, asyncio.CancelledError) as exc:  # cancelled: the client went away while it was tokenized
             self.refused(exc)
@@ -165,7 +170,7 @@ class Router:
         inbox: asyncio.Queue = asyncio.Queue()
         seq_id = f"{self._tag}-{uuid.uuid4().hex[:16]}"  # unique across routers: workers key caches by it
         parent, _ = context_from_metadata(metadata)  # a client's traceparent
-        self.tracer.start_request(seq_id, call.params, parent, request_id)
+        self.tracer.start_request(seq_id, call.params, parent, request_id, variant)
         times = [time.monotonic(), None]  # start, first token
         ran = False  # an output came: the engine took the request (an error after that is no refusal)
 
@@ -176,8 +181,9 @@ class Router:
                 self.metrics.ended_with(item, ran)
             else:
                 ran = True
+                item = replace(item, stats=replace(item.stats, draft_variant=variant))
                 self.tracer.observe(seq_id, item)
-                self._measure(item, times)
+                self._measure(item, times, variant)
                 if self.proposals is not None:
                     self.proposals.observe(seq_id, item)
             loop.call_soon_threadsafe(inbox.put_nowait, item)
@@ -187,7 +193,8 @@ class Router:
             # Sampled only now, past every refusal but the engine's; forgotten below however it ends (refused by
             # admission, past its deadline, cancelled): the log keeps nothing of a request that has ended.
             # Only requests whose records carry probabilities make the workers compute them.
-            return_probs = self.proposals is not None and self.proposals.start(seq_id, request_id)
+            return_probs = self.proposals is not None and self.proposals.start(seq_id, request_id, variant)
+            self.ab.start(seq_id, variant)
             self.scheduler.submit(seq_id, prompt_ids, call.params, call.num_speculative_tokens, deliver, return_probs,
                                   cache_salt=call.cache_salt, speculation_method=call.speculation_method)
             while not finished:
@@ -203,6 +210,7 @@ class Router:
         finally:
             if not finished:
                 self.scheduler.cancel(seq_id)
+            self.scheduler.call_soon(partial(self.ab.end, seq_id))  # after the cancel: its drafter is freed first
             if self.proposals is not None:
                 self.proposals.discard(seq_id)
 
@@ -223,15 +231,16 @@ class Router:
             await asyncio.to_thread(self.scheduler.engine.compile, call.params.constraint)
         return prompt_ids
 
-    def _measure(self, output: RequestOutput, times: list) -> None:
+    def _measure(self, output: RequestOutput, times: list, variant: str) -> None:
         if times[1] is None and output.new_token_ids:
             times[1] = time.monotonic()
         if output.round is not None:
             info = output.round
-            self.metrics.round(info.k, len(info.proposed_token_ids), info.num_accepted, info.method)
+            self.metrics.round(info.k, len(info.proposed_token_ids), info.num_accepted, info.method, variant)
+            self.ab.observe(variant, info, len(output.new_token_ids))
         if output.finished:
-            self.metrics.finished(output, times[0], times[1])
-        for pool in (self.target_pool, self.draft_pool):
+            self.metrics.finished(output, times[0], times[1], variant)
+        for pool in (self.target_pool, *self.draft_pools.values()):
             if pool is not None:
                 self.metrics.slots_in_use(pool.kind, sum(len(r.sessions) for r in pool.replicas))
 
@@ -330,6 +339,9 @@ class Router:
         follower = getattr(self, "_follower", None)
         if follower is not None:
             follower.stop()
+        ab = getattr(self, "ab", None)
+        if ab is not None:
+            ab.close()
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:
             scheduler.close()

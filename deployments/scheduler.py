@@ -100,6 +100,11 @@ class Scheduler:
     def cancel(self, seq_id: str) -> None:
         self._inbox.put(_Cancel(seq_id))
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the engine thread, after the commands queued before it (a cancel queued first has aborted
+        its request by then)."""
+        self._inbox.put(fn)
+
     @property
     def closed(self) -> bool:
         return self._stop.is_set()
@@ -140,6 +145,11 @@ class Scheduler:
             elif isinstance(command, _Cancel):
                 output = self.engine.abort(command.seq_id)
                 self._deliver([output] if output is not None else [])
+            elif command is not None:
+                try:
+                    command()
+                except Exception:
+                    log.exception("a call on the engine thread failed")
 
     def _admit(self, command: _Submit) -> None:
         backlog = self.engine.num_waiting - self.engine.target.free_slots  # those that will not start next round

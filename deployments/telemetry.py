@@ -120,6 +120,7 @@ class _Request:
     verify_ms: float = 0.0
     bytes_sent: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    draft_variant: str | None = None  # where the server A/B-tests drafts: on the request's span and each round's
 
 
 class RequestTracer:
@@ -132,7 +133,8 @@ class RequestTracer:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
 
-    def start_request(self, seq_id: str, params: Any, parent: otel_context.Context | None, request_id: str) -> None:
+    def start_request(self, seq_id: str, params: Any, parent: otel_context.Context | None, request_id: str,
+                      draft_variant: str | None = None) -> None:
         span = self._tracer.start_span(
             "text_completion " + self._model,  # GenAI convention: "{operation} {model}"
             context=parent,
@@ -147,10 +149,11 @@ class RequestTracer:
                 **({"gen_ai.request.seed": params.seed} if params.seed is not None else {}),
                 "specdec.request_id": request_id,
                 "specdec.draft": self._draft,
+                **({"specdec.draft_variant": draft_variant} if draft_variant is not None else {}),
             },
         )
         with self._lock:
-            self._requests[seq_id] = _Request(span, time.monotonic())
+            self._requests[seq_id] = _Request(span, time.monotonic(), draft_variant=draft_variant)
 
     def spans(self, seq_ids: Sequence[str], rounds: bool) -> list[Span]:
         """The spans calls for these sequences run under: their open round spans (`rounds`) or request spans."""
@@ -205,6 +208,7 @@ class RequestTracer:
                     "specdec.round.draft_ms": req.draft_ms,
                     "specdec.round.verify_ms": req.verify_ms,
                     "specdec.round.bytes_sent": req.bytes_sent,
+                    **({"specdec.round.draft_variant": req.draft_variant} if req.draft_variant is not None else {}),
                 })
                 span.end()
                 req.round_span, req.draft_ms, req.verify_ms, req.bytes_sent = None, 0.0, 0.0, 0

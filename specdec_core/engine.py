@@ -63,6 +63,7 @@ class SpecStats:
     rounds: int = 0
     proposed: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
+    draft_variant: str = ""  # the draft variant that drafted for the request, where a server A/B-tests several
 
     @property
     def acceptance_rate(self) -> float:
@@ -81,6 +82,7 @@ class RoundInfo:
     draft_probs: tuple[float, ...] | None = None
     target_probs: tuple[float, ...] | None = None
     method: str | None = None  # the drafting method whose proposal was verified; None: no draft was asked for
+    seconds: float = 0.0  # the round's wall time, drafting and verifying (shared by every row of its batch)
 
 
 @dataclass(frozen=True)
@@ -358,6 +360,7 @@ class SpecEngine:
 
     def _speculate(self, seqs: list[_Sequence], forced: list[list[int]]) -> list[RequestOutput]:
         """Draft, verify and accept for `seqs`; a row with `forced` tokens verifies them instead of drafting."""
+        started = time.perf_counter()
         try:
             offers = self._free_proposals(seqs, forced)
             ks, takes_free = self._choose_ks(seqs, offers)
@@ -375,6 +378,7 @@ class SpecEngine:
             return self._fail(seqs, exc)
         if not failed:
             self.costs.observe_verify(len(seqs), 1 + max(len(p.token_ids) for p in proposals), time.perf_counter() - t0)
+        seconds = time.perf_counter() - started
         outputs = []
         for i, (seq, proposal, k, free, outcome) in enumerate(zip(seqs, proposals, ks, takes_free, outcomes)):
             if i in failed:  # its target replica is gone: this request ends, the others go on
@@ -385,7 +389,7 @@ class SpecEngine:
             method = FORCED if forced[i] else self.free_drafter.name if free else self.drafter.name if k > 0 else None
             info = RoundInfo(k=len(draft) if free else k, proposed_token_ids=tuple(draft), num_accepted=n,
                              bonus=n == len(draft), draft_probs=proposal.draft_probs,
-                             target_probs=outcome.target_probs, method=method)
+                             target_probs=outcome.target_probs, method=method, seconds=seconds)
             if not free:  # the request's estimate is the draft model's: a free proposal's record is its label's
                 seq.estimate.update(len(draft), n, k)
                 self.acceptance.update(len(draft), n, k)

@@ -84,7 +84,7 @@ def _call(body: Any, prompt: Prompt, max_tokens: int, chat: bool, forced: Constr
     return Call(
         generate=GenerateCall(request_id="", prompt=prompt, params=params,
                               num_speculative_tokens=body.num_speculative_tokens, cache_salt=body.cache_salt,
-                              speculation_method=body.speculation_method),
+                              speculation_method=body.speculation_method, draft_variant=body.draft_variant),
         chat=chat,
         model=body.model,
         stream=body.stream,
@@ -137,7 +137,8 @@ def usage(last: RequestOutput) -> dict[str, Any]:
 
 def speculation(last: RequestOutput) -> dict[str, int]:
     stats = last.stats
-    return {"rounds": stats.rounds, "proposed": stats.proposed, "accepted": stats.accepted}
+    return {"rounds": stats.rounds, "proposed": stats.proposed, "accepted": stats.accepted,
+            "draft_variant": stats.draft_variant}
 
 
 def response(call: Call, response_id: str, outputs: Sequence[RequestOutput]) -> dict[str, Any]:

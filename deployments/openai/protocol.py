@@ -4,7 +4,7 @@ Unknown fields are refused with a 400 naming them, never silently ignored. Three
 - implemented: model, messages / prompt, max_tokens / max_completion_tokens, temperature, top_p, seed, stop, n (1),
   stream, stream_options.include_usage, response_format (text, json_object, json_schema), chat's tools, tool_choice
   and parallel_tool_calls (`tool_protocol`), and vLLM's extensions top_k, ignore_eos, cache_salt,
-  return_token_ids, plus our num_speculative_tokens and speculation_method;
+  return_token_ids, plus our num_speculative_tokens, speculation_method and draft_variant;
 - informational, accepted and ignored: user, metadata, store (false), service_tier, and per message `name`;
 - OpenAI features this server does not implement: accepted only at their no-op value (a harness that sends
   `frequency_penalty: 0` still works), refused naming the field at any other value.
@@ -105,6 +105,8 @@ class _Body(BaseModel):
     num_speculative_tokens: Union[Annotated[StrictInt, Field(ge=0)], Literal["auto"], None] = None
     # auto, none, or a method the server runs (draft_model, suffix, ngram): the engine checks the name.
     speculation_method: str | None = Field(None, min_length=1, max_length=64)
+    # A/B of drafts: the variant to draft with (the router checks the name); None: assigned by weight.
+    draft_variant: str | None = Field(None, min_length=1, max_length=64)
 
     @model_validator(mode="after")
     def _refuse_unknown(self) -> "_Body":

@@ -529,3 +529,115 @@ def test_every_request_is_counted_once_with_why_it_ended(make_router):
     counts = {(dict(key)["finish_reason"], dict(key)["code"]): n for key, n in recorded.counts.items()}
     assert counts == {("length", "ok"): 1, ("refused", "unauthenticated"): 1, ("refused", "invalid_argument"): 2,
                       ("error", "deadline_exceeded"): 1, ("cancelled", "cancelled"): 1}
+
+
+# -- A/B of draft variants ---------------------------------------------------------------------------------------------
+
+
+class Seen:
+    """A drafter, recording the sequences it is asked about."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter, self.name, self.seq_ids = drafter, drafter.name, set()
+
+    def start(self, seq_id, prompt_ids, cache_salt=None):
+        self.seq_ids.add(seq_id)
+        return self.drafter.start(seq_id, prompt_ids, cache_salt)
+
+    def propose(self, requests):
+        self.seq_ids.update(r.seq_id for r in requests)
+        return self.drafter.propose(requests)
+
+    def observe(self, seq_id, num_committed):
+        self.drafter.observe(seq_id, num_committed)
+
+    def release(self, seq_id):
+        self.drafter.release(seq_id)
+
+
+@pytest.fixture()
+def ab_router(tiny_dir, near_draft_dir, pair):
+    """A router A/B-testing two drafts of the tiny target: `good` (the near draft) and `bad` (its contrarian,
+    wrong wherever it can be), weights 3 : 1, demoted after one check 10% below the control."""
+    from specdec_core.drafters.draft_model import DraftModelDrafter
+    from specdec_core.drafters.variants import VariantDrafter
+    from tests.helpers import contrarian
+
+    variant = {"method": "draft_model", "model": str(near_draft_dir), "dtype": "float32", "num_speculative_tokens": 3}
+    config = parse_config({
+        "target": {"model": str(tiny_dir / "target"), "dtype": "float32"},
+        "drafts": [{"name": "good", "weight": 3, **variant}, {"name": "bad", "weight": 1, **variant}],
+        "ab": {"demotion": {"metric": "acceptance", "margin": 0.1, "window_rounds": 200, "min_rounds": 20,
+                            "consecutive_checks": 1}},
+        "router": {"max_seq_len": 256, "default_max_tokens": 16, "calibrate": False},
+    })
+    target, draft = pair
+    runner_config = RunnerConfig(num_slots=SLOTS, max_seq_len=256)
+    runner = ModelRunner(target.model, runner_config)
+    seen = {"good": Seen(DraftModelDrafter(ModelRunner(draft.model, runner_config), runner.vocab_size)),
+            "bad": Seen(DraftModelDrafter(ModelRunner(contrarian(draft.model), runner_config), runner.vocab_size))}
+    tokenizer = load_tokenizer(tiny_dir / "target")
+    engine = SpecEngine(LocalTarget(runner), VariantDrafter(seen, "good"), tokenizer.tokenizer,
+                        tokenizer.eos_token_ids, EngineConfig(config.draft.max_speculative_tokens, 3))
+    parts = RouterParts(config=config, engine=engine, tokenizer=tokenizer, auth=BearerAuth(TOKEN),
+                        tracer=RequestTracer(config.target.model, config.draft.label),
+                        metrics=ServingMetrics(config.target.model, config.draft.label), max_seq_len=256)
+    router = Router(lambda: parts)
+    yield router, seen
+    router.close()
+
+
+def _generate_all(router, messages):
+    async def run():
+        return await asyncio.gather(*(router.Generate(m, Context(AUTH)) for m in messages))
+
+    return asyncio.run(run())
+
+
+def test_variants_are_assigned_by_weight_sticky_and_named_in_the_response(ab_router, pair):
+    router, seen = ab_router
+    prompts = [[5 + i % 50, 6, 7 + i % 7, 8] for i in range(48)]
+    responses = _generate_all(router, [request(p, max_tokens=6, ignore_eos=True) for p in prompts])
+    expected = run_to_completion(make_engine(pair[0]), [(str(i), p, SamplingParams(max_tokens=6, ignore_eos=True), 0)
+                                                        for i, p in enumerate(prompts)])
+    assert [list(r.token_ids) for r in responses] == [expected[str(i)][0] for i in range(len(prompts))]
+    names = [r.speculation.draft_variant for r in responses]
+    assert set(names) == {"good", "bad"} and 24 <= names.count("good") <= 44  # 3 : 1 of 48, loosely
+    # Sticky: no request was ever drafted by both, and each drafted only with the variant its response names.
+    assert not seen["good"].seq_ids & seen["bad"].seq_ids
+    assert (len(seen["good"].seq_ids), len(seen["bad"].seq_ids)) == (names.count("good"), names.count("bad"))
+    assert router.scheduler.engine.drafter._assigned == {}  # every assignment forgotten once its request ended
+
+    pinned = _generate_all(router, [pb.GenerateRequest(prompt_token_ids=[5, 6, 7], draft_variant="bad",
+                                                       sampling=pb.SamplingParams(max_tokens=4))] * 4)
+    assert {r.speculation.draft_variant for r in pinned} == {"bad"}
+    context = Context(AUTH)
+    with pytest.raises(RequestFailed):
+        asyncio.run(router.Generate(pb.GenerateRequest(prompt_token_ids=[5], draft_variant="ugly"), context))
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "draft_variant" in context.details
+
+
+def test_a_variant_below_the_control_is_demoted_and_pinned_requests_still_reach_it(ab_router):
+    router, _ = ab_router
+    message = request([5, 6, 7, 8], max_tokens=12, ignore_eos=True)
+    for variant in ("good", "bad"):
+        pinned = pb.GenerateRequest()
+        pinned.CopyFrom(message)
+        pinned.draft_variant = variant
+        _generate_all(router, [pinned] * 10)
+    assert router.ab.tick() == ["bad"]
+    info = asyncio.run(router.GetModelInfo(pb.GetModelInfoRequest(), Context(AUTH)))
+    assert {(v.name, v.weight, v.control) for v in info.draft_variants} == {("good", 3.0, True), ("bad", 0.0, False)}
+    names = {r.speculation.draft_variant for r in _generate_all(router, [message] * 12)}
+    assert names == {"good"}
+    assert router.ab.tick() == []  # demoted once
+
+
+def test_a_single_draft_is_the_variant_default(make_router):
+    router, _ = make_router()
+    response = asyncio.run(router.Generate(request(PROMPT, k=3, max_tokens=4), Context(AUTH)))
+    assert response.speculation.draft_variant == "default"
+    context = Context(AUTH)
+    with pytest.raises(RequestFailed):
+        asyncio.run(router.Generate(pb.GenerateRequest(prompt_token_ids=[5], draft_variant="b"), context))
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "draft_variant" in context.details

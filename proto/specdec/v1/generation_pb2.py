@@ -24,37 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\"\xd3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12)\n\x08messages\x18\x07 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12\x12\n\nraw_prompt\x18\x04 \x01(\x08\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x33\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1e.specdec.v1.SpeculationOptions\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x1a\n\x12speculation_method\x18\t \x01(\t\x12\x30\n\nstructured\x18\n \x01(\x0b\x32\x1c.specdec.v1.StructuredOutput\"\x84\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x16\n\x0elenient_schema\x18\x05 \x01(\x08\x42\x06\n\x04kind\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb8\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"T\n\x12SpeculationOptions\x12 \n\x16num_speculative_tokens\x18\x01 \x01(\rH\x00\x12\x12\n\x08\x61\x64\x61ptive\x18\x02 \x01(\x08H\x00\x42\x08\n\x06length\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"F\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x10\n\x08proposed\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\"\xcd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x31\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\"\xd3\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x31\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\"\x15\n\x13GetModelInfoRequest\"\xd0\x02\n\x14GetModelInfoResponse\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x14\n\x0c\x64raft_method\x18\x03 \x01(\t\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x06 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\t\x12\x1e\n\x16max_speculative_tokens\x18\x08 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x19\n\x11served_model_name\x18\x0b \x01(\t\x12\x1b\n\x13speculation_methods\x18\x0c \x03(\t*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\x82\x02\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12Q\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a .specdec.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\"\xea\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12)\n\x08messages\x18\x07 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12\x12\n\nraw_prompt\x18\x04 \x01(\x08\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x33\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1e.specdec.v1.SpeculationOptions\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x1a\n\x12speculation_method\x18\t \x01(\t\x12\x30\n\nstructured\x18\n \x01(\x0b\x32\x1c.specdec.v1.StructuredOutput\x12\x15\n\rdraft_variant\x18\x0b \x01(\t\"\x84\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x16\n\x0elenient_schema\x18\x05 \x01(\x08\x42\x06\n\x04kind\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb8\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"T\n\x12SpeculationOptions\x12 \n\x16num_speculative_tokens\x18\x01 \x01(\rH\x00\x12\x12\n\x08\x61\x64\x61ptive\x18\x02 \x01(\x08H\x00\x42\x08\n\x06length\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"]\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x10\n\x08proposed\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x15\n\rdraft_variant\x18\x04 \x01(\t\"\xcd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x31\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\"\xd3\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x31\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\"\x15\n\x13GetModelInfoRequest\"\x86\x03\n\x14GetModelInfoResponse\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x14\n\x0c\x64raft_method\x18\x03 \x01(\t\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x06 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\t\x12\x1e\n\x16max_speculative_tokens\x18\x08 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x19\n\x11served_model_name\x18\x0b \x01(\t\x12\x1b\n\x13speculation_methods\x18\x0c \x03(\t\x12\x34\n\x0e\x64raft_variants\x18\r \x03(\x0b\x32\x1c.specdec.v1.DraftVariantInfo\"`\n\x10\x44raftVariantInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x0f\n\x07\x63ontrol\x18\x05 \x01(\x08*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\x82\x02\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12Q\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a .specdec.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1778
-  _globals['_FINISHREASON']._serialized_end=1950
+  _globals['_FINISHREASON']._serialized_start=1976
+  _globals['_FINISHREASON']._serialized_end=2148
   _globals['_GENERATEREQUEST']._serialized_start=44
-  _globals['_GENERATEREQUEST']._serialized_end=383
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=386
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=518
-  _globals['_CHATMESSAGE']._serialized_start=520
-  _globals['_CHATMESSAGE']._serialized_end=564
-  _globals['_SAMPLINGPARAMS']._serialized_start=567
-  _globals['_SAMPLINGPARAMS']._serialized_end=751
-  _globals['_SPECULATIONOPTIONS']._serialized_start=753
-  _globals['_SPECULATIONOPTIONS']._serialized_end=837
-  _globals['_USAGE']._serialized_start=839
-  _globals['_USAGE']._serialized_end=919
-  _globals['_SPECULATIONSTATS']._serialized_start=921
-  _globals['_SPECULATIONSTATS']._serialized_end=991
-  _globals['_GENERATERESPONSE']._serialized_start=994
-  _globals['_GENERATERESPONSE']._serialized_end=1199
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1202
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1413
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1415
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1436
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1439
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1775
-  _globals['_GENERATIONSERVICE']._serialized_start=1953
-  _globals['_GENERATIONSERVICE']._serialized_end=2211
+  _globals['_GENERATEREQUEST']._serialized_end=406
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=409
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=541
+  _globals['_CHATMESSAGE']._serialized_start=543
+  _globals['_CHATMESSAGE']._serialized_end=587
+  _globals['_SAMPLINGPARAMS']._serialized_start=590
+  _globals['_SAMPLINGPARAMS']._serialized_end=774
+  _globals['_SPECULATIONOPTIONS']._serialized_start=776
+  _globals['_SPECULATIONOPTIONS']._serialized_end=860
+  _globals['_USAGE']._serialized_start=862
+  _globals['_USAGE']._serialized_end=942
+  _globals['_SPECULATIONSTATS']._serialized_start=944
+  _globals['_SPECULATIONSTATS']._serialized_end=1037
+  _globals['_GENERATERESPONSE']._serialized_start=1040
+  _globals['_GENERATERESPONSE']._serialized_end=1245
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1248
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1459
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1461
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1482
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1485
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1875
+  _globals['_DRAFTVARIANTINFO']._serialized_start=1877
+  _globals['_DRAFTVARIANTINFO']._serialized_end=1973
+  _globals['_GENERATIONSERVICE']._serialized_start=2151
+  _globals['_GENERATIONSERVICE']._serialized_end=2409
 # @@protoc_insertion_point(module_scope)

@@ -23,7 +23,7 @@ FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "raw_prompt", "sampling", "speculation", "cache_salt", "speculation_method", "structured")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "raw_prompt", "sampling", "speculation", "cache_salt", "speculation_method", "structured", "draft_variant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_METHOD_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VARIANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -44,7 +45,8 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     speculation_method: str
     structured: StructuredOutput
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., speculation_method: _Optional[str] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    draft_variant: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., speculation_method: _Optional[str] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., draft_variant: _Optional[str] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "grammar", "lenient_schema")
@@ -105,14 +107,16 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "proposed", "accepted")
+    __slots__ = ("rounds", "proposed", "accepted", "draft_variant")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VARIANT_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     proposed: int
     accepted: int
-    def __init__(self, rounds: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
+    draft_variant: str
+    def __init__(self, rounds: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_variant: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "speculation")
@@ -151,7 +155,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("target_model", "draft_model", "draft_method", "max_context_length", "vocab_size", "tensor_parallel_size", "num_speculative_tokens", "max_speculative_tokens", "default_max_tokens", "eos_token_ids", "served_model_name", "speculation_methods")
+    __slots__ = ("target_model", "draft_model", "draft_method", "max_context_length", "vocab_size", "tensor_parallel_size", "num_speculative_tokens", "max_speculative_tokens", "default_max_tokens", "eos_token_ids", "served_model_name", "speculation_methods", "draft_variants")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +168,7 @@ class GetModelInfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_METHODS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VARIANTS_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     draft_method: str
@@ -176,4 +181,19 @@ class GetModelInfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     served_model_name: str
     speculation_methods: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_method: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., served_model_name: _Optional[str] = ..., speculation_methods: _Optional[_Iterable[str]] = ...) -> None: ...
+    draft_variants: _containers.RepeatedCompositeFieldContainer[DraftVariantInfo]
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_method: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., served_model_name: _Optional[str] = ..., speculation_methods: _Optional[_Iterable[str]] = ..., draft_variants: _Optional[_Iterable[_Union[DraftVariantInfo, _Mapping]]] = ...) -> None: ...
+
+class DraftVariantInfo(_message.Message):
+    __slots__ = ("name", "method", "model", "weight", "control")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    method: str
+    model: str
+    weight: float
+    control: bool
+    def __init__(self, name: _Optional[str] = ..., method: _Optional[str] = ..., model: _Optional[str] = ..., weight: _Optional[float] = ..., control: _Optional[bool] = ...) -> None: ...

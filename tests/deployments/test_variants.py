@@ -1,0 +1,111 @@
+"""The A/B test of draft variants in the router: assignment by weight and by pin, and demotion of a variant that
+does worse than the control, on a synthetic drop and never on noise."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deployments.config import Demotion, DraftVariant
+from deployments.variants import Demoter, VariantTable, judge
+from specdec_core.errors import InvalidArgument
+from specdec_core.watch import AcceptanceWatch, RoundSample
+
+K = 4
+
+
+def _variants(**weights: float) -> list[DraftVariant]:
+    return [DraftVariant(name=name, method="ngram", weight=weight) for name, weight in weights.items()]
+
+
+def test_requests_are_assigned_by_weight_within_tolerance():
+    table = VariantTable(_variants(control=6, candidate=3, rare=1, off=0), "control", random.Random(0))
+    n = 20_000
+    counts = {name: 0 for name in table.names}
+    for _ in range(n):
+        counts[table.assign()] += 1
+    assert counts["off"] == 0
+    for name, share in (("control", 0.6), ("candidate", 0.3), ("rare", 0.1)):
+        sigma = (share * (1 - share) / n) ** 0.5
+        assert abs(counts[name] / n - share) < 5 * sigma, (name, counts)
+
+
+def test_a_pinned_variant_is_served_whatever_its_weight_and_an_unknown_one_is_refused():
+    table = VariantTable(_variants(control=1, off=0), "control", random.Random(0))
+    assert {table.assign("off") for _ in range(20)} == {"off"}
+    with pytest.raises(InvalidArgument) as refused:
+        table.assign("nope")
+    assert refused.value.field == "draft_variant" and "control, off" in refused.value.message
+
+
+def _rounds(watch: AcceptanceWatch, variant: str, n: int, rate: float, rng: random.Random) -> None:
+    """`n` rounds of k = K where each position is accepted with probability `rate` given those before it."""
+    for _ in range(n):
+        accepted = 0
+        while accepted < K and rng.random() < rate:
+            accepted += 1
+        watch.record(RoundSample(variant=variant, k=K, proposed=K, accepted=accepted, committed=accepted + 1,
+                                 seconds=0.1))
+
+
+RULE = Demotion(metric="either", margin=0.1, window_rounds=1000, min_rounds=200, consecutive_checks=3)
+
+
+def _trial(candidate_rate: float, checks: int, seed: int) -> tuple[list[int], VariantTable]:
+    """The checks (indices) at which the candidate was demoted, with 250 new rounds of each variant per check."""
+    rng = random.Random(seed)
+    table = VariantTable(_variants(control=1, candidate=1), "control")
+    demoter, watch, demoted = Demoter(table, RULE), AcceptanceWatch(window_rounds=RULE.window_rounds), []
+    for check in range(checks):
+        _rounds(watch, "control", 250, 0.7, rng)
+        _rounds(watch, "candidate", 250, candidate_rate, rng)
+        if demoter.check({v: watch.snapshot(v) for v in table.names}):
+            demoted.append(check)
+    return demoted, table
+
+
+def test_a_variant_whose_acceptance_drops_is_demoted_after_consecutive_checks():
+    demoted, table = _trial(candidate_rate=0.45, checks=10, seed=1)
+    # Judged from the first check (250 rounds >= min_rounds): demoted at the third in a row, once.
+    assert demoted == [2]
+    assert table.weights() == {"control": 1.0, "candidate": 0.0}
+    assert table.assign("candidate") == "candidate"  # still served to requests that pin it
+    table.set_weights({"candidate": 1.0})  # promotion: the config only
+    assert table.weights()["candidate"] == 1.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_variant_as_good_as_the_control_is_never_demoted_by_noise(seed):
+    demoted, table = _trial(candidate_rate=0.7, checks=40, seed=seed)
+    assert demoted == [] and table.weights()["candidate"] == 1.0
+
+
+def test_too_few_rounds_are_not_judged_and_the_control_is_never_demoted():
+    rng = random.Random(3)
+    watch = AcceptanceWatch()
+    _rounds(watch, "control", 100, 0.1, rng)
+    _rounds(watch, "candidate", 100, 0.9, rng)
+    assert judge(watch.snapshot("candidate"), watch.snapshot("control"), RULE) is None  # 100 < min_rounds
+    _rounds(watch, "control", 300, 0.1, rng)
+    _rounds(watch, "candidate", 300, 0.9, rng)
+    table = VariantTable(_variants(control=1, candidate=1), "control")
+    demoter = Demoter(table, RULE)
+    for _ in range(5):  # the control does far worse: nothing to demote it against
+        assert demoter.check({v: watch.snapshot(v) for v in table.names}) == []
+    assert judge(watch.snapshot("control"), None, RULE) is None
+
+
+@pytest.mark.parametrize("metric, demoted", [("acceptance", False), ("tokens_per_second", True), ("either", True)])
+def test_the_configured_metric_is_the_one_judged(metric, demoted):
+    """Same acceptance, but the candidate's rounds take twice as long (a slower draft): only tokens/s tells."""
+    rng = random.Random(4)
+    watch = AcceptanceWatch()
+    for variant, seconds in (("control", 0.1), ("candidate", 0.2)):
+        for _ in range(400):
+            accepted = rng.randint(0, K)
+            watch.record(RoundSample(variant=variant, k=K, proposed=K, accepted=accepted, committed=accepted + 1,
+                                     seconds=seconds))
+    rule = Demotion(metric=metric, margin=0.1, window_rounds=1000, min_rounds=200)
+    verdict = judge(watch.snapshot("candidate"), watch.snapshot("control"), rule)
+    assert verdict is not None and verdict.worse is demoted
