@@ -386,7 +386,8 @@ class SpecEngine:
                 outputs.append(self._final(seq, FinishReason.ERROR, failed[i]))
                 continue
             draft, n = proposal.token_ids, outcome.num_accepted
-            method = FORCED if forced[i] else self.free_drafter.name if free else self.drafter.name if k > 0 else None
+            method = (FORCED if forced[i] else self.free_drafter.name if free
+                      else (proposal.method or self.drafter.name) if k > 0 else None)
             info = RoundInfo(k=len(draft) if free else k, proposed_token_ids=tuple(draft), num_accepted=n,
                              bonus=n == len(draft), draft_probs=proposal.draft_probs,
                              target_probs=outcome.target_probs, method=method, seconds=seconds)

@@ -76,6 +76,8 @@ class Proposal:
     # proposal: the length of its match). The engine learns acceptance per label and verifies only as much of a
     # proposal as its label's record makes worth the wider verify. None: no such knowledge.
     label: str | None = None
+    # The method that proposed, where a drafter combines several (`VariantDrafter`); None: the drafter's own name.
+    method: str | None = None
 
     def prefix(self, n: int) -> "Proposal":
         """The first n proposed tokens (a proposal cut short is still a valid proposal)."""
@@ -86,6 +88,7 @@ class Proposal:
             None if self.q is None else self.q.prefix(n),
             None if self.draft_probs is None else self.draft_probs[:n],
             self.label,
+            self.method,
         )
 
 

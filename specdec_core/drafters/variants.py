@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Mapping, Sequence
 
 from specdec_core.drafters.base import DraftRequest, Drafter, Proposal
@@ -71,8 +72,9 @@ class VariantDrafter:
             answers = {name: future.result() for name, future in futures.items()}  # the first failure raises
         proposals: list[Proposal | None] = [None] * len(requests)
         for name, rows in groups.items():
+            method = self.drafters[name].name
             for i, proposal in zip(rows, answers[name]):
-                proposals[i] = proposal
+                proposals[i] = proposal if proposal.method else replace(proposal, method=method)
         return proposals  # type: ignore[return-value]  # every row was in one group
 
     def observe(self, seq_id: str, num_committed: int) -> None:

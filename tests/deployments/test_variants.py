@@ -4,6 +4,7 @@ does worse than the control, on a synthetic drop and never on noise."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -109,3 +110,71 @@ def test_the_configured_metric_is_the_one_judged(metric, demoted):
     rule = Demotion(metric=metric, margin=0.1, window_rounds=1000, min_rounds=200)
     verdict = judge(watch.snapshot("candidate"), watch.snapshot("control"), rule)
     assert verdict is not None and verdict.worse is demoted
+
+
+# -- served: a draft deployment per variant that runs a model ---------------------------------------------------------
+
+APP = "specdec-ab"
+
+
+@pytest.fixture(scope="module")
+def served_ab(served, tmp_path_factory):
+    """A second application on the session's Serve A/B-testing a draft model (its own DraftWorker deployment)
+    against n-gram lookup (in the router), every request logged."""
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.config import parse_config
+
+    address, base = served
+    directory = tmp_path_factory.mktemp("ab-proposals")
+    draft = base.draft.model_dump(mode="json")
+    config = parse_config({
+        **{k: v for k, v in base.model_dump(mode="json").items() if k != "draft"},
+        "app_name": APP,
+        "drafts": [{**draft, "name": "model", "num_replicas": 1, "weight": 1},
+                   {"name": "lookup", "method": "ngram", "num_speculative_tokens": 3, "weight": 1}],
+        "proposal_log": {"directory": str(directory), "sample_rate": 1.0},
+    })
+    serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
+    yield address, directory
+    serve.delete(APP)
+
+
+def test_served_variants_each_draft_and_are_named_in_responses_and_the_log(served_ab):
+    import grpc
+    from ray import serve
+
+    from specdec_tools.proposals import read_records
+    from specdec.v1 import generation_pb2 as pb
+    from specdec.v1 import generation_pb2_grpc as pb_grpc
+
+    address, directory = served_ab
+    assert "DraftWorker-model" in serve.status().applications[APP].deployments
+    metadata = [("application", APP)]
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # repeats: n-gram lookup finds something to propose
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=60)
+        assert {(v.name, v.method, v.control) for v in info.draft_variants} == {("model", "draft_model", True),
+                                                                               ("lookup", "ngram", False)}
+        variants = {}
+        for variant in ("model", "lookup"):
+            request = pb.GenerateRequest(request_id=f"ab-{variant}", prompt_token_ids=prompt, draft_variant=variant,
+                                         sampling=pb.SamplingParams(max_tokens=16, ignore_eos=True))
+            response = stub.Generate(request, metadata=metadata, timeout=120)
+            variants[variant] = response
+            assert response.speculation.draft_variant == variant
+        assert list(variants["model"].token_ids) == list(variants["lookup"].token_ids)  # greedy: the target's
+        unary = [stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=2)),
+                               metadata=metadata, timeout=120).speculation.draft_variant for _ in range(16)]
+        assert set(unary) == {"model", "lookup"}  # 1 : 1; both drawn in 16 but for 2 ** -15 of runs
+    deadline = time.monotonic() + 30
+    while True:
+        records = {r["request_id"]: r for r in read_records([directory / "proposals.jsonl"])
+                   if r["request_id"].startswith("ab-")} if (directory / "proposals.jsonl").exists() else {}
+        if len(records) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert {rid: (r["draft_variant"], r["method"]) for rid, r in records.items()} == {
+        "ab-model": ("model", "draft_model"), "ab-lookup": ("lookup", "ngram")}
