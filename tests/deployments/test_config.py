@@ -231,3 +231,49 @@ def test_a_proxy_location_in_a_serve_configs_args_is_called_out(caplog):
     with caplog.at_level("WARNING", logger="deployments.app"):
         build({"target": {"model": "m"}})
     assert "proxy_location" not in caplog.text
+
+
+# -- A/B of drafts -------------------------------------------------------------------------------------------------
+
+VARIANTS = [{"name": "base", "method": "draft_model", "model": "d1", "weight": 3, "num_cpus": 2},
+            {"name": "tuned", "method": "draft_model", "model": "d2", "weight": 1, "num_replicas": 2},
+            {"name": "lookup", "method": "suffix", "weight": 0}]
+
+
+def test_drafts_make_the_control_the_draft_and_a_deployment_per_model_variant():
+    from deployments.app import build_app
+    from deployments.launch import cpus_needed
+
+    config = parse_config({"target": {"model": "t"}, "drafts": VARIANTS, "ab": {"control": "tuned"}})
+    assert [v.name for v in config.variants] == ["base", "tuned", "lookup"]
+    assert config.control_variant.name == "tuned" and (config.draft.model, config.draft.num_replicas) == ("d2", 2)
+    assert parse_config(config.model_dump(mode="json")) == config  # what every deployment is handed
+    assert cpus_needed(config) == 1 + 0.5 + 2 + 1 * 2 + 1  # target, router, base, tuned x 2, Serve
+    workers = [app._bound_deployment for app in build_app(config)._bound_deployment.init_args[1:]]
+    assert [(w.name, w.init_args[1:]) for w in workers] == [
+        ("TargetWorker", ()), ("DraftWorker-base", ("base",)), ("DraftWorker-tuned", ("tuned",))]
+
+
+def test_a_single_draft_is_the_variant_default():
+    config = parse_config({"target": {"model": "t"}, "draft": {"method": "hybrid", "model": "d"}})
+    (variant,) = config.variants
+    assert (variant.name, variant.method, variant.weight) == ("default", "hybrid", 1.0)
+
+
+@pytest.mark.parametrize("change, field, words", [
+    ({"drafts": []}, "config", "at least one"),
+    ({"drafts": [{**VARIANTS[0], "method": "hybrid"}]}, "drafts.0.method", "one of draft_model, ngram, suffix"),
+    ({"drafts": [{**VARIANTS[0], "name": "Base"}]}, "drafts.0.name", "pattern"),
+    ({"drafts": [VARIANTS[0], VARIANTS[0]]}, "config", "unique"),
+    ({"drafts": [{**VARIANTS[0], "weight": 0}]}, "config", "weight > 0"),
+    ({"drafts": VARIANTS, "ab": {"control": "nope"}}, "config", "ab.control"),
+    ({"ab": {"control": "base"}}, "config", "there are none"),
+    ({"drafts": VARIANTS, "draft": {"method": "ngram"}}, "config", "give only drafts"),
+    ({"drafts": [VARIANTS[0], {**VARIANTS[1], "max_speculative_tokens": 4}]}, "config", "max_speculative_tokens"),
+    ({"drafts": VARIANTS, "ab": {"demotion": {"min_rounds": 5000}}}, "ab.demotion", "min_rounds"),
+    ({"drafts": VARIANTS, "ab": {"demotion": {"margin": 1.5}}}, "ab.demotion.margin", "less than 1"),
+])
+def test_bad_variants_are_named(change, field, words):
+    with pytest.raises(InvalidArgument) as refused:
+        parse_config({"target": {"model": "t"}, **change})
+    assert refused.value.field.startswith(field) and words in refused.value.message, refused.value.message

@@ -641,3 +641,13 @@ def test_a_single_draft_is_the_variant_default(make_router):
     with pytest.raises(RequestFailed):
         asyncio.run(router.Generate(pb.GenerateRequest(prompt_token_ids=[5], draft_variant="b"), context))
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "draft_variant" in context.details
+
+
+def test_http_pins_a_variant_and_names_it_in_speculation(ab_router):
+    router, _ = ab_router
+    app = router.__serve_build_asgi_app__()
+    body = {"model": router.served_model_name, "prompt": "ab", "max_tokens": 4, "draft_variant": "bad"}
+    status, reply = asyncio.run(_post(app, "/v1/completions", body))
+    assert status == 200 and reply["speculation"]["draft_variant"] == "bad", reply
+    status, error = asyncio.run(_post(app, "/v1/completions", {**body, "draft_variant": "ugly"}))
+    assert status == 400 and error["error"]["param"] == "draft_variant"
