@@ -5,9 +5,13 @@ PY := $(VENV)/bin/python
 SPECDEC := $(VENV)/bin/specdec
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-cluster demo bench bench-guidellm clean proto image image-test image-clean
+.PHONY: setup promtool test test-cluster demo bench bench-guidellm clean proto image image-test image-clean
 
-setup: $(STAMP)
+setup: $(STAMP) promtool
+
+# promtool (Debian's prometheus package, where apt-get is) for the alert rules' tests: scripts/install_promtool.sh.
+promtool:
+	scripts/install_promtool.sh
 
 $(STAMP): pyproject.toml tests/clients/node/package-lock.json
 	$(PYTHON) -m venv $(VENV)

@@ -6,6 +6,8 @@ The draft and verify latencies are observed by the remote drafter and target (`d
 batched call, with the same measurement the round spans carry as draft_ms / verify_ms.
 
 The workers export their prefix caches' counters (`WorkerMetrics`), read from their runners every few seconds.
+The router exports its online watch of each draft variant (`WatchMetrics`): the alert rules in
+k8s/monitoring/specdec-alerts.yaml read those gauges (docs/observability.md#alerts).
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """Hand-written structural schemas for the kinds whose CRDs are not in ../shared/k8s-schemas: Gateway API
-(gateway.networking.k8s.io/v1: Gateway, GRPCRoute, HTTPRoute) and cert-manager (cert-manager.io/v1: Certificate,
-Issuer). Each carries the required fields, enums and bounds of the upstream CRD for the parts these manifests use, and
-lists the field names allowed at those levels, so that a missing or misspelt key fails here as it would against the
-real CRD. Field names are those of Gateway API's standard channel (v1.6) and of cert-manager's v1 CRDs; fields we
+(gateway.networking.k8s.io/v1: Gateway, GRPCRoute, HTTPRoute), cert-manager (cert-manager.io/v1: Certificate,
+Issuer) and the Prometheus Operator (monitoring.coreos.com/v1: PrometheusRule). Each carries the required fields,
+enums and bounds of the upstream CRD for the parts these manifests use, and lists the field names allowed at those
+levels, so that a missing or misspelt key fails here as it would against the real CRD. Field names are those of
+Gateway API's standard channel (v1.6), of cert-manager's v1 CRDs and of the operator's PrometheusRule; fields we
 do not use are allowed but not described ({}). A few rules that upstream enforces by CEL or by cert-manager's
 webhook are written as schema here (a GRPCRoute method names a service or a method; an Issuer has one way of
-issuing; key sizes). Two are stricter than upstream: a listener's protocol must be a core one (upstream also takes
-implementation-specific names), and durations use Go's h, m, s and ms units only."""
+issuing; key sizes; a rule is an alert or a recording rule, not both). Two are stricter than upstream: a listener's
+protocol must be a core one (upstream also takes implementation-specific names), and cert-manager's durations use
+Go's h, m, s and ms units only (a PrometheusRule's take Prometheus's own, y to ms)."""
 
 from __future__ import annotations
 
@@ -120,10 +122,25 @@ ISSUER = resource("cert-manager.io/v1", "Issuer", obj(
     acme=ANY, vault=ANY, venafi=ANY,
 ) | {"minProperties": 1, "maxProperties": 1})   # exactly one way of issuing
 
+# --- Prometheus Operator v1 ------------------------------------------------------------------------------------------
+DURATION = {"type": "string",  # Prometheus's own units, largest first (the CRD's pattern)
+            "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
+STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+RULE = obj(("expr",), alert=STRING, record=STRING, expr={"type": ["string", "integer"], "minLength": 1},
+           for_=DURATION, keep_firing_for=DURATION, labels=STRING_MAP, annotations=STRING_MAP) | {
+    "oneOf": [{"required": ["alert"], "not": {"required": ["record"]}},
+              {"required": ["record"], "not": {"required": ["alert"]}}]}
+PROMETHEUS_RULE = resource("monitoring.coreos.com/v1", "PrometheusRule", obj(
+    ("groups",),
+    groups=array(obj(("name",), name=STRING, interval=DURATION, query_offset=DURATION, limit={"type": "integer"},
+                     partial_response_strategy={"type": "string"}, labels=STRING_MAP, rules=array(RULE)), 1),
+))
+
 SHAPES = {
     ("gateway.networking.k8s.io/v1", "Gateway"): GATEWAY,
     ("gateway.networking.k8s.io/v1", "GRPCRoute"): GRPC_ROUTE,
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTP_ROUTE,
     ("cert-manager.io/v1", "Certificate"): CERTIFICATE,
     ("cert-manager.io/v1", "Issuer"): ISSUER,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUS_RULE,
 }
