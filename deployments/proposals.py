@@ -54,6 +54,10 @@ class ProposalLog:
         # while its round is observed must stay discarded.
         self._lock = threading.Lock()
 
+    def set_draft(self, draft: str) -> None:
+        """Name `draft` in the records written from now on (a hot swap of the draft model)."""
+        self._models = {**self._models, "draft": draft}  # one assignment: a record has the old pair or the new
+
     def start(self, seq_id: str, request_id: str) -> bool:
         """Sample a new request. True when its rounds must carry probabilities (sampled, and include_probs). The
         caller must `discard` it when it ends, however it ends."""

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ray import serve
 
-from deployments import codec
+from deployments import codec, swap
 from deployments.auth import BearerAuth, Unauthenticated
 from deployments.config import ServeConfig
 from deployments.discovery import WorkerFollower
@@ -37,6 +37,7 @@ from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.models.loader import LoadedTokenizer
 
 log = logging.getLogger(__name__)
+serve_log = logging.getLogger("ray.serve")  # into the replica's log, unlike module loggers (see `deployments.app`)
 
 
 class RequestFailed(Exception):
@@ -96,6 +97,20 @@ class Router:
         log.info("router %s ready: %d target, %d draft replicas", self._tag,
                  len(self.target_pool.replicas) if self.target_pool else 0,
                  len(self.draft_pool.replicas) if self.draft_pool else 0)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's config update of the draft model (`deployments.swap`; also right after the constructor): what
+        GetModelInfo reports and new requests are labelled with. The draft workers swap the model themselves; a
+        session stays on the replica and the drafter it started with."""
+        old = self.config.draft.label
+        self.config = swap.apply(self.config, user_config)
+        label = self.config.draft.label
+        self.tracer.set_draft(label)
+        self.metrics.set_draft(label)
+        if self.proposals is not None:
+            self.proposals.set_draft(label)
+        if old not in (label, swap.SWAPPED_OUT):  # a swap, not the start
+            serve_log.info("router %s: the draft is now %s (was %s)", self._tag, label, old)
 
     def _why_waiting(self) -> Exception:
         """What a request that waited out the queue timeout is told."""

@@ -132,6 +132,10 @@ class RequestTracer:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
 
+    def set_draft(self, draft: str) -> None:
+        """Label the requests that start from now on with `draft` (a hot swap of the draft model)."""
+        self._draft = draft
+
     def start_request(self, seq_id: str, params: Any, parent: otel_context.Context | None, request_id: str) -> None:
         span = self._tracer.start_span(
             "text_completion " + self._model,  # GenAI convention: "{operation} {model}"
