@@ -100,3 +100,142 @@ def test_sessions_finish_on_the_draft_they_started_with_and_new_ones_use_the_new
     for request_id, *_ in new:
         assert outputs[request_id][-1].stats.accepted == 0, request_id
     assert draft.retired_models == [] and draft.active_sessions == 0  # the old drafter went with its last session
+
+
+# -- served: a config update under streaming load ------------------------------------------------------------------
+
+APP = "specdec-swap"
+STREAMS = 4
+PROMPTS = [list(range(5 + 11 * i, 17 + 11 * i)) for i in range(STREAMS)]
+MAX_TOKENS = 120  # long enough that the first request of every stream is in flight when the swap starts
+
+
+@pytest.fixture(scope="module")
+def swap_app(served, tiny_dir, near_draft_dir, tmp_path_factory):
+    """An application of its own on the session's Serve (one target, one draft replica), and a way to redeploy it
+    with another draft model as `serve.run` does. Yields (address, deploy(model))."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    address, base = served
+    worker = {"num_cpus": 0.5, "threads": 1, "max_sequences": 8, "num_replicas": 1}
+    args = {**base.model_dump(mode="json"), "app_name": APP,
+            "target": {**base.target.model_dump(mode="json"), **worker},
+            "draft": {**base.draft.model_dump(mode="json"), **worker},
+            "router": {**base.router.model_dump(mode="json"), "calibrate": False, "worker_refresh_s": 1}}
+
+    def deploy(model):
+        config = parse_config({**args, "draft": {**args["draft"], "model": str(model)}})
+        serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
+        return config
+
+    deploy(near_draft_dir)
+    yield address, deploy
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(near_draft_dir, tmp_path_factory):
+    return perturbed_checkpoint(near_draft_dir, tmp_path_factory.mktemp("swap") / "other_draft", scale=0.2, seed=5)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(tiny_dir):
+    from specdec_core.models.loader import load_model
+
+    engine = make_engine(load_model(tiny_dir / "target", dtype="float32"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    done = run_to_completion(engine, [(str(i), prompt, params, 0) for i, prompt in enumerate(PROMPTS)])
+    return [done[str(i)][0] for i in range(STREAMS)]
+
+
+def _replicas():
+    """The application's replica actors by name (Serve names them app#deployment#replica id)."""
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if f"{APP}#" in a["name"])
+
+
+def _draft_models(config):
+    """The model each draft replica serves, as its GetStats says."""
+    from tests.helpers import worker_stats
+
+    return [s.model for s in worker_stats((None, config), "draft")]
+
+
+class _Stream(threading.Thread):
+    """Greedy streams, one after another, until one has started after `swapped` was set: (tokens, error, started
+    after the swap) of each."""
+
+    def __init__(self, stub, index, swapped):
+        super().__init__(daemon=True)
+        self.stub, self.index, self.swapped = stub, index, swapped
+        self.first_chunk = threading.Event()
+        self.results = []
+
+    def run(self):
+        from specdec.v1 import generation_pb2 as pb
+
+        while True:
+            after = self.swapped.is_set()
+            message = pb.GenerateRequest(prompt_token_ids=PROMPTS[self.index],
+                                         sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+            message.speculation.num_speculative_tokens = 3
+            tokens, error = [], None
+            try:
+                for chunk in self.stub.GenerateStream(message, metadata=[("application", APP)], timeout=120):
+                    tokens.extend(chunk.token_ids)
+                    self.first_chunk.set()
+            except grpc.RpcError as exc:
+                error = exc
+            self.results.append((tokens, error, after))
+            self.first_chunk.set()
+            if after or error is not None:
+                return
+
+
+def test_a_draft_swap_under_streaming_load_fails_no_request_and_restarts_no_replica(swap_app, other_draft_dir,
+                                                                                   plain_tokens, tmp_path):
+    from specdec.v1 import generation_pb2 as pb
+    from specdec.v1 import generation_pb2_grpc as pb_grpc
+
+    address, deploy = swap_app
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.GenerationServiceStub(channel)
+    before = _replicas()
+    assert len(before) == 3, before  # router, target, draft
+    swapped = threading.Event()
+    streams = [_Stream(stub, i, swapped) for i in range(STREAMS)]
+    try:
+        for stream in streams:
+            stream.start()
+        for stream in streams:
+            stream.first_chunk.wait(120)  # every stream holds a session on the old draft
+        config = deploy(other_draft_dir)  # returns once the application runs the new config
+        swapped.set()
+        for stream in streams:
+            stream.join(180)
+        assert _replicas() == before  # reconfigured in place: no replica restarted
+        assert _draft_models(config) == [str(other_draft_dir)]
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=[("application", APP)], timeout=30)
+        assert info.draft_model == str(other_draft_dir)
+
+        for stream in streams:
+            assert [after for *_, after in stream.results][-1], "no request started after the swap"
+            for tokens, error, _ in stream.results:
+                assert error is None, error
+                assert tokens == plain_tokens[stream.index]
+
+        # A checkpoint that does not load: the draft replicas keep serving the one they have, and nothing restarts.
+        (tmp_path / "not_a_model").mkdir()
+        config = deploy(tmp_path / "not_a_model")
+        assert _draft_models(config) == [str(other_draft_dir)]
+        assert _replicas() == before
+        message = pb.GenerateRequest(prompt_token_ids=PROMPTS[0],
+                                     sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        response = stub.Generate(message, metadata=[("application", APP)], timeout=120)
+        assert list(response.token_ids) == plain_tokens[0] and response.speculation.accepted > 0
+    finally:
+        swapped.set()
+        channel.close()
