@@ -19,7 +19,7 @@ import ray
 from ray import serve
 from ray.serve.config import gRPCOptions
 
-from deployments import autoscaling, registry
+from deployments import autoscaling, registry, swap
 from deployments.auth import ENV_TOKEN, BearerAuth, load_public_token
 from deployments.config import DEFAULT_VARIANT, Placement, ServeConfig, TargetConfig, parse_config
 from deployments.discovery import WorkerFollower, wait_for_workers
@@ -34,6 +34,7 @@ from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.build import prepare_draft, prepare_model
 from specdec_core.calibration import calibrate
 from specdec_core.drafters.base import DraftContext
+from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.drafters import registry as methods
 from specdec_core.drafters.variants import VariantDrafter
 from specdec_core.engine import EngineConfig, SpecEngine
@@ -178,25 +179,62 @@ class TargetWorker(_Worker):
 
 
 class DraftWorker(_Worker):
+    """The draft model's worker. Its model comes in the deployment's user_config (`deployments.swap`): Serve calls
+    `reconfigure` with it right after `__init__`, which loads it and starts serving, and again on a config update
+    that changes only it, which swaps it in while the sessions held finish on the old one (`DraftServicer.swap`)."""
+
     kind = "draft"
 
     def __init__(self, config: dict[str, Any], variant: str | None = None) -> None:
         """`variant`: the draft variant of `drafts:` this deployment serves; None: the single `draft`."""
-        cfg = parse_config(config)
-        draft = cfg.draft if variant is None else cfg.variant(variant)
+        self.cfg = parse_config(config)
+        self.draft = self.cfg.draft if variant is None else self.cfg.variant(variant)
         self.kind = draft_kind(variant)
-        threads, cores = use_threads(draft.threads)
-        target = load_tokenizer(cfg.target.model)
-        # Refuses to start with a mismatched pair.
-        loaded = prepare_draft(draft.model, target.tokenizer, dtype=draft.dtype, device=draft.device,
+        self.servicer = None
+        self.threads, self.cores = use_threads(self.draft.threads)
+        self.target = load_tokenizer(self.cfg.target.model)
+        self.target_vocab = max(_target_vocab_size(self.target), len(self.target.tokenizer))
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Load the draft `user_config` names, off the replica's event loop (which goes on answering Serve), then
+        serve it: from the start, or in place of the one served. A model that fails to load or to match the
+        target refuses the start; a swap to one keeps the old model serving (raising would make Serve stop this
+        replica and start others that fail the same way: no draft at all)."""
+        model = swap.draft_swap(user_config).model
+        if self.servicer is None:
+            await asyncio.to_thread(self._start, model)
+        elif model != self.servicer.model_name:
+            await asyncio.to_thread(self._swap, model)
+
+    def _load(self, model: str) -> DraftModelDrafter:
+        draft = self.draft
+        # Refuses a mismatched pair.
+        loaded = prepare_draft(model, self.target.tokenizer, dtype=draft.dtype, device=draft.device,
                                quantization=draft.quantization)
-        serve_log.info("%s", worker_summary(self.kind, threads, cores, kernel_path(loaded.model)))
-        target_vocab = max(_target_vocab_size(target), len(target.tokenizer))
-        runner = ModelRunner(loaded.model, _runner_config(cfg, draft))
-        drafter = draft.drafting.build(DraftContext(draft.spec, target_vocab, runner))
+        serve_log.info("%s", worker_summary(f"{self.kind} {model}", self.threads, self.cores,
+                                            kernel_path(loaded.model)))
+        runner = ModelRunner(loaded.model, _runner_config(self.cfg, draft))
+        return draft.drafting.build(DraftContext(draft.spec, self.target_vocab, runner))
+
+    def _start(self, model: str) -> None:
         # The router's engine compiles for the same tokenizer, vocabulary and eos: the draft's masks are the target's.
-        grammars = GrammarCompiler(target.tokenizer, target_vocab, sorted(target.eos_token_ids))
-        self._serve(cfg, draft, DraftServicer(drafter, draft.model, cfg.session_idle_timeout_s, grammars))
+        grammars = GrammarCompiler(self.target.tokenizer, self.target_vocab, sorted(self.target.eos_token_ids))
+        servicer = DraftServicer(self._load(model), model, self.cfg.session_idle_timeout_s, grammars)
+        self._serve(self.cfg, self.draft, servicer)
+
+    def _swap(self, model: str) -> None:
+        old = self.servicer.model_name
+        try:
+            drafter = self._load(model)
+        except Exception as exc:
+            serve_log.error("draft worker %s keeps serving %s: swapping in %s failed: %s", self.replica_id, old,
+                            model, exc, exc_info=True)
+            return
+        held = self.servicer.active_sessions
+        self.servicer.swap(drafter, model)
+        self._metrics.serve_model(model)
+        serve_log.info("draft worker %s swapped %s for %s: new sessions draft with it, the %d held finish on the "
+                       "old one", self.replica_id, old, model, held)
 
 
 def draft_kind(variant: str | None) -> str:
@@ -323,25 +361,40 @@ def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
     cfg = config if isinstance(config, ServeConfig) else parse_config(config)
     if cfg.target.tensor_parallel_size > 1:
         _check_tensor_parallel(cfg.target)
-    args = cfg.model_dump(mode="json")
+    parts = swap.split(cfg)
+    args = parts.args
     t = cfg.target
     group = rank_group(t) if t.tensor_parallel_size > 1 else None
-    workers = [_deployment(TargetWorker, "TargetWorker", t, group, t.rank_environment).bind(args)]
-    if cfg.drafts is None and cfg.draft.runs_draft_model:
-        workers.append(_deployment(DraftWorker, "DraftWorker", cfg.draft).bind(args))
-    for variant in cfg.drafts or ():  # A/B: a deployment per variant that runs a model, scaled on its own
-        if variant.runs_draft_model:
-            workers.append(_deployment(DraftWorker, f"DraftWorker-{variant.name}", variant).bind(args, variant.name))
-    scaling: dict[str, Any] = {"num_replicas": cfg.router.num_replicas}
+    workers = [_deployment(TargetWorker, "TargetWorker", t, group, t.rank_environment)
+               .options(**_versioned("TargetWorker", args)).bind(args)]
+    # A draft deployment for a single draft that runs a model, or one per such variant of an A/B (each scaled on
+    # its own); each takes its model in its user_config.
+    for name, user_config in parts.workers.items():
+        variant = name.removeprefix("DraftWorker-") if cfg.drafts is not None else None
+        placement = cfg.draft if variant is None else cfg.variant(variant)
+        workers.append(_deployment(DraftWorker, name, placement)
+                       .options(user_config=user_config, **_versioned(name, args))
+                       .bind(args, *([variant] if variant else [])))
+    options: dict[str, Any] = {"num_replicas": cfg.router.num_replicas}
     if cfg.router.autoscaling is not None:
-        scaling = {"autoscaling_config": cfg.router.autoscaling.model_dump()}
+        options = {"autoscaling_config": cfg.router.autoscaling.model_dump()}
+    if parts.router is not None:  # the variants' models (what it reports and labels with) and weights
+        options["user_config"] = parts.router
     router = RouterDeployment.options(
         ray_actor_options=_actor_options(cfg.router.num_cpus, resources=cfg.router.resources,
                                          env=_auth_environment()),
         max_ongoing_requests=cfg.router.max_ongoing_requests,
-        **scaling,
+        **options,
+        **_versioned("Router", args),
     )
     return router.bind(functools.partial(connect_router, args), *workers)
+
+
+def _versioned(name: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The deployment's version (`swap.version`), through the option Serve keeps for itself (`_internal`): the
+    only way, in Ray 2.60, for `serve.run` to update a running deployment in place rather than restart it. Under
+    `serve deploy` Serve sets its own, from the application's `args`."""
+    return {"version": swap.version(name, args), "_internal": True}
 
 
 def _auth_environment() -> dict[str, str]:

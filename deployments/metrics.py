@@ -71,8 +71,18 @@ class ServingMetrics:
                                  tag_keys=(*_PAIR, "variant"))
         self.slots = Gauge("specdec_kv_slots_in_use", "Sessions this router holds in the workers' KV caches.",
                            tag_keys=(*_PAIR, "worker"))
-        for metric in (self.requests, self.ttft, self.tpot, self.duration, self.acceptance, self.accepted_per_round,
-                       self.proposed, self.accepted, self.k, self.draft_latency, self.verify_latency, self.fallbacks, self.slots):
+        self._metrics = (self.requests, self.ttft, self.tpot, self.duration, self.acceptance, self.accepted_per_round,
+                         self.proposed, self.accepted, self.k, self.draft_latency, self.verify_latency, self.fallbacks,
+                         self.slots)
+        self._set_tags()
+
+    def set_draft(self, draft: str) -> None:
+        """Label what is observed from now on with `draft` (a hot swap of the draft model)."""
+        self._tags = {**self._tags, "draft": draft}
+        self._set_tags()
+
+    def _set_tags(self) -> None:
+        for metric in self._metrics:  # each takes the tags it has keys for (`variant`: the request's own metrics)
             metric.set_default_tags({key: value for key, value in self._tags.items() if key in metric._tag_keys})
 
     def round(self, k: int, proposed: int, accepted: int, method: str | None = None,
@@ -142,8 +152,13 @@ class WorkerMetrics:
                            tag_keys=tags)
         self.entries = Gauge("specdec_prefix_cache_entries", "Prefix-cache entries held (ended sequences).",
                              tag_keys=tags)
+        self.worker = worker
+        self.serve_model(model)
+
+    def serve_model(self, model: str) -> None:
+        """Tag what follows with `model`, whose worker's counters start from zero (a hot swap's new runner)."""
         for metric in (self.queried, self.hits, self.evictions, self.bytes, self.entries):
-            metric.set_default_tags({"worker": worker, "model": model})
+            metric.set_default_tags({"worker": self.worker, "model": model})
         self._last = (0, 0, 0)
 
     def update(self, stats: Any) -> None:

@@ -55,6 +55,10 @@ class ProposalLog:
         # while its round is observed must stay discarded.
         self._lock = threading.Lock()
 
+    def set_draft(self, draft: str) -> None:
+        """Name `draft` in the records written from now on (a hot swap of the draft model)."""
+        self._models = {**self._models, "draft": draft}  # one assignment: a record has the old pair or the new
+
     def start(self, seq_id: str, request_id: str, draft_variant: str | None = None) -> bool:
         """Sample a new request (`draft_variant`: the draft variant it drafts with, recorded where given). True when
         its rounds must carry probabilities (sampled, and include_probs). The caller must `discard` it when it

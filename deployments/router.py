@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ray import serve
 
-from deployments import codec
+from deployments import codec, swap
 from deployments.auth import BearerAuth, Unauthenticated
 from deployments.config import ServeConfig
 from deployments.discovery import WorkerFollower
@@ -39,6 +39,7 @@ from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.models.loader import LoadedTokenizer
 
 log = logging.getLogger(__name__)
+serve_log = logging.getLogger("ray.serve")  # into the replica's log, unlike module loggers (see `deployments.app`)
 
 
 class RequestFailed(Exception):
@@ -99,6 +100,26 @@ class Router:
         log.info("router %s ready: %d target, %d draft replicas", self._tag,
                  len(self.target_pool.replicas) if self.target_pool else 0,
                  sum(len(pool.replicas) for pool in self.draft_pools.values()))
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's config update of the draft variants' models and weights (`deployments.swap`; also right after
+        the constructor): what GetModelInfo reports, what new requests are labelled with, and the weights they are
+        assigned by (a demoted variant's comes back only this way). The draft workers swap the models themselves;
+        a session stays on the replica and the drafter it started with."""
+        old = {v.name: (v.model, v.weight) for v in self.config.variants}
+        self.config = swap.apply(self.config, user_config)
+        label = self.config.draft.label
+        self.tracer.set_draft(label)
+        self.metrics.set_draft(label)
+        if self.proposals is not None:
+            self.proposals.set_draft(label)
+        self.ab.reconfigure(self.config)
+        started, self._configured = getattr(self, "_configured", False), True  # the first call: the start
+        for variant in self.config.variants:
+            was = old[variant.name]
+            if started and was != (variant.model, variant.weight):
+                serve_log.info("router %s: draft variant %s is now %s, weight %g (was %s, weight %g)", self._tag,
+                               variant.name, variant.model or variant.method, variant.weight, was[0], was[1])
 
     def _why_waiting(self) -> Exception:
         """What a request that waited out the queue timeout is told."""

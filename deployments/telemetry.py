@@ -133,6 +133,10 @@ class RequestTracer:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
 
+    def set_draft(self, draft: str) -> None:
+        """Label the requests that start from now on with `draft` (a hot swap of the draft model)."""
+        self._draft = draft
+
     def start_request(self, seq_id: str, params: Any, parent: otel_context.Context | None, request_id: str,
                       draft_variant: str | None = None) -> None:
         span = self._tracer.start_span(

@@ -150,6 +150,11 @@ class ABTest:
         self._thread = threading.Thread(target=self._run, name="draft-variants", daemon=True)
         self._thread.start()
 
+    def reconfigure(self, cfg: ServeConfig) -> None:
+        """A config update (`Router.reconfigure`): the variants' models, and their configured weights again."""
+        self.variants = {v.name: v for v in cfg.variants}
+        self.table.set_weights({v.name: v.weight for v in cfg.variants})
+
     # -- requests (the event loop, then the engine thread) ------------------------------------------------------
 
     def assign(self, pinned: str | None) -> str:

@@ -270,15 +270,39 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
     def __init__(self, drafter: DraftModelDrafter, model_name: str, idle_timeout_s: float = 300.0,
                  grammars: GrammarCompiler | None = None) -> None:
         super().__init__(model_name, idle_timeout_s)
-        self.drafter = drafter
+        self.drafter = drafter  # new sessions start on it
         self.grammars = grammars
         self._tokens: dict[str, list[int]] = {}
         self._grammar_states: dict[str, GrammarState] = {}
+        # Each session drafts to its end with the drafter it started on (a swap must not change a session's q
+        # mid-way: its cache and its proposals are that model's). Swapped-out drafters stay until their last
+        # session is released or expires.
+        self._drafter_of: dict[str, DraftModelDrafter] = {}
+        self._retired: dict[int, tuple[DraftModelDrafter, str]] = {}  # id(drafter) -> (drafter, model name)
 
     def _free(self, seq_id: str) -> None:
         self._tokens.pop(seq_id, None)
         self._grammar_states.pop(seq_id, None)
-        self.drafter.release(seq_id)
+        drafter = self._drafter_of.pop(seq_id, self.drafter)
+        drafter.release(seq_id)
+        if id(drafter) in self._retired and not drafter.active_sequences:
+            _, name = self._retired.pop(id(drafter))
+            log.info("freed the swapped-out draft %s: its last session ended", name)
+
+    def swap(self, drafter: DraftModelDrafter, model_name: str) -> None:
+        """Start new sessions on `drafter` (`model_name`) from now on; the sessions held go on with the drafter
+        they started on, which is freed after the last of them (`_free`)."""
+        with self._lock:
+            old, old_name = self.drafter, self.model_name
+            if old.active_sequences:
+                self._retired[id(old)] = (old, old_name)
+            self.drafter, self.model_name = drafter, model_name
+
+    @property
+    def retired_models(self) -> list[str]:
+        """Swapped-out models that still hold sessions."""
+        with self._lock:
+            return [name for _, name in self._retired.values()]
 
     @property
     def runner(self) -> ModelRunner:
@@ -299,6 +323,7 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
         cached = []
         for item in items:
             cached.append(self.drafter.start(item.seq_id, item.token_ids, item.cache_salt))
+            self._drafter_of[item.seq_id] = self.drafter
             self._tokens[item.seq_id] = item.token_ids
             self._started([item.seq_id])
         return wpb.StartResponse(cached_tokens=cached)
@@ -314,10 +339,23 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
                 raise InvalidArgument(
                     "num_committed", f"session {item.seq_id!r} has {len(tokens)} tokens, router says {item.num_committed}"
                 )
-            self.drafter.observe(item.seq_id, len(tokens))
+            self._drafter_of[item.seq_id].observe(item.seq_id, len(tokens))
             requests.append(codec.decode_propose_item(item, tokens, self._grammar(item, tokens)))
-        proposals = self.drafter.propose(requests)
+        proposals = self._propose(request.items, requests)
         return wpb.ProposeResponse(proposals=[codec.encode_proposal(p) for p in proposals])
+
+    def _propose(self, items: Any, requests: list[Any]) -> list[Any]:
+        """Each drafter proposes for its own sessions (one batch each: more than one only during a swap), in the
+        order of `requests`."""
+        groups: dict[int, list[int]] = {}
+        for i, item in enumerate(items):
+            groups.setdefault(id(self._drafter_of[item.seq_id]), []).append(i)
+        proposals: list[Any] = [None] * len(requests)
+        for indices in groups.values():
+            drafter = self._drafter_of[items[indices[0]].seq_id]
+            for i, proposal in zip(indices, drafter.propose([requests[i] for i in indices])):
+                proposals[i] = proposal
+        return proposals
 
     def _grammar(self, item: wpb.ProposeRequest.Item, tokens: list[int]) -> GrammarState | None:
         """The session's grammar after its committed tokens: the one the item brings, moved along the output so

@@ -207,3 +207,20 @@ def satisfies_served_schema(value) -> bool:
             and value["name"] in ("add", "mean", "count") and isinstance(value["size"], int)
             and 0 <= value["size"] <= 99 and len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b"}
             and len(value.get("note", "")) <= 6)
+
+
+def perturbed_checkpoint(source, out, scale: float, seed: int = 0):
+    """A copy of the checkpoint directory `source` at `out` (tokenizer and config included) with Gaussian noise on
+    every weight, as `perturbed` does to a loaded model: another draft of the same family and vocabulary."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, out)
+    gen = torch.Generator().manual_seed(seed)
+    for file in out.glob("*.safetensors"):
+        state = load_file(file)
+        noisy = {k: (v + torch.randn(v.shape, generator=gen) * scale * v.float().std().clamp(min=1e-3)).to(v.dtype)
+                 for k, v in state.items()}
+        save_file(noisy, file, metadata={"format": "pt"})
+    return out
