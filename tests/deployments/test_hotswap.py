@@ -30,10 +30,30 @@ def _config(model="near", **draft):
 
 def test_only_the_user_config_changes_with_the_draft_model():
     a, b = swap.split(_config("a")), swap.split(_config("b"))
-    assert (a.user_config, b.user_config) == ({"model": "a"}, {"model": "b"})
+    assert (a.workers, b.workers) == ({"DraftWorker": {"model": "a"}}, {"DraftWorker": {"model": "b"}})
+    assert b.router == {"variants": {"default": {"model": "b"}}}
     assert a.args == b.args and a.args["draft"]["model"] == swap.SWAPPED_OUT
     assert swap.version("DraftWorker", a.args) == swap.version("DraftWorker", b.args)
-    assert swap.apply(parse_config(a.args), b.user_config) == _config("b")
+    assert swap.apply(parse_config(a.args), b.router) == _config("b")
+
+
+def _variants(base="a", tuned="b", weights=(3, 1)):
+    return parse_config({"target": {"model": "t"}, "drafts": [
+        {"name": "base", "method": "draft_model", "model": base, "weight": weights[0]},
+        {"name": "tuned", "method": "draft_model", "model": tuned, "weight": weights[1]},
+        {"name": "lookup", "method": "suffix", "weight": 1}]})
+
+
+def test_each_variants_model_and_every_weight_swap_without_changing_the_args():
+    a, b = swap.split(_variants()), swap.split(_variants(tuned="c", weights=(1, 0)))
+    assert a.args == b.args and {v["model"] for v in a.args["drafts"][:2]} == {swap.SWAPPED_OUT}
+    assert b.workers == {"DraftWorker-base": {"model": "a"}, "DraftWorker-tuned": {"model": "c"}}
+    assert b.router == {"variants": {"base": {"model": "a", "weight": 1}, "tuned": {"model": "c", "weight": 0},
+                                     "lookup": {"weight": 1}}}
+    assert swap.apply(parse_config(a.args), b.router) == _variants(tuned="c", weights=(1, 0))
+    with pytest.raises(InvalidArgument) as err:
+        swap.apply(parse_config(a.args), {"variants": {"other": {"weight": 1}}})
+    assert err.value.field == "user_config.variants" and "other" in err.value.message
 
 
 def test_what_needs_a_restart_changes_the_version():
@@ -45,7 +65,7 @@ def test_what_needs_a_restart_changes_the_version():
 
 def test_without_a_draft_model_nothing_swaps():
     ngram = parse_config({"target": {"model": "t"}, "draft": {"method": "ngram"}})
-    assert swap.split(ngram) == swap.Split(ngram.model_dump(mode="json"), None)
+    assert swap.split(ngram) == swap.Split(ngram.model_dump(mode="json"), {}, None)
 
 
 @pytest.mark.parametrize("user_config", [None, {}, {"model": ""}, {"model": "m", "dtype": "float32"}])

@@ -137,7 +137,7 @@ def served_ab(served, tmp_path_factory):
         "proposal_log": {"directory": str(directory), "sample_rate": 1.0},
     })
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
-    yield address, directory
+    yield address, directory, config
     serve.delete(APP)
 
 
@@ -149,7 +149,7 @@ def test_served_variants_each_draft_and_are_named_in_responses_and_the_log(serve
     from specdec.v1 import generation_pb2 as pb
     from specdec.v1 import generation_pb2_grpc as pb_grpc
 
-    address, directory = served_ab
+    address, directory, _ = served_ab
     assert "DraftWorker-model" in serve.status().applications[APP].deployments
     metadata = [("application", APP)]
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # repeats: n-gram lookup finds something to propose
@@ -178,3 +178,37 @@ def test_served_variants_each_draft_and_are_named_in_responses_and_the_log(serve
         time.sleep(0.2)
     assert {rid: (r["draft_variant"], r["method"]) for rid, r in records.items()} == {
         "ab-model": ("model", "draft_model"), "ab-lookup": ("lookup", "ngram")}
+
+
+def test_served_weights_change_by_a_config_update_without_restarting_a_replica(served_ab):
+    """Promotion (or demotion) by config: a redeploy that changes only weights reconfigures the routers in place."""
+    import grpc
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.config import parse_config
+    from specdec.v1 import generation_pb2 as pb
+    from specdec.v1 import generation_pb2_grpc as pb_grpc
+
+    address, _, config = served_ab
+
+    def replicas():  # the application's replica actors (Serve names them app#deployment#replica id)
+        import ray
+
+        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if f"{APP}#" in a["name"])
+
+    def weights():
+        with grpc.insecure_channel(address) as channel:
+            info = pb_grpc.GenerationServiceStub(channel).GetModelInfo(
+                pb.GetModelInfoRequest(), metadata=[("application", APP)], timeout=60)
+        return {v.name: v.weight for v in info.draft_variants}
+
+    assert weights() == {"model": 1.0, "lookup": 1.0}
+    before = replicas()
+    assert len(before) >= 3  # the router, the target worker, the model variant's draft worker
+    data = config.model_dump(mode="json")
+    data["drafts"][1]["weight"] = 0.0
+    data.pop("draft")
+    serve.run(build_app(parse_config(data)), name=APP, route_prefix=f"/{APP}")
+    assert weights() == {"model": 1.0, "lookup": 0.0}
+    assert replicas() == before
