@@ -3,7 +3,7 @@
 It is the data for distilling a better draft and for watching acceptance drift. Opt-in (`proposal_log` in the
 config), sampled per request, and written off the round's path: the engine thread only puts a record on a
 queue; a `logging.handlers.QueueListener` thread writes it to rotating files. No prompt text is ever written;
-token ids of the proposals only.
+token ids of the proposals only (and, opted in, of the context before each round).
 
 Record: {"ts": unix seconds, "request_id", "round": index, "position": output tokens before the round, "k",
 "proposed": [token ids], "accepted": count, "bonus": bool, "method": the drafting method that proposed them
@@ -12,7 +12,10 @@ served draft (model or method)}, and with
 `include_probs` also "q": [the draft's probability of each proposed token] and "p": [the target's], rounded to 6
 significant digits. Both are taken under the request's processed distribution (temperature, top-k, top-p; q as the
 draft sampled it, its support cut included); greedy requests report the plain softmax (temperature 1); an n-gram
-draft's q is 1. Only sampled requests ask the workers for them (`start` says whether to).
+draft's q is 1. Only sampled requests ask the workers for them (`start` says whether to). With
+`include_context_tokens` N > 0 also "context": the last N token ids committed before the round (the prompt's, then
+the output's), what `specdec distill --proposal-log` needs to teach the draft where it was rejected. Token ids are
+the text: such a log holds windows of prompts and outputs, which is why it is off unless asked for.
 
 `specdec proposals stats FILE...` (specdec_tools.proposals) summarises acceptance by draft position and the mismatch rate over time, and,
 when records carry q and p, their means over accepted and rejected proposals.
@@ -27,18 +30,32 @@ import queue
 import random
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from specdec_core.engine import RequestOutput
 
 
+@dataclass
+class _Sampled:
+    """A sampled request's share of the log: its id, rounds logged, and (opted in) its last committed tokens."""
+
+    request_id: str
+    rounds: int = 0
+    context: deque = field(default_factory=lambda: deque(maxlen=0))
+
+
 class ProposalLog:
     def __init__(self, directory: str | Path, sample_rate: float, target: str, draft: str,
-                 max_bytes: int = 64 * 1024 * 1024, backup_count: int = 5, include_probs: bool = False) -> None:
+                 max_bytes: int = 64 * 1024 * 1024, backup_count: int = 5, include_probs: bool = False,
+                 include_context_tokens: int = 0) -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         self.sample_rate = sample_rate
         self.include_probs = include_probs
+        self.include_context_tokens = include_context_tokens
         self._models = {"target": target, "draft": draft}
         handler = logging.handlers.RotatingFileHandler(path / "proposals.jsonl", maxBytes=max_bytes,
                                                        backupCount=backup_count, encoding="utf-8")
@@ -49,18 +66,20 @@ class ProposalLog:
         self._closed = False
         self._logger = logging.Logger(f"specdec.proposals.{id(self)}")  # not in the logging tree: no propagation
         self._logger.addHandler(logging.handlers.QueueHandler(self._queue))
-        self._sampled: dict[str, tuple[str, int]] = {}  # session -> (request id, rounds logged)
+        self._sampled: dict[str, _Sampled] = {}  # session -> its state
         # `observe` runs on the engine thread, `start` and `discard` on the router's event loop: a request discarded
         # while its round is observed must stay discarded.
         self._lock = threading.Lock()
 
-    def start(self, seq_id: str, request_id: str) -> bool:
+    def start(self, seq_id: str, request_id: str, prompt_ids: Sequence[int] = ()) -> bool:
         """Sample a new request. True when its rounds must carry probabilities (sampled, and include_probs). The
-        caller must `discard` it when it ends, however it ends."""
+        caller must `discard` it when it ends, however it ends. `prompt_ids`: the start of its context (only its
+        last include_context_tokens are kept, and only then)."""
         if random.random() >= self.sample_rate:
             return False
+        n = self.include_context_tokens
         with self._lock:
-            self._sampled[seq_id] = (request_id, 0)
+            self._sampled[seq_id] = _Sampled(request_id, context=deque(prompt_ids[-n:] if n else (), maxlen=n))
         return self.include_probs
 
     def discard(self, seq_id: str) -> None:
@@ -81,15 +100,16 @@ class ProposalLog:
             entry = self._sampled.get(seq_id)
             if entry is None:
                 return
-            request_id, index = entry
+            index, context = entry.rounds, list(entry.context) if logged and self.include_context_tokens else None
+            entry.context.extend(output.new_token_ids)  # a deque of maxlen N: it keeps the last N
             if output.finished:
                 del self._sampled[seq_id]
             elif logged:
-                self._sampled[seq_id] = (request_id, index + 1)
+                entry.rounds += 1
         if logged:
             record = {
                 "ts": round(time.time(), 3),
-                "request_id": request_id,
+                "request_id": entry.request_id,
                 "round": index,
                 "position": output.num_output_tokens - len(output.new_token_ids),
                 "k": info.k,
@@ -100,6 +120,7 @@ class ProposalLog:
                 **self._models,
                 **_probs("q", info.draft_probs),
                 **_probs("p", info.target_probs),
+                **({} if context is None else {"context": context}),
             }
             self._logger.info(json.dumps(record, separators=(",", ":")))
 

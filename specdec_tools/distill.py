@@ -150,7 +150,7 @@ def run_distill(config: DistillConfig) -> dict[str, Any]:
 def _train_and_write(config: DistillConfig, draft: LoadedModel, examples: list[Example],
                      shared_vocab: int) -> TrainResult:
     """Train the draft (resuming from DIR/work/checkpoint.pt if there) and write it, merged, to DIR."""
-    module = trainable(use_causal_attention(draft.model), config.lora_rank)
+    module = trainable(use_causal_attention(draft.model), config.lora_rank, seed=config.seed)
     train_config = TrainConfig(steps=config.steps, batch_size=config.batch_size, learning_rate=config.learning_rate,
                                checkpoint_every=config.checkpoint_every, seed=config.seed)
     with tqdm(total=config.steps, desc="training", unit="step") as bar:

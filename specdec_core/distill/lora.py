@@ -7,6 +7,7 @@ frozen (under LoRA). Dropout is 0: the run is then a pure function of the seed, 
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from specdec_core.models.transformer import Transformer
@@ -18,9 +19,11 @@ def projection_names(model: Transformer) -> list[str]:
                    if isinstance(module, nn.Linear)})
 
 
-def trainable(model: Transformer, rank: int, alpha: float | None = None) -> nn.Module:
+def trainable(model: Transformer, rank: int, alpha: float | None = None, seed: int = 0) -> nn.Module:
     """The module to train: `model` wrapped with LoRA adapters of `rank` (alpha 2 * rank unless given), or at
-    rank 0 `model` itself with every weight trainable. Mutates `model` (adapters are injected into it)."""
+    rank 0 `model` itself with every weight trainable. Mutates `model` (adapters are injected into it). The
+    adapters' initial weights are drawn from `seed` (peft draws from torch's global generator: forked here, so
+    neither the caller's stream nor the adapters depend on what ran before)."""
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
     if rank == 0:
@@ -29,7 +32,9 @@ def trainable(model: Transformer, rank: int, alpha: float | None = None) -> nn.M
 
     config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
                         target_modules=projection_names(model), bias="none")
-    return get_peft_model(model, config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
 
 
 def merged(module: nn.Module) -> Transformer:

@@ -104,7 +104,7 @@ def train(module: nn.Module, examples: Sequence[Example], config: TrainConfig, *
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params.values(), config.max_grad_norm)
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         done = step + 1
         if checkpoint is not None and (done % config.checkpoint_every == 0 or done == config.steps):
             _save(checkpoint, fingerprint, done, params, optimizer)

@@ -167,3 +167,37 @@ def test_hybrid_records_say_which_method_proposed(tmp_path, tiny_dir, near_draft
     records = list(read_records([tmp_path / "proposals.jsonl"]))
     assert [r["method"] for r in records if r["proposed"]] == methods
     assert "suffix" in methods
+
+
+def test_opted_in_records_carry_the_tokens_before_their_round(tmp_path, tiny_dir, near_draft_dir):
+    target, draft = load_model(tiny_dir / "target", dtype="float32"), load_model(near_draft_dir, dtype="float32")
+    engine = make_engine(target, draft.model)
+    log = ProposalLog(tmp_path, sample_rate=1.0, target="t", draft="d", include_context_tokens=8)
+    prompt = list(range(10, 30))
+    log.start("s", "req", prompt)
+    engine.add_request("s", prompt, SamplingParams(max_tokens=20, ignore_eos=True), 3)
+    tokens = list(prompt)
+    while engine.has_work:
+        for out in engine.step():
+            log.observe(out.seq_id, out)
+            tokens += out.new_token_ids
+    log.close()
+    records = list(read_records([tmp_path / "proposals.jsonl"]))
+    assert records
+    for r in records:
+        before = len(prompt) + r["position"]  # tokens committed before the round
+        assert r["context"] == tokens[before - 8:before]
+
+
+def test_context_is_off_by_default(tmp_path, tiny_dir, near_draft_dir):
+    target, draft = load_model(tiny_dir / "target", dtype="float32"), load_model(near_draft_dir, dtype="float32")
+    engine = make_engine(target, draft.model)
+    log = ProposalLog(tmp_path, sample_rate=1.0, target="t", draft="d")
+    log.start("s", "req", list(range(10, 30)))
+    engine.add_request("s", list(range(10, 30)), SamplingParams(max_tokens=12, ignore_eos=True), 3)
+    while engine.has_work:
+        for out in engine.step():
+            log.observe(out.seq_id, out)
+    log.close()
+    records = list(read_records([tmp_path / "proposals.jsonl"]))
+    assert records and not any("context" in r for r in records)
