@@ -20,6 +20,7 @@ from specdec_core.config import SamplingParams
 from specdec_core.distill.data import Example, TrainingSequence, score
 from specdec_core.distill.forward import use_causal_attention
 from specdec_core.drafters import registry
+from specdec_core.errors import InvalidArgument
 from specdec_core.models.loader import load_model
 from specdec_core.runner import RunnerConfig
 from specdec_tools.reports import write_report
@@ -28,15 +29,18 @@ log = logging.getLogger(__name__)
 
 
 def split_prompts(texts: Sequence[str], holdout_fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """(train, held out): a seeded shuffle of the prompts, the first round(fraction * n) held out (at least one
-    each side). Deterministic, so a rerun holds out the same prompts."""
-    if len(texts) < 2:
-        raise ValueError("distillation needs at least 2 prompts: one to train on, one to hold out")
-    order = list(range(len(texts)))
+    """(train, held out): the distinct prompts in a seeded shuffle, the first round(fraction * n) held out (at
+    least one each side). A prompt given twice counts once, so it is never on both sides. Deterministic: a rerun
+    holds out the same prompts."""
+    distinct = list(dict.fromkeys(texts))
+    if len(distinct) < 2:
+        raise InvalidArgument("--prompts", "distillation needs at least 2 distinct prompts: one to train on, one to "
+                                           "hold out")
+    order = list(range(len(distinct)))
     random.Random(seed).shuffle(order)
-    n_held = min(len(texts) - 1, max(1, round(holdout_fraction * len(texts))))
+    n_held = min(len(distinct) - 1, max(1, round(holdout_fraction * len(distinct))))
     held = set(order[:n_held])
-    return [t for i, t in enumerate(texts) if i not in held], [t for i, t in enumerate(texts) if i in held]
+    return ([t for i, t in enumerate(distinct) if i not in held], [t for i, t in enumerate(distinct) if i in held])
 
 
 @dataclass(frozen=True)
