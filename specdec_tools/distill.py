@@ -187,8 +187,10 @@ def _check(config: DistillConfig) -> None:
         raise InvalidArgument("--lora-rank", f"must be >= 0 (0: full fine-tuning), got {config.lora_rank}")
     if not 0 < config.holdout_fraction < 1:
         raise InvalidArgument("--holdout-fraction", f"must be in (0, 1), got {config.holdout_fraction}")
-    if config.top_k <= 0 or config.batch_size <= 0 or config.checkpoint_every <= 0 or config.eval_k <= 0:
-        raise InvalidArgument("--top-k", "--top-k, --batch-size, --checkpoint-every and --eval-k must be > 0")
+    for flag, value in (("--top-k", config.top_k), ("--batch-size", config.batch_size),
+                        ("--checkpoint-every", config.checkpoint_every), ("--eval-k", config.eval_k)):
+        if value <= 0:
+            raise InvalidArgument(flag, f"must be > 0, got {value}")
     for path in config.proposal_logs:
         if not path.is_file():
             raise InvalidArgument("--proposal-log", f"{str(path)!r} is not a file")

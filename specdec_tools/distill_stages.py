@@ -9,7 +9,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from tqdm import tqdm
@@ -20,6 +20,7 @@ from specdec_core.config import SamplingParams
 from specdec_core.distill.data import Example, TrainingSequence, score
 from specdec_core.distill.forward import use_causal_attention
 from specdec_core.drafters import registry
+from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
 from specdec_core.models.loader import load_model
 from specdec_core.runner import RunnerConfig
@@ -61,21 +62,28 @@ def completions(target: str, texts: Sequence[str], *, max_new_tokens: int, dtype
         runner = RunnerConfig(num_slots=batch, max_seq_len=max(map(len, prompts.values())) + max_new_tokens + 1)
         engine = build_engine(loaded, None, DraftSpec(method=registry.NONE), runner_config=runner)
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        for i in missing:
+            engine.add_request(str(i), prompts[i], params, 0)
         with tqdm(total=len(texts), initial=len(done), desc="target completions", unit="prompt") as bar, \
                 cache.open("a", encoding="utf-8") as out:
-            for i in missing:
-                engine.add_request(str(i), prompts[i], params, 0)
-            outputs: dict[str, list[int]] = {str(i): [] for i in missing}
-            while engine.has_work:
-                for step in engine.step():
-                    outputs[step.seq_id] += step.new_token_ids
-                    if step.finished:
-                        i = int(step.seq_id)
-                        done[i] = Completion(tuple(prompts[i]), tuple(outputs[step.seq_id]))
-                        out.write(json.dumps({"index": i, "prompt_ids": prompts[i], "completion_ids": outputs[step.seq_id]}) + "\n")
-                        out.flush()
-                        bar.update(1)
+            for i, completion in _run(engine, prompts):
+                done[i] = completion
+                out.write(json.dumps({"index": i, "prompt_ids": completion.prompt_ids,
+                                      "completion_ids": completion.completion_ids}) + "\n")
+                out.flush()
+                bar.update(1)
     return [done[i] for i in range(len(texts))]
+
+
+def _run(engine: SpecEngine, prompts: dict[int, list[int]]) -> Iterator[tuple[int, Completion]]:
+    """(index, completion) of each request queued in `engine` (named by its prompt's index), as each finishes."""
+    outputs: dict[int, list[int]] = {i: [] for i in prompts}
+    while engine.has_work:
+        for step in engine.step():
+            i = int(step.seq_id)
+            outputs[i] += step.new_token_ids
+            if step.finished:
+                yield i, Completion(tuple(prompts[i]), tuple(outputs[i]))
 
 
 def _read_completions(path: Path) -> dict[int, Completion]:
