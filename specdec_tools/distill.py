@@ -28,7 +28,7 @@ from specdec_core.distill.data import Example, TrainingSequence, completion_sequ
 from specdec_core.distill.forward import use_causal_attention
 from specdec_core.distill.lora import merged, trainable
 from specdec_core.distill.save import write_draft
-from specdec_core.distill.train import TrainConfig, TrainResult, train
+from specdec_core.distill.train import TrainConfig, TrainResult, checkpoint_step, train
 from specdec_core.errors import InvalidArgument
 from specdec_core.models.loader import LoadedModel, load_model, resolve_source
 from specdec_tools import distill_stages as stages
@@ -153,14 +153,16 @@ def _train_and_write(config: DistillConfig, draft: LoadedModel, examples: list[E
     module = trainable(use_causal_attention(draft.model), config.lora_rank, seed=config.seed)
     train_config = TrainConfig(steps=config.steps, batch_size=config.batch_size, learning_rate=config.learning_rate,
                                checkpoint_every=config.checkpoint_every, seed=config.seed)
-    with tqdm(total=config.steps, desc="training", unit="step") as bar:
+    checkpoint = config.work / "checkpoint.pt"
+    # The bar starts where the checkpoint does, so its rate and ETA count only the steps this run makes.
+    with tqdm(total=config.steps, initial=min(checkpoint_step(checkpoint), config.steps), desc="training",
+              unit="step") as bar:
         def on_step(step: int, loss: float) -> None:
             bar.update(step - bar.n)
             bar.set_postfix(loss=f"{loss:.4f}")
 
         result = train(module, examples, train_config, draft_rows=draft.model.vocab_size, shared_vocab=shared_vocab,
-                       checkpoint=config.work / "checkpoint.pt", on_step=on_step)
-        bar.update(config.steps - bar.n)
+                       checkpoint=checkpoint, on_step=on_step)
     write_draft(merged(module), draft, config.out)
     return result
 

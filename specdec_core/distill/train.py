@@ -114,6 +114,11 @@ def train(module: nn.Module, examples: Sequence[Example], config: TrainConfig, *
     return TrainResult(tuple(losses), start)
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint at `path` resumes from (0 if there is none); maps the file rather than reading it."""
+    return int(torch.load(path, weights_only=True, mmap=True)["step"]) if path.exists() else 0
+
+
 def _fingerprint(config: TrainConfig, examples: Sequence[Example], params: dict[str, torch.Tensor]) -> str:
     """What a checkpoint must have been trained on to be resumed: the config, the data and the trainable
     parameters' names and shapes. Not the step count: a rerun with more steps goes on from the checkpoint (on

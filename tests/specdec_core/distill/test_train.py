@@ -11,7 +11,7 @@ import torch
 from specdec_core.distill.data import completion_sequence, score
 from specdec_core.distill.forward import use_causal_attention
 from specdec_core.distill.lora import trainable
-from specdec_core.distill.train import TrainConfig, batch_indices, batch_loss, train
+from specdec_core.distill.train import TrainConfig, batch_indices, batch_loss, checkpoint_step, train
 from specdec_core.errors import InvalidArgument
 from specdec_core.models.loader import load_model
 
@@ -67,6 +67,7 @@ def test_an_interrupted_run_resumed_ends_as_an_uninterrupted_one(tiny_dir, examp
     cut = _module(tiny_dir)
     with pytest.raises(Interrupted):
         train(cut, examples, CONFIG, draft_rows=384, shared_vocab=384, checkpoint=tmp_path / "b.pt", on_step=stop_at_5)
+    assert checkpoint_step(tmp_path / "b.pt") == 3 and checkpoint_step(tmp_path / "none.pt") == 0
     resumed = _module(tiny_dir)  # a new process: fresh adapters, as a rerun of the command has
     result = train(resumed, examples, CONFIG, draft_rows=384, shared_vocab=384, checkpoint=tmp_path / "b.pt")
     assert result.resumed_from == 3 and len(result.losses) == 5
