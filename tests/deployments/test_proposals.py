@@ -67,7 +67,7 @@ APP = "specdec-log"
 @pytest.fixture(scope="module")
 def served_logging(served, tmp_path_factory):
     """A second application on the session's Serve: the same pair drafting by `hybrid` (draft workers for the model,
-    the suffix structure in the router), every request logged with probabilities."""
+    the suffix structure in the router), every request logged with probabilities and 6 tokens of context."""
     from ray import serve
 
     from deployments.app import build_app
@@ -79,7 +79,8 @@ def served_logging(served, tmp_path_factory):
         **base.model_dump(mode="json"),
         "app_name": APP,
         "draft": {**base.draft.model_dump(mode="json"), "method": "hybrid", "num_replicas": 1},
-        "proposal_log": {"directory": str(directory), "sample_rate": 1.0, "include_probs": True},
+        "proposal_log": {"directory": str(directory), "sample_rate": 1.0, "include_probs": True,
+                         "include_context_tokens": 6},
     })
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     yield address, directory
@@ -126,6 +127,7 @@ def test_served_records_carry_the_models_probabilities(served_logging, tiny_dir,
         for r in records:
             drafts = r["proposed"]
             assert len(r["p"]) == len(r["q"]) == len(drafts) and all(0 <= v <= 1 for v in r["p"] + r["q"])
+            assert r["context"] == (prompt + output[: r["position"]])[-6:]  # the router passes the prompt on
             context = prompt + output[: r["position"]] + drafts
             target_logits, draft_logits = logits_after(target.model, context), logits_after(draft.model, context)
             for i, token in enumerate(drafts):
