@@ -293,7 +293,8 @@ def connect_router(config: dict[str, Any]) -> RouterParts:
     if cfg.proposal_log is not None:
         log_cfg = cfg.proposal_log
         proposals = ProposalLog(log_cfg.directory, log_cfg.sample_rate, cfg.target.model, cfg.draft.label,
-                                log_cfg.max_bytes, log_cfg.backup_count, log_cfg.include_probs)
+                                log_cfg.max_bytes, log_cfg.backup_count, log_cfg.include_probs,
+                                log_cfg.include_context_tokens)
     draft_pools = {name: remote.pool for name, remote in remotes.items()}
     pools = [target_pool, *draft_pools.values()]
     waiting = None

@@ -331,6 +331,10 @@ class ProposalLogConfig(_Strict):
     # Records also carry q and p of each proposed token (the draft's and the target's probabilities). Only sampled
     # requests pay for it: their workers compute a softmax per proposed token.
     include_probs: bool = False
+    # Records also carry "context": the last N token ids committed before the round (prompt and output), so that
+    # `specdec distill --proposal-log` can teach the draft the target's choice exactly where it was rejected. Token
+    # ids decode to the text they stand for: this writes (a window of) prompts and outputs to disk, hence 0 (off).
+    include_context_tokens: int = Field(0, ge=0, le=4096)
 
 
 class ServeConfig(_Strict):

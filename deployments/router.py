@@ -214,7 +214,7 @@ class Router:
             # Sampled only now, past every refusal but the engine's; forgotten below however it ends (refused by
             # admission, past its deadline, cancelled): the log keeps nothing of a request that has ended.
             # Only requests whose records carry probabilities make the workers compute them.
-            return_probs = self.proposals is not None and self.proposals.start(seq_id, request_id, variant)
+            return_probs = self.proposals is not None and self.proposals.start(seq_id, request_id, prompt_ids, variant)
             self.ab.start(seq_id, variant)
             self.scheduler.submit(seq_id, prompt_ids, call.params, call.num_speculative_tokens, deliver, return_probs,
                                   cache_salt=call.cache_salt, speculation_method=call.speculation_method)

@@ -35,12 +35,19 @@ def test_unknown_keys_are_named():
         ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_max_depth": 8, "suffix_min_match": 5}}, "suffix_min_match"),
         ({"target": {"model": "m"}, "internal_tls": False, "internal_tls_dir": "/etc/specdec/tls"}, "internal_tls_dir"),
         ({"target": {"model": "m"}, "internal_tls": "sometimes"}, "internal_tls"),
+        ({"target": {"model": "m"}, "proposal_log": {"directory": "/tmp/l", "include_context_tokens": -1}},
+         "proposal_log.include_context_tokens"),
     ],
 )
 def test_bad_values_name_the_key(config, field):
     with pytest.raises(InvalidArgument) as err:
         parse_config(config)
     assert field in str(err.value)
+
+
+def test_the_proposal_log_keeps_no_context_unless_asked():
+    config = parse_config({"target": {"model": "m"}, "proposal_log": {"directory": "/tmp/l"}})
+    assert config.proposal_log.include_context_tokens == 0
 
 
 def test_an_unknown_drafting_method_is_refused_naming_the_registered_ones():

@@ -67,7 +67,7 @@ APP = "specdec-log"
 @pytest.fixture(scope="module")
 def served_logging(served, tmp_path_factory):
     """A second application on the session's Serve: the same pair drafting by `hybrid` (draft workers for the model,
-    the suffix structure in the router), every request logged with probabilities."""
+    the suffix structure in the router), every request logged with probabilities and 6 tokens of context."""
     from ray import serve
 
     from deployments.app import build_app
@@ -79,7 +79,8 @@ def served_logging(served, tmp_path_factory):
         **base.model_dump(mode="json"),
         "app_name": APP,
         "draft": {**base.draft.model_dump(mode="json"), "method": "hybrid", "num_replicas": 1},
-        "proposal_log": {"directory": str(directory), "sample_rate": 1.0, "include_probs": True},
+        "proposal_log": {"directory": str(directory), "sample_rate": 1.0, "include_probs": True,
+                         "include_context_tokens": 6},
     })
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     yield address, directory
@@ -126,6 +127,7 @@ def test_served_records_carry_the_models_probabilities(served_logging, tiny_dir,
         for r in records:
             drafts = r["proposed"]
             assert len(r["p"]) == len(r["q"]) == len(drafts) and all(0 <= v <= 1 for v in r["p"] + r["q"])
+            assert r["context"] == (prompt + output[: r["position"]])[-6:]  # the router passes the prompt on
             context = prompt + output[: r["position"]] + drafts
             target_logits, draft_logits = logits_after(target.model, context), logits_after(draft.model, context)
             for i, token in enumerate(drafts):
@@ -167,3 +169,37 @@ def test_hybrid_records_say_which_method_proposed(tmp_path, tiny_dir, near_draft
     records = list(read_records([tmp_path / "proposals.jsonl"]))
     assert [r["method"] for r in records if r["proposed"]] == methods
     assert "suffix" in methods
+
+
+def test_opted_in_records_carry_the_tokens_before_their_round(tmp_path, tiny_dir, near_draft_dir):
+    target, draft = load_model(tiny_dir / "target", dtype="float32"), load_model(near_draft_dir, dtype="float32")
+    engine = make_engine(target, draft.model)
+    log = ProposalLog(tmp_path, sample_rate=1.0, target="t", draft="d", include_context_tokens=8)
+    prompt = list(range(10, 30))
+    log.start("s", "req", prompt)
+    engine.add_request("s", prompt, SamplingParams(max_tokens=20, ignore_eos=True), 3)
+    tokens = list(prompt)
+    while engine.has_work:
+        for out in engine.step():
+            log.observe(out.seq_id, out)
+            tokens += out.new_token_ids
+    log.close()
+    records = list(read_records([tmp_path / "proposals.jsonl"]))
+    assert records
+    for r in records:
+        before = len(prompt) + r["position"]  # tokens committed before the round
+        assert r["context"] == tokens[before - 8:before]
+
+
+def test_context_is_off_by_default(tmp_path, tiny_dir, near_draft_dir):
+    target, draft = load_model(tiny_dir / "target", dtype="float32"), load_model(near_draft_dir, dtype="float32")
+    engine = make_engine(target, draft.model)
+    log = ProposalLog(tmp_path, sample_rate=1.0, target="t", draft="d")
+    log.start("s", "req", list(range(10, 30)))
+    engine.add_request("s", list(range(10, 30)), SamplingParams(max_tokens=12, ignore_eos=True), 3)
+    while engine.has_work:
+        for out in engine.step():
+            log.observe(out.seq_id, out)
+    log.close()
+    records = list(read_records([tmp_path / "proposals.jsonl"]))
+    assert records and not any("context" in r for r in records)
