@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from deployments.config import Demotion, DraftVariant
 from deployments.variants import Demoter, VariantTable, judge
 from specdec_core.errors import InvalidArgument
 from specdec_core.watch import AcceptanceWatch, RoundSample
+from tests.helpers import perturbed_checkpoint, worker_stats
 
 K = 4
 
@@ -180,8 +182,10 @@ def test_served_variants_each_draft_and_are_named_in_responses_and_the_log(serve
         "ab-model": ("model", "draft_model"), "ab-lookup": ("lookup", "ngram")}
 
 
-def test_served_weights_change_by_a_config_update_without_restarting_a_replica(served_ab):
-    """Promotion (or demotion) by config: a redeploy that changes only weights reconfigures the routers in place."""
+def test_served_weights_and_models_change_by_a_config_update_without_restarting_a_replica(served_ab,
+                                                                                          tmp_path_factory):
+    """Promotion (or demotion) by config, and a variant's hot swap: a redeploy that changes only weights and a
+    variant's checkpoint reconfigures the routers and that variant's draft workers in place."""
     import grpc
     from ray import serve
 
@@ -197,18 +201,22 @@ def test_served_weights_change_by_a_config_update_without_restarting_a_replica(s
 
         return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if f"{APP}#" in a["name"])
 
-    def weights():
+    def variants():
         with grpc.insecure_channel(address) as channel:
             info = pb_grpc.GenerationServiceStub(channel).GetModelInfo(
                 pb.GetModelInfoRequest(), metadata=[("application", APP)], timeout=60)
-        return {v.name: v.weight for v in info.draft_variants}
+        return {v.name: (v.model, v.weight) for v in info.draft_variants}
 
-    assert weights() == {"model": 1.0, "lookup": 1.0}
+    old = config.variant("model").model
+    assert variants() == {"model": (old, 1.0), "lookup": ("", 1.0)}
     before = replicas()
     assert len(before) >= 3  # the router, the target worker, the model variant's draft worker
+    new = str(perturbed_checkpoint(Path(old), tmp_path_factory.mktemp("ab-swap") / "draft", scale=0.2, seed=3))
     data = config.model_dump(mode="json")
-    data["drafts"][1]["weight"] = 0.0
+    data["drafts"][0]["model"], data["drafts"][1]["weight"] = new, 0.0
     data.pop("draft")
     serve.run(build_app(parse_config(data)), name=APP, route_prefix=f"/{APP}")
-    assert weights() == {"model": 1.0, "lookup": 0.0}
+    assert variants() == {"model": (new, 1.0), "lookup": ("", 0.0)}
     assert replicas() == before
+    (stats,) = worker_stats((None, parse_config(data)), "draft-model")
+    assert stats.model == new
