@@ -165,6 +165,8 @@ class DraftConfig(Placement):
     suffix_max_requests: int = Field(256, ge=0)
     suffix_min_prob: float = Field(0.1, ge=0.0, le=1.0)
     suffix_index_prompts: bool = True
+    # draft_model, hybrid: stop a row's drafts after one the draft gives less than this probability (0: off).
+    confidence_threshold: float = Field(0.0, ge=0.0, lt=1.0)
 
     @field_validator("method")
     @classmethod
@@ -210,6 +212,7 @@ class DraftConfig(Placement):
             suffix_max_requests=self.suffix_max_requests,
             suffix_min_prob=self.suffix_min_prob,
             suffix_index_prompts=self.suffix_index_prompts,
+            confidence_threshold=self.confidence_threshold,
         )
 
     @property

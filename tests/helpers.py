@@ -39,10 +39,10 @@ def contrarian(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def make_engine(loaded, draft=None, *, num_slots: int = 8, max_seq_len: int = 256, prefix_caching: bool = False,
-                hybrid: bool = False, **config):
+                hybrid: bool = False, confidence_threshold: float = 0.0, **config):
     """An engine over `loaded` (a LoadedModel). `draft`: None, "ngram", "suffix", or a Transformer to draft with
-    (`hybrid`: beside a suffix drafter, as `draft.method: hybrid` runs them). `prefix_caching`: in the target's
-    runner and the draft model's."""
+    (`hybrid`: beside a suffix drafter, as `draft.method: hybrid` runs them; `confidence_threshold`: its
+    `DraftModelDrafter`'s). `prefix_caching`: in the target's runner and the draft model's."""
     from specdec_core.drafters.base import Hybrid
     from specdec_core.drafters.draft_model import DraftModelDrafter
     from specdec_core.drafters.ngram import NgramDrafter
@@ -59,7 +59,8 @@ def make_engine(loaded, draft=None, *, num_slots: int = 8, max_seq_len: int = 25
     elif draft == "suffix":
         drafter = SuffixDrafter()
     elif draft is not None:
-        drafter = DraftModelDrafter(ModelRunner(draft, runner_config), target.vocab_size)
+        drafter = DraftModelDrafter(ModelRunner(draft, runner_config), target.vocab_size,
+                                    confidence_threshold=confidence_threshold)
     if hybrid:
         drafter = Hybrid(free=SuffixDrafter(), model=drafter)
     return SpecEngine(LocalTarget(target), drafter, loaded.tokenizer, loaded.eos_token_ids, EngineConfig(**config))

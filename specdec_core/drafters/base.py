@@ -126,6 +126,10 @@ class DraftSpec:
     suffix_max_requests: int = 256  # suffix: ended requests kept in the global structure (oldest evicted)
     suffix_min_prob: float = 0.1  # suffix: stop once the continuation's frequency product falls below this
     suffix_index_prompts: bool = True  # suffix: the global structure also holds ended requests' prompts
+    # draft_model: a row stops drafting after a draft the draft model gave less than this probability (kept: it
+    # costs one verify row and may be right), so k is a cap; 0 drafts every row to k. Exact at any value: where a
+    # proposal ends depends on the draft's own tokens and probabilities only.
+    confidence_threshold: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -39,15 +39,22 @@ class DraftModelDrafter:
     one token per step; `observe` truncates it back to the committed prefix. With prefix caching on the runner,
     `start` reads only what the cache lacks of the context, exactly as the target's prefill does. A constrained
     row (`DraftRequest.grammar`) masks its logits at each step with its grammar after the drafts so far, and stops
-    at an eos: its q is the masked draft's, as exactness requires (`drafters/base.py`).
+    at an eos: its q is the masked draft's, as exactness requires (`drafters/base.py`). With a
+    `confidence_threshold` a row stops after a draft whose q (the plain softmax for greedy rows) is below it,
+    as transformers' assisted generation does: a draft the draft model doubts is rarely followed by accepted
+    ones, so its later steps and verify rows are saved.
     """
 
     name = "draft_model"
 
-    def __init__(self, runner: ModelRunner, target_vocab_size: int, q_support: int | None = Q_SUPPORT) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab_size: int, q_support: int | None = Q_SUPPORT,
+                 confidence_threshold: float = 0.0) -> None:
+        if not 0.0 <= confidence_threshold < 1.0:
+            raise ValueError(f"need 0 <= confidence_threshold < 1, got {confidence_threshold}")
         self.runner = runner
         self.target_vocab_size = target_vocab_size
         self.q_support = q_support
+        self.confidence_threshold = confidence_threshold
         self._slots: dict[str, int] = {}
 
     def start(self, seq_id: str, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
@@ -95,14 +102,18 @@ class DraftModelDrafter:
                 batch = [requests[i] for i in rows]
                 logits = _masked(self._align(self.runner.extend(slots, [feeds[i] for i in rows])), batch)  # [R, V]
                 picked, drawn = self._pick(logits, batch, step)
-                picked_probs = _picked_probs(logits, batch, picked, drawn)
-                ended = set()  # rows whose grammar ends with this draft (an eos): nothing after it is committed
+                picked_probs = _picked_probs(logits, batch, picked, drawn, every_row=self.confidence_threshold > 0)
+                # Rows whose grammar ends with this draft (an eos: nothing after it is committed), and rows the
+                # draft is unsure of (a later draft would rarely survive: its step and verify row are saved).
+                ended = set()
                 for j, i in enumerate(rows):
                     tokens[i].append(picked[j])
                     if drawn[j] is not None:
                         qs[i].append(drawn[j])
-                    if picked_probs[j] is not None:
+                    if requests[i].return_probs:
                         chosen[i].append(picked_probs[j])
+                    if picked_probs[j] is not None and picked_probs[j] < self.confidence_threshold:
+                        ended.add(i)
                     feeds[i] = [picked[j]]
                     if (grammar := requests[i].grammar) is not None:
                         taken = grammar.advance([picked[j]])
@@ -191,7 +202,8 @@ def _masked(logits: torch.Tensor, requests: Sequence[DraftRequest]) -> torch.Ten
 def _build(context: DraftContext) -> DraftModelDrafter:
     if context.runner is None:
         raise InvalidArgument("draft.model", f"method {DraftModelDrafter.name} needs a draft model")
-    return DraftModelDrafter(context.runner, context.target_vocab_size)
+    return DraftModelDrafter(context.runner, context.target_vocab_size,
+                             confidence_threshold=context.spec.confidence_threshold)
 
 
 METHOD = DraftMethod(DraftModelDrafter.name, runs_draft_model=True, build=_build)
@@ -202,13 +214,15 @@ def _picked_probs(
     requests: Sequence[DraftRequest],
     picked: list[int],
     drawn: list[_Drawn | None],
+    every_row: bool = False,
 ) -> list[float | None]:
-    """q of each row's picked token, for the rows that asked (None for the others): from the distribution a
-    sampled row drew from (its support cut included), else the plain softmax. No row asked: nothing computed."""
+    """q of each row's picked token, for the rows that asked, or every row (None for the others): from the
+    distribution a sampled row drew from (its support cut included), else the plain softmax. No row asked:
+    nothing computed."""
     out: list[float | None] = [None] * len(requests)
     greedy = []
     for j, r in enumerate(requests):
-        if not r.return_probs:
+        if not (r.return_probs or every_row):
             continue
         if drawn[j] is not None:
             out[j] = drawn[j].prob

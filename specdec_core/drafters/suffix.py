@@ -19,15 +19,29 @@ second occurrence walks into it, so text that does not repeat costs about one no
 
 A match is looked for up to D // 2 tokens, leaving at least D // 2 levels below it to continue from; since a
 substring occurring implies its suffixes occur, the longest match is found by binary search over its length.
+
+Adding an ended request to the global structure costs O(tokens x D) where text repeats (10-55 ms for 1k-4k tokens
+of code): with `background=True` (what `draft.method: suffix` and `hybrid` build) `release` hands it to one
+indexing thread, which inserts it a chunk at a time under the structure's lock, so the engine's round goes on
+meanwhile (in the router a round mostly waits on its workers, and the thread runs then). Lookups take the same
+lock, one request at a time. A request's `start` first waits until every request of its salt released before it
+is indexed, so what a request can draft from is what synchronous indexing would give it: the same proposals.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from specdec_core.drafters.base import DraftContext, DraftMethod, DraftRequest, Proposal
+
+log = logging.getLogger(__name__)
+
+# Tokens the indexing thread inserts per hold of the lock: about a millisecond, the longest a lookup waits.
+INDEX_CHUNK = 64
 
 
 class _Node:
@@ -150,32 +164,84 @@ class _Request:
 @dataclass
 class _Global:
     """Ended requests' tokens, one trie per cache salt (requests share what they learn only within a salt, as
-    they share prefix caches), evicted oldest-ended first beyond `max_requests` requests in all."""
+    they share prefix caches), evicted oldest-ended first beyond `max_requests` requests in all. Read and written
+    under `lock`."""
 
     max_depth: int
     max_requests: int
     tries: dict[str | None, SuffixTrie] = field(default_factory=dict)
     docs: deque[tuple[str | None, list[int]]] = field(default_factory=deque)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, salt: str | None, tokens: Sequence[int]) -> None:
+    def add(self, salt: str | None, tokens: Sequence[int], chunk: int | None = None) -> None:
+        """Index `tokens` under `salt`, taking the lock once per `chunk` tokens (None: once)."""
         if self.max_requests == 0 or not tokens:
             return
-        trie = self.tries.get(salt)
-        if trie is None:
-            trie = self.tries[salt] = SuffixTrie(self.max_depth)
+        step = chunk or len(tokens)
         doc: list[int] = []
-        trie.extend(doc, tokens)
-        trie.close(doc)
-        self.docs.append((salt, doc))
-        while len(self.docs) > self.max_requests:
-            old_salt, old = self.docs.popleft()
-            self.tries[old_salt].remove(old)
-            if not any(s == old_salt for s, _ in self.docs):
-                del self.tries[old_salt]
+        for at in range(0, len(tokens), step):
+            with self.lock:
+                trie = self.tries.get(salt)
+                if trie is None:
+                    trie = self.tries[salt] = SuffixTrie(self.max_depth)
+                trie.extend(doc, tokens[at : at + step])
+        with self.lock:
+            trie.close(doc)
+            self.docs.append((salt, doc))
+            while len(self.docs) > self.max_requests:
+                old_salt, old = self.docs.popleft()
+                self.tries[old_salt].remove(old)
+                if not any(s == old_salt for s, _ in self.docs):
+                    del self.tries[old_salt]
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(doc) for _, doc in self.docs)
+        with self.lock:
+            return sum(len(doc) for _, doc in self.docs)
+
+
+class _Indexer:
+    """One daemon thread adding ended requests to a `_Global`, in the order released."""
+
+    def __init__(self, global_: _Global) -> None:
+        self.global_ = global_
+        self._jobs: deque[tuple[str | None, list[int]]] = deque()
+        self._pending = 0
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, salt: str | None, tokens: list[int]) -> None:
+        with self._changed:
+            self._jobs.append((salt, tokens))
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="suffix-indexer", daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def wait(self) -> None:
+        """Return once nothing is pending."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._pending)
+
+    @property
+    def pending(self) -> int:
+        with self._changed:
+            return self._pending
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._jobs)
+                salt, tokens = self._jobs.popleft()
+            try:
+                self.global_.add(salt, tokens, INDEX_CHUNK)
+            except Exception:  # a lost request costs later drafts a source, never the engine
+                log.exception("suffix: indexing an ended request failed")
+            finally:
+                with self._changed:
+                    self._pending -= 1
+                    self._changed.notify_all()
 
 
 class SuffixDrafter:
@@ -190,6 +256,7 @@ class SuffixDrafter:
         max_requests: int = 256,
         min_prob: float = 0.1,
         index_prompts: bool = True,
+        background: bool = False,
     ) -> None:
         if max_depth < 2:
             raise ValueError(f"need max_depth >= 2, got {max_depth}")
@@ -201,9 +268,18 @@ class SuffixDrafter:
             raise ValueError(f"need 0 <= min_prob <= 1, got {min_prob}")
         self.max_depth, self.min_match, self.min_prob, self.index_prompts = max_depth, min_match, min_prob, index_prompts
         self.global_ = _Global(max_depth, max_requests)
+        self._indexer = _Indexer(self.global_) if background else None
         self._requests: dict[str, _Request] = {}
 
+    def flush(self) -> None:
+        """Return once every request released so far is in the global structure."""
+        if self._indexer is not None:
+            self._indexer.wait()
+
     def start(self, seq_id: str, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        # What a request may draft from is every request released before it (eviction is across salts, so all
+        # of them): what synchronous indexing would give it.
+        self.flush()
         state = _Request(SuffixTrie(self.max_depth), num_prompt=len(prompt_ids), cache_salt=cache_salt)
         state.trie.extend(state.doc, prompt_ids)
         state.source = prompt_ids
@@ -219,7 +295,11 @@ class SuffixDrafter:
         if state is None:
             return
         tokens = state.source if len(state.source) >= len(state.doc) else state.doc
-        self.global_.add(state.cache_salt, list(tokens[0 if self.index_prompts else state.num_prompt :]))
+        ended = list(tokens[0 if self.index_prompts else state.num_prompt :])
+        if self._indexer is None:
+            self.global_.add(state.cache_salt, ended)
+        else:
+            self._indexer.submit(state.cache_salt, ended)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         proposals = []
@@ -237,19 +317,21 @@ class SuffixDrafter:
         tokens = request.token_ids
         state.trie.extend(state.doc, tokens[len(state.doc) :])
         state.source = tokens
-        best: tuple[int, float, list[int]] = (0, 0.0, [])
-        tries = [state.trie]
-        if (shared := self.global_.tries.get(state.cache_salt)) is not None:
-            tries.append(shared)
-        for trie in tries:
-            m, node = trie.longest_match(tokens, self.max_depth // 2)
-            if m < self.min_match or node is None:
-                continue
-            # SuffixDecoding's rule of thumb: speculate about as many tokens as the match is long.
-            draft, score = self._follow(trie, node, m, min(request.num_tokens, m))
-            if (m, score) > best[:2]:
-                best = (m, score, draft)
+        best = self._best(state.trie, tokens, request.num_tokens, (0, 0.0, []))
+        with self.global_.lock:
+            if (shared := self.global_.tries.get(state.cache_salt)) is not None:
+                best = self._best(shared, tokens, request.num_tokens, best)
         return best[2], best[0]
+
+    def _best(self, trie: SuffixTrie, tokens: Sequence[int], k: int,
+              best: tuple[int, float, list[int]]) -> tuple[int, float, list[int]]:
+        """`best`, or `trie`'s proposal where its (match length, score) beats it."""
+        m, node = trie.longest_match(tokens, self.max_depth // 2)
+        if m < self.min_match or node is None:
+            return best
+        # SuffixDecoding's rule of thumb: speculate about as many tokens as the match is long.
+        draft, score = self._follow(trie, node, m, min(k, m))
+        return (m, score, draft) if (m, score) > best[:2] else best
 
     def _follow(self, trie: SuffixTrie, node: _Node, depth: int, budget: int) -> tuple[list[int], float]:
         """Up to `budget` tokens, each the most frequent continuation, while the product of their conditional
@@ -286,6 +368,7 @@ def _build(context: DraftContext) -> SuffixDrafter:
         max_requests=spec.suffix_max_requests,
         min_prob=spec.suffix_min_prob,
         index_prompts=spec.suffix_index_prompts,
+        background=True,
     )
 
 

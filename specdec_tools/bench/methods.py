@@ -30,6 +30,12 @@ def register(modes: Any) -> None:
     parser.add_argument("--max-new-tokens", required=True, type=positive(int), help="per request (per turn)")
     parser.add_argument("--num-prompts", type=positive(int), default=None, help="the first N prompts (default all)")
     parser.add_argument("--num-sessions", type=positive(int), default=None, help="the first N sessions (default all)")
+    parser.add_argument("--draft-confidence-threshold", default=(0.0,),
+                        type=lambda text: tuple(float(v) for v in text.split(",") if v.strip()),
+                        help="draft_model and hybrid: a row stops drafting after a draft the draft model gives less "
+                             "than this probability (draft.confidence_threshold; default 0: off). Several, "
+                             "comma-separated: those methods run once per value, side by side, as METHOD for the "
+                             "first and METHOD@VALUE for the others")
     add_run_options(parser, seed_help="request i of the run (prompt i, or turn i over all sessions) is sampled with "
                                       "seed + i")
     parser.set_defaults(func=main)
@@ -49,7 +55,8 @@ def main(args: argparse.Namespace) -> int:
         sessions=args.sessions, limit=args.num_prompts or args.num_sessions, methods=args.methods,
         temperature=args.temperature, seed=args.seed, dtype=args.dtype, device=args.device,
         draft_quantization=args.draft_quantization,
-        num_speculative_tokens=args.num_speculative_tokens, max_seq_len=args.max_seq_len)
+        num_speculative_tokens=args.num_speculative_tokens, max_seq_len=args.max_seq_len,
+        draft_confidence_thresholds=args.draft_confidence_threshold)
     report = run_methods_bench(config)
     write_report(report, args.json)
     print(format_table(report))

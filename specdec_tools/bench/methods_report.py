@@ -86,13 +86,17 @@ def results(records: Sequence[Record], methods: Sequence[str], groups: Sequence[
     return out
 
 
-def hybrid_comparison(figures: Mapping[str, Mapping[str, Any]], group: str) -> dict[str, Any] | None:
-    """Hybrid's decode speed in `group` against the faster of its parts that ran; None without hybrid or parts."""
-    parts = [p for p in HYBRID_PARTS if p in figures]
-    if HYBRID not in figures or not parts:
+def hybrid_comparison(figures: Mapping[str, Mapping[str, Any]], group: str,
+                      suffix: str = "") -> dict[str, Any] | None:
+    """Hybrid's decode speed in `group` against the faster of its parts that ran; None without hybrid or parts.
+    `suffix`: the engines' name suffix of a draft-confidence threshold ("@0.7": hybrid@0.7 against suffix and
+    draft_model@0.7)."""
+    hybrid = HYBRID + suffix
+    parts = [p for p in (HYBRID_PARTS[0], HYBRID_PARTS[1] + suffix) if p in figures]
+    if hybrid not in figures or not parts:
         return None
     best = max(parts, key=lambda p: figures[p][group]["decode_tokens_per_s"])
-    rate, best_rate = figures[HYBRID][group]["decode_tokens_per_s"], figures[best][group]["decode_tokens_per_s"]
+    rate, best_rate = figures[hybrid][group]["decode_tokens_per_s"], figures[best][group]["decode_tokens_per_s"]
     share = ratio(rate, best_rate)
     return {"group": group, "best_part": best, "best_part_decode_tokens_per_s": best_rate,
             "decode_tokens_per_s": rate, "ratio_to_best_part": share, "criterion": HYBRID_CRITERION,
@@ -115,18 +119,19 @@ def _times(x: float | None) -> str:
 
 
 def format_table(report: Mapping[str, Any]) -> str:
-    lines = [f"{'method':<12} {'group':<13} {'req':>4} {'out tok':>7} {'tok/s':>7} {'dec tok/s':>9} {'speedup':>7} "
+    lines = [f"{'method':<16} {'group':<13} {'req':>4} {'out tok':>7} {'tok/s':>7} {'dec tok/s':>9} {'speedup':>7} "
              f"{'dec spd':>7} {'acc/prop':>11} {'tok/rnd':>7} {'identical':>9}"]
     for method, groups in report["results"].items():
         for group, f in groups.items():
             accepted = f"{f['accepted']}/{f['proposed']}" if f["proposed"] else "-"
-            lines.append(f"{method:<12} {group:<13} {f['requests']:>4} {f['output_tokens']:>7} "
+            lines.append(f"{method:<16} {group:<13} {f['requests']:>4} {f['output_tokens']:>7} "
                          f"{f['tokens_per_s']:>7.2f} {f['decode_tokens_per_s']:>9.2f} {_times(f['speedup']):>7} "
                          f"{_times(f['decode_speedup']):>7} {accepted:>11} {f['tokens_per_round']:>7.2f} "
                          f"{str(f['identical']) + '/' + str(f['requests']):>9}")
-    hybrid = report.get("hybrid")
-    if hybrid is not None:
-        lines.append(f"hybrid / {hybrid['best_part']} (the faster part), decode tok/s in {hybrid['group']}: "
-                     f"{_times(hybrid['ratio_to_best_part'])} (criterion >= {hybrid['criterion']:.2f}x: "
-                     f"{'met' if hybrid['meets_criterion'] else 'NOT met'})")
+    comparisons = {"": report.get("hybrid"), **report.get("hybrid_by_threshold", {})}
+    for suffix, hybrid in comparisons.items():
+        if hybrid is not None:
+            lines.append(f"hybrid{suffix} / {hybrid['best_part']} (the faster part), decode tok/s in "
+                         f"{hybrid['group']}: {_times(hybrid['ratio_to_best_part'])} (criterion >= "
+                         f"{hybrid['criterion']:.2f}x: {'met' if hybrid['meets_criterion'] else 'NOT met'})")
     return "\n".join(lines)

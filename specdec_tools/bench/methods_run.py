@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from tqdm import tqdm
 
@@ -71,6 +71,9 @@ class MethodsBenchConfig:
     draft_quantization: str = "auto"  # none, int8, or auto: int8 where the CPU runs it (`specdec_core.hardware`)
     num_speculative_tokens: int | str = "auto"
     max_seq_len: int = 4096
+    # draft_model and hybrid (`DraftSpec.confidence_threshold`): each such method runs once per value, the first
+    # under its own name, the others as NAME@VALUE (`engine_names`), side by side in the one run.
+    draft_confidence_thresholds: tuple[float, ...] = (0.0,)
     progress: bool = True
 
 
@@ -98,15 +101,27 @@ def encode_workload(config: MethodsBenchConfig, items: tuple, tokenizer: Any) ->
 # -- the run -------------------------------------------------------------------------------------------------------
 
 
-def build_engines(config: MethodsBenchConfig, methods: Sequence[str], workload: Workload, target: Any,
-                  draft: Any) -> dict[str, SpecEngine]:
-    """An engine per method over the loaded models: each its own runners and caches."""
+def engine_names(methods: Sequence[str], thresholds: Sequence[float]) -> dict[str, tuple[str, float]]:
+    """Each engine's name -> (method, draft confidence threshold): a method that runs a draft model runs once per
+    threshold, as METHOD for the first and METHOD@T for the others; any other method once."""
+    out: dict[str, tuple[str, float]] = {}
+    for m in methods:
+        runs_draft = m != OFF and registry.resolve(m).runs_draft_model
+        for i, t in enumerate(thresholds if runs_draft else thresholds[:1]):
+            out[m if i == 0 else f"{m}@{t:g}"] = (m, t)
+    return out
+
+
+def build_engines(config: MethodsBenchConfig, engines: Mapping[str, tuple[str, float]], workload: Workload,
+                  target: Any, draft: Any) -> dict[str, SpecEngine]:
+    """An engine per name over the loaded models: each its own runners and caches."""
     # One slot each: requests go one at a time. The KV cache's size does not slow attention (it reads the keys
     # written so far), so every engine takes the whole --max-seq-len.
     runner_config = RunnerConfig(num_slots=1, prefix_caching=workload.prefix_caching, max_seq_len=config.max_seq_len)
-    return {m: build_engine(target, draft, DraftSpec(method=registry.NONE if m == OFF else m),
-                            runner_config=runner_config, max_speculative_tokens=MAX_K)
-            for m in methods}
+    return {name: build_engine(target, draft, DraftSpec(method=registry.NONE if m == OFF else m,
+                                                        confidence_threshold=t),
+                               runner_config=runner_config, max_speculative_tokens=MAX_K)
+            for name, (m, t) in engines.items()}
 
 
 def warm_up(runner: Runner, workload: Workload) -> None:
@@ -122,15 +137,21 @@ def run_methods_bench(config: MethodsBenchConfig) -> dict[str, Any]:
     """Every method over the workload; the report as a dict (`methods_report` for its figures)."""
     if config.max_new_tokens <= 0:
         raise InvalidArgument("--max-new-tokens", f"must be > 0, got {config.max_new_tokens}")
-    methods = method_names(config.methods)
+    thresholds = config.draft_confidence_thresholds
+    if not thresholds or not all(0.0 <= t < 1.0 for t in thresholds) or len(set(thresholds)) < len(thresholds):
+        raise InvalidArgument("--draft-confidence-threshold",
+                              f"must be distinct values in [0, 1), got {', '.join(map(str, thresholds))}")
+    asked = method_names(config.methods)
     k = parse_num_speculative_tokens(config.num_speculative_tokens, MAX_K)
     SamplingParams(temperature=config.temperature, seed=config.seed, max_tokens=config.max_new_tokens)
     items = read_workload(config)
-    needs_draft = any(m != OFF and registry.resolve(m).runs_draft_model for m in methods)
+    needs_draft = any(m != OFF and registry.resolve(m).runs_draft_model for m in asked)
     target, draft = load_pair(config.target, config.draft if needs_draft else None, dtype=config.dtype,
                               device=config.device, draft_quantization=config.draft_quantization)
     workload = encode_workload(config, items, target.tokenizer)
-    engines = build_engines(config, methods, workload, target, draft)
+    names = engine_names(asked, thresholds)
+    methods = tuple(names)
+    engines = build_engines(config, names, workload, target, draft)
     check_fits(workload, engines[OFF].target.max_seq_len, config.max_new_tokens)
     total = len(methods) * (1 + workload.num_requests)
     with tqdm(total=total, desc="bench methods", unit="req", disable=not config.progress) as bar:
@@ -146,6 +167,7 @@ def report(config: MethodsBenchConfig, methods: Sequence[str], workload: Workloa
     headline = workload.groups[-1]  # all prompts; turns >= 2 of sessions
     return {
         **run_settings(config),
+        "draft_confidence_thresholds": list(config.draft_confidence_thresholds),
         "prefix_caching": workload.prefix_caching,
         **workload.describe(),
         "methods": list(methods),
@@ -156,5 +178,7 @@ def report(config: MethodsBenchConfig, methods: Sequence[str], workload: Workloa
         "headline_decode_speedup": {m: figures[m][headline]["decode_speedup"] for m in methods},
         "all_identical": all(g["identical"] == g["requests"] for f in figures.values() for g in f.values()),
         "hybrid": hybrid_comparison(figures, headline),
+        "hybrid_by_threshold": {f"@{t:g}": hybrid_comparison(figures, headline, f"@{t:g}")
+                                for t in config.draft_confidence_thresholds[1:]},
         "requests": request_rows(records),
     }

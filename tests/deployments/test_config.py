@@ -32,6 +32,7 @@ def test_unknown_keys_are_named():
         ({"target": {"model": "m"}, "draft": {"method": "ngram", "num_speculative_tokens": "many"}}, "draft.num_speculative_tokens"),
         ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_max_depth": 1}}, "draft.suffix_max_depth"),
         ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_min_prob": 2}}, "draft.suffix_min_prob"),
+        ({"target": {"model": "m"}, "draft": {"model": "d", "confidence_threshold": 1.0}}, "draft.confidence_threshold"),
         ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_max_depth": 8, "suffix_min_match": 5}}, "suffix_min_match"),
         ({"target": {"model": "m"}, "internal_tls": False, "internal_tls_dir": "/etc/specdec/tls"}, "internal_tls_dir"),
         ({"target": {"model": "m"}, "internal_tls": "sometimes"}, "internal_tls"),
@@ -55,6 +56,12 @@ def test_an_unknown_drafting_method_is_refused_naming_the_registered_ones():
         parse_config({"target": {"model": "m"}, "draft": {"method": "beam"}})
     assert "draft.method" in str(err.value)
     assert all(name in str(err.value) for name in ("draft_model", "ngram", "none"))
+
+
+def test_the_confidence_threshold_reaches_the_spec_and_is_off_by_default():
+    assert parse_config({"target": {"model": "m"}, "draft": {"model": "d"}}).draft.spec.confidence_threshold == 0.0
+    config = parse_config({"target": {"model": "m"}, "draft": {"model": "d", "confidence_threshold": 0.7}})
+    assert config.draft.spec.confidence_threshold == 0.7
 
 
 def test_suffix_options_reach_the_spec():

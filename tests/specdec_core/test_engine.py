@@ -43,6 +43,27 @@ def test_greedy_speculation_equals_plain_decoding(tiny_target, agreement, k):
     assert {"always": rate == 1.0, "sometimes": 0.0 < rate < 1.0, "never": rate == 0.0}[agreement], rate
 
 
+def test_drafts_stopped_by_the_drafts_confidence_leave_greedy_output_unchanged(tiny_target):
+    """A confidence threshold cuts proposals short (fewer drafts than k in some rounds) and changes no token."""
+    draft = perturbed(tiny_target.model, 0.2, seed=3)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    short = rounds = 0
+    for text in PROMPTS:
+        ids = _ids(tiny_target, text)
+        expected, _, _ = _plain(tiny_target, ids, params)
+        engine = make_engine(tiny_target, draft, confidence_threshold=0.05)
+        engine.add_request("r", ids, params, 4)
+        tokens = []
+        while engine.has_work:
+            for out in engine.step():
+                tokens += out.new_token_ids
+                if out.round is not None and out.round.k == 4:
+                    rounds += 1
+                    short += len(out.round.proposed_token_ids) < 4
+        assert tokens == expected
+    assert 0 < short < rounds, (short, rounds)
+
+
 def test_ngram_drafting_is_exact_and_proposes(tiny_target):
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     ids = _ids(tiny_target, "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\n") * 2

@@ -45,12 +45,14 @@ def _exact_law(loaded) -> dict[tuple[int, ...], float]:
     return law
 
 
-def _sample(loaded, draft, hybrid: bool = False, mixed: list[int] | None = None
-            ) -> tuple[dict[tuple[int, ...], int], float]:
+def _sample(loaded, draft, hybrid: bool = False, mixed: list[int] | None = None, confidence_threshold: float = 0.0,
+            lengths: list[int] | None = None) -> tuple[dict[tuple[int, ...], int], float]:
     """Counts of each 4-token output over SAMPLES seeded requests, and the acceptance rate. `hybrid`: requests
     alternate between the suffix structure and the draft model (`speculation_method`), so batches mix point-mass
-    and model-drafted rows; `mixed`, when given, gets 1 for each step whose rounds verified both kinds together."""
-    engine = make_engine(loaded, draft, num_slots=256, max_seq_len=64, hybrid=hybrid)
+    and model-drafted rows; `mixed`, when given, gets 1 for each step whose rounds verified both kinds together;
+    `lengths`, each round's number of drafts."""
+    engine = make_engine(loaded, draft, num_slots=256, max_seq_len=64, hybrid=hybrid,
+                         confidence_threshold=confidence_threshold)
     for i in range(SAMPLES):
         method = ("suffix", "draft_model")[i % 2] if hybrid else None
         engine.add_request(str(i), PROMPT, SamplingParams(seed=i, **PARAMS), 2, speculation_method=method)
@@ -62,6 +64,8 @@ def _sample(loaded, draft, hybrid: bool = False, mixed: list[int] | None = None
             methods = {out.round.method for out in step if out.round is not None and out.round.proposed_token_ids}
             mixed.append(int({"suffix", "draft_model"} <= methods))
         for out in step:
+            if lengths is not None and out.round is not None and out.round.proposed_token_ids:
+                lengths.append(len(out.round.proposed_token_ids))
             outputs.setdefault(out.seq_id, []).extend(out.new_token_ids)
             if out.finished:
                 proposed, accepted = proposed + out.stats.proposed, accepted + out.stats.accepted
@@ -101,6 +105,17 @@ def draft(tiny_target):
 def test_speculative_sampling_matches_the_target(tiny_target, draft, law):
     counts, acceptance = _sample(tiny_target, draft)
     assert 0.2 < acceptance < 0.9, acceptance  # drafts are neither always nor never right
+    assert _p_value(counts, law) > 1e-3
+
+
+def test_sampling_with_drafts_stopped_by_the_drafts_confidence_matches_the_target(tiny_target, draft, law):
+    """A row stops drafting after a draft it drew with q below the threshold: where a proposal ends depends on the
+    draft's own draws, so the output's law is still the target's."""
+    lengths: list[int] = []
+    counts, acceptance = _sample(tiny_target, draft, confidence_threshold=0.35, lengths=lengths)
+    stopped = sum(n == 1 for n in lengths) / len(lengths)
+    assert 0.1 < stopped < 0.9, stopped  # some proposals were cut to one draft, others ran to k = 2
+    assert 0.2 < acceptance < 0.95, acceptance
     assert _p_value(counts, law) > 1e-3
 
 

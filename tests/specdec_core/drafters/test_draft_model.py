@@ -3,6 +3,7 @@ stays sparse and changes no draw; a constrained row drafts from its masked q."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdec_core.config import TokenShaping
@@ -122,3 +123,39 @@ def test_a_constrained_row_stops_drafting_at_its_eos(tiny_target):
     (proposal,) = drafter.propose([DraftRequest("s", [5, 6, 7], 6, TokenShaping(), None, grammar=grammar)])
     assert proposal.token_ids == [a, b, eos]
     assert grammar.num_tokens == 0
+
+
+def test_a_row_stops_drafting_after_a_draft_it_is_unsure_of(tiny_target):
+    """With a confidence threshold each greedy row's proposal is the unthresholded one cut after its first draft
+    the draft gave less than the threshold (kept), or whole where every draft was sure enough; rows stop apart."""
+    vocab = tiny_target.model.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (12,), generator=gen).tolist() for _ in range(4)]
+    plain = _drafter(tiny_target.model)
+    for i, prompt in enumerate(prompts):
+        plain.start(str(i), prompt)
+    requests = [DraftRequest(str(i), p, 6, TokenShaping(), None, return_probs=True) for i, p in enumerate(prompts)]
+    full = plain.propose(requests)
+    probs = [p for proposal in full for p in proposal.draft_probs]
+    ranked = sorted(probs)
+    at = len(ranked) // 3  # a third of the drafts fall below it, none near it (batches move probabilities ~1e-6)
+    threshold = (ranked[at - 1] + ranked[at]) / 2
+    assert ranked[at] - ranked[at - 1] > 1e-4
+    runner = ModelRunner(tiny_target.model, RunnerConfig(num_slots=8, max_seq_len=MAX_SEQ_LEN))
+    unsure = DraftModelDrafter(runner, runner.vocab_size, confidence_threshold=threshold)
+    for i, prompt in enumerate(prompts):
+        unsure.start(str(i), prompt)
+    cut = unsure.propose(requests)
+    for whole, part in zip(full, cut):
+        below = [j for j, p in enumerate(whole.draft_probs) if p < threshold]
+        expected = below[0] + 1 if below else len(whole.token_ids)
+        assert part.token_ids == whole.token_ids[:expected]
+        assert part.draft_probs == pytest.approx(whole.draft_probs[:expected], rel=1e-4)
+    assert len({len(p.token_ids) for p in cut}) > 1  # not every row stopped at the same draft
+
+
+def test_a_confidence_threshold_outside_0_1_is_refused(tiny_target):
+    runner = ModelRunner(tiny_target.model, RunnerConfig(num_slots=1, max_seq_len=MAX_SEQ_LEN))
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="confidence_threshold"):
+            DraftModelDrafter(runner, runner.vocab_size, confidence_threshold=bad)

@@ -3,6 +3,8 @@ bound and reuse across requests, and exactness through the engine."""
 
 from __future__ import annotations
 
+import random
+import threading
 from collections import Counter
 
 import pytest
@@ -184,6 +186,98 @@ def test_the_global_structure_keeps_the_most_recent_requests():
         d.start(f"x{i}", [i, 50 + i, 60 + i, 70 + i, 80 + i])
         d.release(f"x{i}")
     assert len(d.global_.docs) == 2 and d.global_.tries[None].num_nodes <= nodes + 10
+
+
+def _workload(seed: int, requests: int = 12) -> list[tuple[str | None, list[int]]]:
+    """Requests that repeat spans of each other, under two salts."""
+    rng = random.Random(seed)
+    pool = [[rng.randrange(200) for _ in range(60)] for _ in range(4)]
+    out = []
+    for i in range(requests):
+        tokens: list[int] = []
+        while len(tokens) < 300:
+            span = rng.choice(pool)
+            at = rng.randrange(40)
+            tokens += span[at : at + rng.randint(5, 20)] + [rng.randrange(200)]
+        out.append((("a", "b")[i % 2], tokens))
+    return out
+
+
+def _drive(d: SuffixDrafter, workload) -> list[list[int]]:
+    """Each request starts with its first 40 tokens, proposes at every later position, and ends."""
+    proposals = []
+    for i, (salt, tokens) in enumerate(workload):
+        live = tokens[:40]
+        d.start(f"r{i}", live, cache_salt=salt)
+        for t in tokens[40:]:
+            proposals.append(d.propose([_request(f"r{i}", live, 8)])[0].token_ids)
+            live.append(t)
+        d.release(f"r{i}")
+    return proposals
+
+
+def test_background_indexing_proposes_what_synchronous_indexing_does():
+    workload = _workload(0)
+    background = SuffixDrafter(max_requests=5, background=True)
+    proposals = _drive(background, workload)
+    assert proposals == _drive(SuffixDrafter(max_requests=5), workload)
+    assert sum(map(len, proposals)) > 1000  # the global structure was drawn on
+    background.flush()
+    assert background._indexer.pending == 0 and len(background.global_.docs) == 5
+
+
+def test_lookups_go_on_while_a_request_is_indexed_and_the_next_start_waits_for_it(monkeypatch):
+    """The indexing thread is held inside its first chunk: release has returned, a running request drafts from
+    the structure meanwhile, and the next request starts only once its predecessor is in."""
+    from specdec_core.drafters import suffix as module
+
+    d = SuffixDrafter(background=True)
+    shared = list(range(100, 140))
+    d.start("other", shared, cache_salt="b")
+    d.release("other")
+    d.start("reader", shared[:10], cache_salt="b")
+    entered, go = threading.Event(), threading.Event()
+    real_add = module._Global.add
+
+    def held_add(self, salt, tokens, chunk=None):
+        if salt == "a":
+            entered.set()
+            assert go.wait(10)
+        return real_add(self, salt, tokens, chunk)
+
+    monkeypatch.setattr(module._Global, "add", held_add)
+    d.start("first", list(range(300, 340)), cache_salt="a")
+    d.release("first")
+    assert entered.wait(10) and d._indexer.pending == 1
+    assert _propose(d, shared[:10], 8, seq="reader").token_ids == shared[10:18]
+    started = threading.Event()
+    waiter = threading.Thread(target=lambda: (d.start("next", [300, 301], cache_salt="a"), started.set()))
+    waiter.start()
+    assert not started.wait(0.2)  # held: "first" is not indexed yet
+    go.set()
+    waiter.join(10)
+    assert started.is_set()
+    assert _propose(d, [300, 301], 8, seq="next").token_ids == list(range(302, 304))
+
+
+def test_a_request_that_fails_to_index_is_logged_and_the_thread_goes_on(monkeypatch, caplog):
+    from specdec_core.drafters import suffix as module
+
+    d = SuffixDrafter(background=True)
+    real_add = module._Global.add
+
+    def failing_add(self, salt, tokens, chunk=None):
+        if tokens[0] == 1:
+            raise RuntimeError("boom")
+        return real_add(self, salt, tokens, chunk)
+
+    monkeypatch.setattr(module._Global, "add", failing_add)
+    for i, first in enumerate((1, 2)):
+        d.start(f"r{i}", [first] + list(range(100, 120)))
+        d.release(f"r{i}")
+    d.flush()
+    assert "indexing an ended request failed" in caplog.text
+    assert len(d.global_.docs) == 1 and d.global_.docs[0][1][0] == 2
 
 
 def test_options_are_validated():
