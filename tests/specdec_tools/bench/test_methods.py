@@ -11,7 +11,8 @@ import pytest
 from specdec_core.chat import ChatMessage, encode_chat
 from specdec_core.drafters import registry
 from specdec_tools.bench.methods_report import HYBRID_CRITERION, LATER_TURNS, OFF, TURN_1, hybrid_comparison
-from specdec_tools.bench.methods_run import MethodsBenchConfig, run_methods_bench
+from specdec_core.errors import InvalidArgument
+from specdec_tools.bench.methods_run import MethodsBenchConfig, engine_names, run_methods_bench
 from specdec_tools.cli import main
 
 PROMPTS = ["def add(a, b):", "x = 1\ny = 2\nx = 1\ny = 2\n"]
@@ -137,6 +138,32 @@ def test_hybrid_is_compared_with_the_faster_of_its_parts():
     slower = {**both, "hybrid": figures(9.0)}
     assert hybrid_comparison(slower, "turns_2_plus")["meets_criterion"] is False
     assert hybrid_comparison({k: v for k, v in both.items() if k != "hybrid"}, "turns_2_plus") is None
+
+
+def test_a_threshold_comparison_pits_hybrid_against_its_parts_at_that_threshold():
+    def figures(rate):
+        return {"all": {"decode_tokens_per_s": rate}}
+
+    run = {"suffix": figures(10.0), "draft_model": figures(30.0), "draft_model@0.5": figures(12.0),
+           "hybrid": figures(20.0), "hybrid@0.5": figures(11.0)}
+    comparison = hybrid_comparison(run, "all", "@0.5")
+    assert comparison["best_part"] == "draft_model@0.5" and comparison["ratio_to_best_part"] == pytest.approx(11 / 12)
+    assert hybrid_comparison(run, "all")["best_part"] == "draft_model"
+
+
+def test_methods_that_run_a_draft_model_run_once_per_threshold():
+    names = engine_names(("off", "ngram", "draft_model", "hybrid"), (0.0, 0.5, 0.75))
+    assert names == {"off": ("off", 0.0), "ngram": ("ngram", 0.0), "draft_model": ("draft_model", 0.0),
+                     "draft_model@0.5": ("draft_model", 0.5), "draft_model@0.75": ("draft_model", 0.75),
+                     "hybrid": ("hybrid", 0.0), "hybrid@0.5": ("hybrid", 0.5), "hybrid@0.75": ("hybrid", 0.75)}
+
+
+@pytest.mark.parametrize("thresholds", [(), (0.5, 0.5), (1.0,), (-0.1,)])
+def test_bad_thresholds_are_refused_naming_the_flag(files, thresholds):
+    config = MethodsBenchConfig(target="unused", draft="unused", max_new_tokens=4, prompts=files / "prompts.jsonl",
+                                draft_confidence_thresholds=thresholds)
+    with pytest.raises(InvalidArgument, match="--draft-confidence-threshold"):
+        run_methods_bench(config)
 
 
 def test_hybrid_is_reported_when_it_ran(prompts_report):
