@@ -10,6 +10,7 @@
  * attention output is bit for bit the same in plain decoding and in verification.
  *
  * Layouts: q, out [B, T, H, D] bf16 contiguous; kc, vc [num_slots, Hkv, capacity, D] bf16. D % 16 == 0.
+ * Vectors of `VEC` fp32 lanes (16 with AVX-512, 8 with AVX2: `bf16.h`).
  * Returns 0, or ENOMEM when a thread cannot allocate its scores (out is then partly unwritten).
  */
 #include <errno.h>
@@ -23,13 +24,13 @@
 
 static void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, int64_t n_keys,
                        int64_t D, float scale, float *scores) {
-    __m512 qv[MAX_D / 16];
-    for (int64_t d = 0; d < D; d += 16) qv[d / 16] = load_bf16(q + d);
+    vec_t qv[MAX_D / VEC];
+    for (int64_t d = 0; d < D; d += VEC) qv[d / VEC] = vec_load_bf16(q + d);
     float max = -INFINITY;
     for (int64_t s = 0; s < n_keys; s++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(qv[d / 16], load_bf16(k + s * D + d), acc);
-        float score = _mm512_reduce_add_ps(acc) * scale;
+        vec_t acc = vec_zero();
+        for (int64_t d = 0; d < D; d += VEC) acc = vec_fmadd(qv[d / VEC], vec_load_bf16(k + s * D + d), acc);
+        float score = vec_sum(acc) * scale;
         scores[s] = score;
         if (score > max) max = score;
     }
@@ -38,16 +39,16 @@ static void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
         scores[s] = expf(scores[s] - max);
         sum += scores[s];
     }
-    __m512 acc[MAX_D / 16];
-    for (int64_t d = 0; d < D; d += 16) acc[d / 16] = _mm512_setzero_ps();
+    vec_t acc[MAX_D / VEC];
+    for (int64_t d = 0; d < D; d += VEC) acc[d / VEC] = vec_zero();
     for (int64_t s = 0; s < n_keys; s++) {
-        __m512 p = _mm512_set1_ps(scores[s]);
-        for (int64_t d = 0; d < D; d += 16) acc[d / 16] = _mm512_fmadd_ps(p, load_bf16(v + s * D + d), acc[d / 16]);
+        vec_t p = vec_set1(scores[s]);
+        for (int64_t d = 0; d < D; d += VEC) acc[d / VEC] = vec_fmadd(p, vec_load_bf16(v + s * D + d), acc[d / VEC]);
     }
-    float tmp[16];
-    for (int64_t d = 0; d < D; d += 16) {
-        _mm512_storeu_ps(tmp, _mm512_div_ps(acc[d / 16], _mm512_set1_ps(sum)));
-        for (int i = 0; i < 16; i++) out[d + i] = float_to_bf16(tmp[i]);
+    float tmp[VEC];
+    for (int64_t d = 0; d < D; d += VEC) {
+        vec_store(tmp, vec_div(acc[d / VEC], vec_set1(sum)));
+        for (int i = 0; i < VEC; i++) out[d + i] = float_to_bf16(tmp[i]);
     }
 }
 

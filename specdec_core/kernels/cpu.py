@@ -5,8 +5,9 @@ so verifying k+1 tokens costs k+1 decode steps and speculation cannot pay; and i
 for the single query row of decoding. `gemm.c` streams each weight once for all rows; `attention_bf16.c`
 attends each (row, head) alone in fp32. Both compute a row the same way whatever else is in the batch, so
 verification reproduces plain decoding bit for bit. They are compiled on first use with the system C compiler
-and cached in a private directory, checked before every load (`library.py`); where that is impossible (no
-compiler, no AVX-512, a cache directory refused) the model keeps torch's code paths.
+for this CPU's vector instructions, AVX-512 or else AVX2 with FMA (`bf16.h`), and cached in a private directory,
+checked before every load (`library.py`); where that is impossible (no compiler, neither instruction set, a cache
+directory refused) the model keeps torch's code paths.
 
 Like tensor parallelism, this is a transformation of a built model: the model code knows nothing of it.
 """
@@ -54,6 +55,11 @@ def _cpu_has_avx512() -> bool:
     return {"avx512f", "avx512bw"} <= _cpu_flags()
 
 
+def _cpu_runs_kernels() -> bool:
+    """The kernels build for AVX-512 (F, BW) or, without it, for AVX2 with FMA."""
+    return _cpu_has_avx512() or {"avx2", "fma"} <= _cpu_flags()
+
+
 def library_spec() -> library.LibrarySpec:
     """The kernels' build: the sources, the flags (with `$SPECDEC_KERNEL_CFLAGS`) and this CPU's features, since
     -march=native builds for the compiling CPU and a library built on one may not run on another."""
@@ -70,7 +76,7 @@ def library_spec() -> library.LibrarySpec:
 @lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     """Compile (once per source, compiler and flags) and load the kernels; None when this machine cannot run them."""
-    if environment.cpu_kernels_disabled() or not _cpu_has_avx512():
+    if environment.cpu_kernels_disabled() or not _cpu_runs_kernels():
         return None
     compiler = shutil.which(environment.c_compiler()) or shutil.which("gcc")
     if compiler is None:
@@ -101,7 +107,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     for fn in ("specdec_rms_norm_bf16", "specdec_rope_bf16", "specdec_silu_mul_bf16"):
         getattr(lib, fn).restype = None
     for fn in ("specdec_block_rows", "specdec_k_multiple", "specdec_has_vnni", "specdec_has_native_bf16",
-               "specdec_attention_max_head_dim"):
+               "specdec_has_avx512", "specdec_attention_max_head_dim"):
         getattr(lib, fn).restype = ctypes.c_int
 
 
@@ -119,6 +125,7 @@ def kernel_info() -> dict[str, bool]:
     lib = load_library()
     return {
         "cpu_kernels": lib is not None,
+        "avx512": bool(lib is not None and lib.specdec_has_avx512()),
         "native_bf16": bool(lib is not None and lib.specdec_has_native_bf16()),
         "vnni": bool(lib is not None and lib.specdec_has_vnni()),
     }
@@ -397,8 +404,8 @@ def rows_batch_invariant(model: nn.Module) -> bool:
 
 
 def kernel_path(model: nn.Module) -> str:
-    """What runs `model`'s forward, in a few words: the CPU kernels in use ("bf16 AVX-512 (native bf16)", "int8
-    VNNI"), or "torch fallback (why)"."""
+    """What runs `model`'s forward, in a few words: the CPU kernels in use ("bf16 AVX-512 (native bf16)", "bf16
+    AVX2 (fp32 widening)", "int8 VNNI"), or "torch fallback (why)"."""
     int8 = any(isinstance(m, Int8CPULinear) for m in model.modules())
     bf16 = any(isinstance(m, FastCPULinear) for m in model.modules())
     attention = isinstance(getattr(model, "attention", None), CPUAttention)
@@ -406,7 +413,8 @@ def kernel_path(model: nn.Module) -> str:
         return f"torch fallback ({_why_torch(model)})"
     lib = load_library()
     native = bool(lib is not None and lib.specdec_has_native_bf16())
-    parts = [f"bf16 AVX-512 ({'native bf16' if native else 'fp32 widening'})"] if bf16 or attention else []
+    isa = "AVX-512" if lib is not None and lib.specdec_has_avx512() else "AVX2"
+    parts = [f"bf16 {isa} ({'native bf16' if native else 'fp32 widening'})"] if bf16 or attention else []
     if int8:
         parts.append("int8 VNNI")
     if any(type(m) is nn.Linear for m in model.modules()):
@@ -424,8 +432,8 @@ def _why_torch(model: nn.Module) -> str:
         return f"{str(param.dtype).removeprefix('torch.')}: the kernels are bf16"
     if environment.cpu_kernels_disabled():
         return "SPECDEC_DISABLE_CPU_KERNELS is set"
-    if not _cpu_has_avx512():
-        return "no AVX-512 on this CPU"
+    if not _cpu_runs_kernels():
+        return "neither AVX-512 nor AVX2 with FMA on this CPU"
     if load_library() is None:
         return "the kernels could not be built: no C compiler?"
     return "no layer swapped in: none has a shape the kernels take, or the model was not built by prepare_model"

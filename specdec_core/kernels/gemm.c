@@ -20,7 +20,12 @@
  * Each output row is computed with the same sequence of operations whatever M is: a row's result does not
  * depend on which other rows share the call (plain decoding and verification agree bit for bit).
  *
- * Requires AVX-512F/BW; K must be a multiple of 32 and N a multiple of NB (the caller checks).
+ * With AVX2 and FMA instead of AVX-512 (`bf16.h`) the same fp32 path runs on 8-lane vectors: 16 weights widened
+ * per load, and fewer weight rows per block as the input rows grow, so that the accumulators fit in AVX2's 16
+ * vector registers. Measured on a 2-core AVX2 CPU, torch's bf16 GEMM costs about 5x one row for 5 rows; this
+ * kernel keeps a verify of several rows near the cost of one, as on AVX-512.
+ *
+ * Requires AVX-512F/BW or AVX2 and FMA; K must be a multiple of 32 and N a multiple of NB (the caller checks).
  * Returns 0, or ENOMEM when the fp32 path cannot allocate its widened inputs (y is then unwritten).
  */
 #include <errno.h>
@@ -31,27 +36,37 @@
 
 #define NB 8               /* weight rows per block */
 #define MB 6               /* input rows per pass over the weights */
-#define KV 32              /* k values per step: one 512-bit load of bf16 weights */
+#define KV 32              /* k values per step: 32 bf16 weights, one 512-bit load (two 256-bit ones on AVX2) */
 #define PREFETCH_BYTES 512 /* ahead in each weight row */
 
-#ifndef __AVX512BF16__
+#if defined(SPECDEC_AVX512) && !defined(__AVX512BF16__)
 /* 32 bf16 values as (even, odd) fp32 vectors. */
 static inline void widen_bf16(const uint16_t *p, __m512 *even, __m512 *odd) {
     __m512i v = _mm512_loadu_si512((const void *)p);
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
+#define WIDEN_LANES 32 /* bf16 values per widening load */
+#elif defined(SPECDEC_AVX2)
+/* 16 bf16 values as (even, odd) fp32 vectors of 8. */
+static inline void widen_bf16(const uint16_t *p, __m256 *even, __m256 *odd) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+#define WIDEN_LANES 16
+#endif
 
-/* x [rows, K] bf16 -> xf [rows, K] fp32, each group of 32 stored as its 16 even then its 16 odd values. */
+#ifndef __AVX512BF16__
+/* x [rows, K] bf16 -> xf [rows, K] fp32, each group of WIDEN_LANES stored as its even then its odd values. */
 static void widen_inputs(const uint16_t *x, float *xf, int64_t rows, int64_t K) {
-    for (int64_t i = 0; i < rows * K; i += KV) {
-        __m512 even, odd;
+    for (int64_t i = 0; i < rows * K; i += WIDEN_LANES) {
+        vec_t even, odd;
         widen_bf16(x + i, &even, &odd);
-        _mm512_storeu_ps(xf + i, even);
-        _mm512_storeu_ps(xf + i + 16, odd);
+        vec_store(xf + i, even);
+        vec_store(xf + i + VEC, odd);
     }
 }
-
 #endif
 
 /* One k step of a block of NR weight rows x ROWS input rows: acc[j][i] += w[n0 + j, k:k+32] . x[i, k:k+32]. */
@@ -79,57 +94,91 @@ typedef uint16_t xrow_t;
         }                                                                                               \
     }
 #else
-/* Inputs widened to fp32 (and de-interleaved) once per call; each weight vector widened once per k step. */
+/* Inputs widened to fp32 (and de-interleaved) once per call; each weight vector widened once per k step (in
+ * KV / WIDEN_LANES loads: one with AVX-512, two with AVX2). */
 typedef float xrow_t;
 #define K_STEP(NR, ROWS)                                                                                \
-    {                                                                                               \
-        _Pragma("GCC unroll 8") /* fully: the accumulators must live in registers */                \
-        for (int j = 0; j < NR; j++) {                                                              \
-            const uint16_t *row = w + (n0 + j) * K + k;                                             \
-            _mm_prefetch((const char *)row + PREFETCH_BYTES, _MM_HINT_T0);                          \
-            __m512 we, wo;                                                                          \
-            widen_bf16(row, &we, &wo);                                                              \
-            _Pragma("GCC unroll 8")                                                                 \
-            for (int i = 0; i < ROWS; i++) {                                                        \
-                const float *xr = x + i * K + k;                                                    \
-                acc[j][i] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), we, acc[j][i]);                    \
-                acc[j][i] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), wo, acc[j][i]);               \
-            }                                                                                       \
-        }                                                                                           \
+    {                                                                                                   \
+        _Pragma("GCC unroll 8") /* fully: the accumulators must live in registers */                    \
+        for (int j = 0; j < NR; j++)                                                                    \
+            _mm_prefetch((const char *)(w + (n0 + j) * K + k) + PREFETCH_BYTES, _MM_HINT_T0);           \
+        _Pragma("GCC unroll 2")                                                                         \
+        for (int h = 0; h < KV; h += WIDEN_LANES) {                                                     \
+            _Pragma("GCC unroll 8")                                                                     \
+            for (int j = 0; j < NR; j++) {                                                              \
+                vec_t we, wo;                                                                           \
+                widen_bf16(w + (n0 + j) * K + k + h, &we, &wo);                                         \
+                _Pragma("GCC unroll 8")                                                                 \
+                for (int i = 0; i < ROWS; i++) {                                                        \
+                    const float *xr = x + i * K + k + h;                                                \
+                    acc[j][i] = vec_fmadd(load_x(xr), we, acc[j][i]);                              \
+                    acc[j][i] = vec_fmadd(load_x(xr + VEC), wo, acc[j][i]);                        \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
     }
+#ifdef SPECDEC_AVX512
+#define load_x _mm512_loadu_ps
+#else
+#define load_x _mm256_loadu_ps
+#endif
 #endif
 
 /* One block: NR weight rows x ROWS input rows, full K, all accumulators in registers. */
 #define DEFINE_BLOCK(NR, ROWS)                                                                          \
     static void block_##NR##_##ROWS(const xrow_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y,  \
                                     int64_t N, int64_t K, int64_t n0) {                                 \
-        __m512 acc[NR][ROWS];                                                                           \
+        vec_t acc[NR][ROWS];                                                                            \
         for (int j = 0; j < NR; j++)                                                                    \
-            for (int i = 0; i < ROWS; i++) acc[j][i] = _mm512_setzero_ps();                             \
+            for (int i = 0; i < ROWS; i++) acc[j][i] = vec_zero();                                      \
         for (int64_t k = 0; k < K; k += KV) K_STEP(NR, ROWS)                                            \
         for (int i = 0; i < ROWS; i++)                                                                  \
             for (int j = 0; j < NR; j++) {                                                              \
-                float sum = _mm512_reduce_add_ps(acc[j][i]);                                            \
+                float sum = vec_sum(acc[j][i]);                                                         \
                 if (b) sum += bf16_to_float(b[n0 + j]);                                                 \
                 y[i * N + n0 + j] = float_to_bf16(sum);                                                 \
             }                                                                                           \
     }
 
-/* 8 weight rows per block up to 2 input rows (3 without native bf16), 4 beyond (run twice per block of NB):
- * the accumulators and, with native bf16, the weight vectors must fit in the 32 vector registers. */
+typedef void (*block_fn)(const xrow_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
+                         int64_t);
+
+/* The block for each count of input rows, and how many weight rows it covers (a block of NB runs it NB / nr
+ * times). The accumulators (and, with native bf16, the weight vectors) must fit in the vector registers: 32
+ * with AVX-512, 16 with AVX2. */
+struct block {
+    block_fn fn;
+    int nr;
+};
+
+#if defined(__AVX512BF16__)
 DEFINE_BLOCK(8, 1)
 DEFINE_BLOCK(8, 2)
-#ifdef __AVX512BF16__
 DEFINE_BLOCK(4, 3)
-#else
-DEFINE_BLOCK(8, 3)
-#endif
 DEFINE_BLOCK(4, 4)
 DEFINE_BLOCK(4, 5)
 DEFINE_BLOCK(4, 6)
-
-typedef void (*block_fn)(const xrow_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
-                         int64_t);
+static const struct block blocks[MB + 1] = {
+    {0, NB}, {block_8_1, 8}, {block_8_2, 8}, {block_4_3, 4}, {block_4_4, 4}, {block_4_5, 4}, {block_4_6, 4}};
+#elif defined(SPECDEC_AVX512)
+DEFINE_BLOCK(8, 1)
+DEFINE_BLOCK(8, 2)
+DEFINE_BLOCK(8, 3)
+DEFINE_BLOCK(4, 4)
+DEFINE_BLOCK(4, 5)
+DEFINE_BLOCK(4, 6)
+static const struct block blocks[MB + 1] = {
+    {0, NB}, {block_8_1, 8}, {block_8_2, 8}, {block_8_3, 8}, {block_4_4, 4}, {block_4_5, 4}, {block_4_6, 4}};
+#else /* AVX2: at most 12 accumulators, beside the two halves of a widened weight vector */
+DEFINE_BLOCK(8, 1)
+DEFINE_BLOCK(4, 2)
+DEFINE_BLOCK(4, 3)
+DEFINE_BLOCK(2, 4)
+DEFINE_BLOCK(2, 5)
+DEFINE_BLOCK(2, 6)
+static const struct block blocks[MB + 1] = {
+    {0, NB}, {block_8_1, 8}, {block_4_2, 4}, {block_4_3, 4}, {block_2_4, 2}, {block_2_5, 2}, {block_2_6, 2}};
+#endif
 
 int specdec_block_rows(void) { return NB; }
 
@@ -141,12 +190,8 @@ int specdec_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, u
                       int64_t N, int64_t K, int nthreads) {
     if (M <= 0) return 0;
 #ifdef __AVX512BF16__
-    static const block_fn blocks[MB + 1] = {0, block_8_1, block_8_2, block_4_3, block_4_4, block_4_5, block_4_6};
-    static const int halves[MB + 1] = {0, 0, 0, 1, 1, 1, 1}; /* blocks of 4 weight rows: run twice */
     const xrow_t *xs = x;
 #else
-    static const block_fn blocks[MB + 1] = {0, block_8_1, block_8_2, block_8_3, block_4_4, block_4_5, block_4_6};
-    static const int halves[MB + 1] = {0, 0, 0, 0, 1, 1, 1};
     /* A size that would wrap around is a failed allocation; a size of 0 (K = 0) may return NULL, so ask for 64. */
     if (K > 0 && (uint64_t)M > SIZE_MAX / sizeof(float) / (uint64_t)K) return ENOMEM;
     size_t bytes = (size_t)M * (size_t)K * sizeof(float); /* a multiple of 64, as aligned_alloc needs: K % 32 == 0 */
@@ -161,8 +206,8 @@ int specdec_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, u
             int64_t rows = M - m0 < MB ? M - m0 : MB;
             const xrow_t *xm = xs + m0 * K;
             uint16_t *ym = y + m0 * N;
-            blocks[rows](xm, w, b, ym, N, K, n0);
-            if (halves[rows]) blocks[rows](xm, w, b, ym, N, K, n0 + 4);
+            struct block blk = blocks[rows];
+            for (int j = 0; j < NB; j += blk.nr) blk.fn(xm, w, b, ym, N, K, n0 + j);
         }
 #ifndef __AVX512BF16__
     free(xf);
@@ -173,6 +218,15 @@ int specdec_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, u
 /* 1 when the library was built to use native bf16 dot products. */
 int specdec_has_native_bf16(void) {
 #ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 when the library was built for AVX-512, 0 for AVX2. */
+int specdec_has_avx512(void) {
+#ifdef SPECDEC_AVX512
     return 1;
 #else
     return 0;

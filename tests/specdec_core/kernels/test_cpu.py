@@ -13,7 +13,10 @@ from specdec_core.models.loader import load_model
 from specdec_core.models.transformer import MLP, RMSNorm, TorchAttention
 from specdec_core.runner import ModelRunner, RunnerConfig
 
-pytestmark = pytest.mark.skipif(cpu.load_library() is None, reason="CPU kernels need AVX-512 and a C compiler")
+pytestmark = pytest.mark.skipif(cpu.load_library() is None,
+                                reason="CPU kernels need AVX-512 or AVX2 with FMA, and a C compiler")
+needs_vnni = pytest.mark.skipif(not cpu.load_library() or not cpu.load_library().specdec_has_vnni(),
+                                reason="the int8 draft kernel needs AVX-512 VNNI")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
@@ -192,6 +195,7 @@ def test_a_prefill_from_cached_positions_gives_a_full_prefills_logits_bit_for_bi
         assert torch.equal(runner.extend([slot], [rest], all_logits=True)[0], want)
 
 
+@needs_vnni
 def test_greedy_speculation_with_an_int8_draft_is_exact_in_bf16(tiny_dir):
     from specdec_core.build import DraftSpec, build_engine, load_pair
     from specdec_core.config import SamplingParams
@@ -209,11 +213,14 @@ def test_greedy_speculation_with_an_int8_draft_is_exact_in_bf16(tiny_dir):
 
 def test_the_kernel_path_is_named_and_batch_invariant_only_on_the_kernels(bf16_pair, tiny_dir):
     fast, plain = bf16_pair
-    native = "native bf16" if cpu.load_library().specdec_has_native_bf16() else "fp32 widening"
-    assert cpu.kernel_path(fast.model) == f"bf16 AVX-512 ({native})"
+    lib = cpu.load_library()
+    native = "native bf16" if lib.specdec_has_native_bf16() else "fp32 widening"
+    isa = "AVX-512" if lib.specdec_has_avx512() else "AVX2"
+    assert isa == ("AVX-512" if {"avx512f", "avx512bw"} <= cpu.cpu_flags() else "AVX2")
+    assert cpu.kernel_path(fast.model) == f"bf16 {isa} ({native})"
     assert cpu.rows_batch_invariant(fast.model)
     assert cpu.kernel_path(plain.model).startswith("torch fallback (")  # loaded, never given the kernels
     assert not cpu.rows_batch_invariant(plain.model)
     if cpu.load_library().specdec_has_vnni():
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="auto")
-        assert cpu.kernel_path(draft.model) == f"bf16 AVX-512 ({native}) + int8 VNNI"
+        assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + int8 VNNI"
