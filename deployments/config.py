@@ -152,8 +152,8 @@ class DraftConfig(Placement):
     model: str | None = None  # required by a method that runs a draft model (draft_model)
     dtype: Dtype = "bfloat16"
     device: Device = "cpu"
-    # int8: int8 weights and activations (CPU drafts in bf16 on AVX-512 VNNI; cheaper drafts, the same output).
-    # auto: int8 where the CPU has AVX-512 VNNI and the draft is a bf16 CPU model, else none (CUDA: none).
+    # int8: int8 weights and activations (CPU drafts in bf16 on AVX-512 VNNI or AVX2; cheaper drafts, the same output).
+    # auto: int8 where the CPU has AVX-512 VNNI or AVX2 and the draft is a bf16 CPU model, else none (CUDA: none).
     quantization: Literal["none", "int8", "auto"] = "auto"
     num_speculative_tokens: Union[int, Literal["auto"]] = "auto"
     max_speculative_tokens: int = Field(8, ge=1, le=16)

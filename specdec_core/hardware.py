@@ -21,9 +21,18 @@ AUTO = "auto"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 
-# What the int8 draft kernel needs of the CPU: the kernels at all (AVX-512 F and BW, `kernels.cpu`) and VNNI's
-# int8 dot products (`gemm_int8.c` is built with them only where -march=native has them).
+# What the int8 draft kernel needs of the CPU (`gemm_int8.c`, built for what -march=native has): on a CPU with
+# AVX-512 (F and BW) the kernels are built for it, and the int8 kernel needs VNNI's int8 dot products; without
+# AVX-512 they are built for AVX2 with FMA, whose int8 kernel multiplies bytes with `vpmaddubsw`.
 INT8_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
+AVX512_FLAGS = frozenset({"avx512f", "avx512bw"})
+AVX2_FLAGS = frozenset({"avx2", "fma"})
+
+
+def int8_kernel_runs(cpu_flags: Iterable[str]) -> bool:
+    """Whether the kernels built for a CPU with these flags include the int8 draft kernel."""
+    flags = frozenset(cpu_flags)
+    return INT8_CPU_FLAGS <= flags if AVX512_FLAGS <= flags else AVX2_FLAGS <= flags
 DRAFT_QUANTIZATIONS = ("none", "int8", AUTO)
 
 
@@ -124,13 +133,14 @@ def resolve_threads(setting: int | str, cores: int, share: int = 1) -> int:
 def resolve_draft_quantization(setting: str, *, device: str, dtype: str, cpu_flags: Iterable[str],
                                kernels_enabled: bool = True) -> str:
     """The draft's quantization: `none` or `int8` as given; `auto`: int8 where it can run (a bfloat16 draft on the
-    CPU, a CPU with AVX-512 VNNI, the CPU kernels not switched off), else none (CUDA and other devices too).
+    CPU, a CPU whose kernels have the int8 kernel: AVX-512 VNNI, or AVX2 without AVX-512; the CPU kernels not
+    switched off), else none (CUDA and other devices too).
     int8 changes only the drafts, so only the acceptance rate: the output stays the target's."""
     if setting not in DRAFT_QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {DRAFT_QUANTIZATIONS}, got {setting!r}")
     if setting != AUTO:
         return setting
-    runs = device == "cpu" and dtype == "bfloat16" and kernels_enabled and INT8_CPU_FLAGS <= frozenset(cpu_flags)
+    runs = device == "cpu" and dtype == "bfloat16" and kernels_enabled and int8_kernel_runs(cpu_flags)
     return "int8" if runs else "none"
 
 

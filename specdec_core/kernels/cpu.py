@@ -106,8 +106,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdec_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     for fn in ("specdec_rms_norm_bf16", "specdec_rope_bf16", "specdec_silu_mul_bf16"):
         getattr(lib, fn).restype = None
-    for fn in ("specdec_block_rows", "specdec_k_multiple", "specdec_has_vnni", "specdec_has_native_bf16",
-               "specdec_has_avx512", "specdec_attention_max_head_dim"):
+    for fn in ("specdec_block_rows", "specdec_k_multiple", "specdec_has_vnni", "specdec_has_int8",
+               "specdec_has_native_bf16", "specdec_has_avx512", "specdec_attention_max_head_dim"):
         getattr(lib, fn).restype = ctypes.c_int
 
 
@@ -128,6 +128,7 @@ def kernel_info() -> dict[str, bool]:
         "avx512": bool(lib is not None and lib.specdec_has_avx512()),
         "native_bf16": bool(lib is not None and lib.specdec_has_native_bf16()),
         "vnni": bool(lib is not None and lib.specdec_has_vnni()),
+        "int8": bool(lib is not None and lib.specdec_has_int8()),
     }
 
 
@@ -196,9 +197,9 @@ def _gemm(kernel, x: torch.Tensor, out_features: int, bias: torch.Tensor | None,
 
 def quantize_draft_int8(model: nn.Module) -> int:
     """Replace the linear layers of a bf16 CPU *draft* model by int8 ones; return how many. 0 if unavailable
-    (no kernels, or a CPU without AVX-512 VNNI)."""
+    (no kernels, or AVX-512 kernels on a CPU without VNNI)."""
     lib = load_library()
-    if lib is None or not lib.specdec_has_vnni():
+    if lib is None or not lib.specdec_has_int8():
         return 0
     block = lib.specdec_block_rows()
     swapped = 0
@@ -416,7 +417,7 @@ def kernel_path(model: nn.Module) -> str:
     isa = "AVX-512" if lib is not None and lib.specdec_has_avx512() else "AVX2"
     parts = [f"bf16 {isa} ({'native bf16' if native else 'fp32 widening'})"] if bf16 or attention else []
     if int8:
-        parts.append("int8 VNNI")
+        parts.append("int8 VNNI" if lib is not None and lib.specdec_has_vnni() else f"int8 {isa}")
     if any(type(m) is nn.Linear for m in model.modules()):
         parts.append("some linear layers on torch")
     if not attention:

@@ -13,8 +13,9 @@
  * `vpdpbusd` multiplies *unsigned* by signed bytes, so x is stored as xq + 128 and the excess 128 * wsum[n]
  * is subtracted at the end (integer arithmetic, so exact). Per lane the sum stays below 2^31 for K < 2^16.
  *
- * Requires AVX-512 VNNI (`specdec_has_vnni`); K a multiple of 64 and N a multiple of NB (the caller checks).
- * Returns 0; ENOMEM when the quantized inputs cannot be allocated, ENOSYS when built without VNNI (y unwritten).
+ * Requires AVX-512 VNNI (`specdec_has_vnni`), or a build for AVX2 (below); `specdec_has_int8` says which
+ * builds have it. K a multiple of 64 and N a multiple of NB (the caller checks). Returns 0; ENOMEM when the
+ * quantized inputs cannot be allocated, ENOSYS when built for AVX-512 without VNNI (y unwritten).
  */
 #include <errno.h>
 #include <math.h>
@@ -109,6 +110,105 @@ int specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const
     return 0;
 }
 
+#elif defined(SPECDEC_AVX2)
+
+/* AVX2 has no VNNI: `vpmaddubsw` multiplies unsigned by signed bytes and adds adjacent pairs into saturating
+ * int16, then `vpmaddwd` by ones sums those pairs into int32. With x stored as xq + 128 a pair could reach
+ * 2 * 255 * 127 and saturate, so instead |xq| is the unsigned operand and w takes x's sign (`vpsignb`): each
+ * pair is then at most 2 * 127 * 127 < 2^15, and the sum is exact. Four instructions per 32 products instead of
+ * one, but a draft step is bound by reading the weights, and int8 weights are half of bf16's bytes. */
+
+int specdec_has_vnni(void) { return 0; }
+
+/* Row i of x quantized into xs [K] (xq) and xa [K] (|xq|), and its scale. */
+static float quantize_row(const uint16_t *x, int8_t *xs, uint8_t *xa, int64_t K) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(bf16_to_float(x[k])));
+    float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (int64_t k = 0; k < K; k++) {
+        long q = lrintf(bf16_to_float(x[k]) / scale);
+        xs[k] = (int8_t)q;
+        xa[k] = (uint8_t)(q < 0 ? -q : q);
+    }
+    return scale;
+}
+
+#define DEFINE_BLOCK(NR, ROWS)                                                                          \
+    static void block_##ROWS(const int8_t *xs, const uint8_t *xa, const float *sx, const int8_t *w,    \
+                             const float *sw, const uint16_t *b, uint16_t *y, int64_t N, int64_t K,     \
+                             int64_t n0) {                                                              \
+        const __m256i ones = _mm256_set1_epi16(1);                                                      \
+        __m256i acc[NR][ROWS];                                                                          \
+        for (int j = 0; j < NR; j++)                                                                    \
+            for (int i = 0; i < ROWS; i++) acc[j][i] = _mm256_setzero_si256();                          \
+        for (int64_t k = 0; k < K; k += 32) {                                                           \
+            _Pragma("GCC unroll 8") /* fully: the accumulators must live in registers */               \
+            for (int j = 0; j < NR; j++) {                                                              \
+                const int8_t *row = w + (n0 + j) * K + k;                                               \
+                _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T0);                                \
+                __m256i wv = _mm256_loadu_si256((const __m256i *)row);                                  \
+                _Pragma("GCC unroll 8")                                                                 \
+                for (int i = 0; i < ROWS; i++) {                                                        \
+                    __m256i xsv = _mm256_loadu_si256((const __m256i *)(xs + i * K + k));                \
+                    __m256i xav = _mm256_loadu_si256((const __m256i *)(xa + i * K + k));                \
+                    __m256i pairs = _mm256_maddubs_epi16(xav, _mm256_sign_epi8(wv, xsv));               \
+                    acc[j][i] = _mm256_add_epi32(acc[j][i], _mm256_madd_epi16(pairs, ones));            \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        for (int i = 0; i < ROWS; i++)                                                                  \
+            for (int j = 0; j < NR; j++) {                                                              \
+                __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[j][i]),                            \
+                                          _mm256_extracti128_si256(acc[j][i], 1));                      \
+                s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));                                       \
+                s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));                                       \
+                float sum = (float)_mm_cvtsi128_si32(s) * sx[i] * sw[n0 + j];                           \
+                if (b) sum += bf16_to_float(b[n0 + j]);                                                 \
+                y[i * N + n0 + j] = float_to_bf16(sum);                                                 \
+            }                                                                                           \
+    }
+
+/* The accumulators (NR x ROWS) and the weight vector within AVX2's 16 vector registers; input vectors are loaded
+ * where they are used. */
+DEFINE_BLOCK(8, 1)
+DEFINE_BLOCK(4, 2)
+DEFINE_BLOCK(4, 3)
+DEFINE_BLOCK(2, 4)
+DEFINE_BLOCK(2, 5)
+DEFINE_BLOCK(2, 6)
+
+typedef void (*block_fn)(const int8_t *, const uint8_t *, const float *, const int8_t *, const float *,
+                         const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
+
+int specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const int32_t *wsum,
+                      const uint16_t *b, uint16_t *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+    static const block_fn blocks[MB + 1] = {0, block_1, block_2, block_3, block_4, block_5, block_6};
+    static const int widths[MB + 1] = {NB, 8, 4, 4, 2, 2, 2}; /* weight rows per block call */
+    (void)wsum; /* no excess to subtract: x is never offset here */
+    if (M <= 0) return 0;
+    if ((uint64_t)M > SIZE_MAX / sizeof(float) || (K > 0 && (uint64_t)M > SIZE_MAX / 2 / (uint64_t)K)) return ENOMEM;
+    size_t bytes = (size_t)M * (size_t)K; /* a multiple of 64, as aligned_alloc needs: K % 64 == 0 */
+    int8_t *xs = aligned_alloc(64, bytes > 0 ? 2 * bytes : 64);
+    float *sx = malloc((size_t)M * sizeof(float));
+    if (xs == NULL || sx == NULL) {
+        free(xs);
+        free(sx);
+        return ENOMEM;
+    }
+    uint8_t *xa = (uint8_t *)xs + bytes;
+    for (int64_t m = 0; m < M; m++) sx[m] = quantize_row(x + m * K, xs + m * K, xa + m * K, K);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += NB)
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+            int64_t rows = M - m0 < MB ? M - m0 : MB;
+            for (int j = 0; j < NB; j += widths[rows])
+                blocks[rows](xs + m0 * K, xa + m0 * K, sx + m0, w, sw, b, y + m0 * N, N, K, n0 + j);
+        }
+    free(xs);
+    free(sx);
+    return 0;
+}
+
 #else
 
 int specdec_has_vnni(void) { return 0; }
@@ -120,3 +220,12 @@ int specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const
 }
 
 #endif
+
+/* 1 when this build has an int8 kernel (AVX-512 VNNI, or AVX2's multiply-add of bytes). */
+int specdec_has_int8(void) {
+#if defined(__AVX512VNNI__) || defined(SPECDEC_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}

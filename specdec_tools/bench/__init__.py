@@ -38,8 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
                          help="transformers' prompt lookup length (with --compare-hf --ngram or --suffix)")
     offline.add_argument("--draft-quantization", choices=["none", "int8", "auto"], default="auto",
-                         help="int8 weights and activations for the draft (CPU with AVX-512 VNNI): cheaper drafts, same "
-                              "output; auto (default): int8 where the CPU runs it, else none")
+                         help="int8 weights and activations for the draft (CPU with AVX-512 VNNI or AVX2): "
+                              "cheaper drafts, same output; auto (default): int8 where the CPU runs it, else none")
     offline.add_argument("--json", required=True, type=Path, help="where to write the report")
     offline.set_defaults(func=_offline)
     loadgen.register(modes)

@@ -113,7 +113,8 @@ NO_VNNI = {"fpu", "avx2", "avx512f", "avx512bw"}
     [
         ("auto", "cpu", "bfloat16", VNNI, True, "int8"),
         ("auto", "cpu", "bfloat16", NO_VNNI, True, "none"),
-        ("auto", "cpu", "bfloat16", {"avx2", "avx_vnni"}, True, "none"),  # VNNI without AVX-512: no kernels
+        ("auto", "cpu", "bfloat16", {"avx2", "fma"}, True, "int8"),  # AVX2's kernels multiply bytes without VNNI
+        ("auto", "cpu", "bfloat16", {"avx2"}, True, "none"),  # no FMA: no kernels
         ("auto", "cpu", "bfloat16", VNNI, False, "none"),  # SPECDEC_DISABLE_CPU_KERNELS
         ("auto", "cpu", "float32", VNNI, True, "none"),  # the int8 kernel takes bf16 drafts
         ("auto", "cuda", "bfloat16", VNNI, True, "none"),

@@ -15,8 +15,8 @@ from specdec_core.runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.skipif(cpu.load_library() is None,
                                 reason="CPU kernels need AVX-512 or AVX2 with FMA, and a C compiler")
-needs_vnni = pytest.mark.skipif(not cpu.load_library() or not cpu.load_library().specdec_has_vnni(),
-                                reason="the int8 draft kernel needs AVX-512 VNNI")
+needs_int8 = pytest.mark.skipif(not cpu.load_library() or not cpu.load_library().specdec_has_int8(),
+                                reason="AVX-512 kernels have the int8 draft kernel only with VNNI")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
@@ -32,7 +32,7 @@ def test_linear_matches_torch(rows, bias):
     x = torch.randn(rows, 128).to(torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), linear.weight.float(), None if not bias else linear.bias.float())
     _close(cpu.FastCPULinear(linear, cpu.load_library())(x), want, 5e-3)
-    if cpu.load_library().specdec_has_vnni():
+    if cpu.load_library().specdec_has_int8():
         _close(cpu.Int8CPULinear(linear, cpu.load_library())(x), want, 3e-2)
 
 
@@ -40,7 +40,7 @@ def _linear_kernels():
     lib = cpu.load_library()
     linear = torch.nn.Linear(128, 48).to(torch.bfloat16)
     yield cpu.FastCPULinear(linear, lib)
-    if lib.specdec_has_vnni():
+    if lib.specdec_has_int8():
         yield cpu.Int8CPULinear(linear, lib)
 
 
@@ -91,6 +91,35 @@ def test_the_path_for_cpus_without_native_bf16(tmp_path):
     subprocess.run([sys.executable, "-c", _FP32_PATH_CHECK], env=env, check=True, timeout=300)
 
 
+_AVX2_PATH_CHECK = """
+import torch
+from specdec_core.kernels import cpu
+lib = cpu.load_library()
+assert lib is not None and not lib.specdec_has_avx512() and lib.specdec_has_int8()
+torch.manual_seed(0)
+linear = torch.nn.Linear(128, 48, bias=True).to(torch.bfloat16)
+x = torch.randn(13, 128).to(torch.bfloat16)
+want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+for layer, tolerance in ((cpu.FastCPULinear(linear, lib), 5e-3), (cpu.Int8CPULinear(linear, lib), 3e-2)):
+    batched = layer(x)
+    assert all(torch.equal(layer(x[i : i + 1]), batched[i : i + 1]) for i in range(13))
+    assert (batched.float() - want).norm() / want.norm() < tolerance
+"""
+
+
+@pytest.mark.skipif(not cpu.load_library() or not cpu.load_library().specdec_has_avx512(),
+                    reason="this CPU runs the AVX2 path already")
+def test_the_path_for_cpus_without_avx512(tmp_path):
+    """The kernels built as for an AVX2 CPU (8-lane vectors; int8 by byte multiply-adds, without VNNI) agree with
+    torch and compute rows alike whatever the batch."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPECDEC_KERNEL_CFLAGS": "-mno-avx512f", "SPECDEC_KERNEL_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", _AVX2_PATH_CHECK], env=env, check=True, timeout=300)
+
+
 @pytest.mark.parametrize("rows", [1, 4, 7])
 def test_fused_projection_equals_its_parts_bit_for_bit(rows):
     """q/k/v (and gate/up) run as one linear layer: each part's outputs must be exactly what it gave alone."""
@@ -118,7 +147,7 @@ def test_kernels_that_cannot_allocate_their_scratch_raise_memory_error():
     with pytest.raises(MemoryError, match="specdec_attention_bf16"):
         lib.specdec_attention_bf16(q.data_ptr(), kv.data_ptr(), kv.data_ptr(), zeros.data_ptr(), zeros.data_ptr(),
                                    out.data_ptr(), 1, 1, 1, 1, 16, 1 << 60, 0.25, 2)
-    if lib.specdec_has_vnni():
+    if lib.specdec_has_int8():
         x, y = torch.zeros(1, 64, dtype=torch.bfloat16), torch.empty(1, 8, dtype=torch.bfloat16)
         w, sw, wsum = torch.zeros(8, 64, dtype=torch.int8), torch.ones(8), torch.zeros(8, dtype=torch.int32)
         with pytest.raises(MemoryError, match="specdec_gemm_w8a8"):
@@ -195,7 +224,7 @@ def test_a_prefill_from_cached_positions_gives_a_full_prefills_logits_bit_for_bi
         assert torch.equal(runner.extend([slot], [rest], all_logits=True)[0], want)
 
 
-@needs_vnni
+@needs_int8
 def test_greedy_speculation_with_an_int8_draft_is_exact_in_bf16(tiny_dir):
     from specdec_core.build import DraftSpec, build_engine, load_pair
     from specdec_core.config import SamplingParams
@@ -221,6 +250,7 @@ def test_the_kernel_path_is_named_and_batch_invariant_only_on_the_kernels(bf16_p
     assert cpu.rows_batch_invariant(fast.model)
     assert cpu.kernel_path(plain.model).startswith("torch fallback (")  # loaded, never given the kernels
     assert not cpu.rows_batch_invariant(plain.model)
-    if cpu.load_library().specdec_has_vnni():
+    if cpu.load_library().specdec_has_int8():
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="auto")
-        assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + int8 VNNI"
+        int8 = "int8 VNNI" if lib.specdec_has_vnni() else "int8 AVX2"
+        assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {int8}"
