@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from specdec_core import environment
+from specdec_core.hardware import AVX2_FLAGS, AVX512_FLAGS
 from specdec_core.kernels import library
 
 log = logging.getLogger(__name__)
@@ -51,13 +52,10 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def _cpu_has_avx512() -> bool:
-    return {"avx512f", "avx512bw"} <= _cpu_flags()
-
-
 def _cpu_runs_kernels() -> bool:
     """The kernels build for AVX-512 (F, BW) or, without it, for AVX2 with FMA."""
-    return _cpu_has_avx512() or {"avx2", "fma"} <= _cpu_flags()
+    flags = _cpu_flags()
+    return AVX512_FLAGS <= flags or AVX2_FLAGS <= flags
 
 
 def library_spec() -> library.LibrarySpec:
