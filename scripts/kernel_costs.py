@@ -5,7 +5,12 @@ the target (w = 1, 2, 3, 5, 9, 17 by default) and a draft step for the draft (bf
 `--context` tokens, each configuration in a process of its own (the kernels are chosen when a process first loads
 them), medians of `--repeats` rounds over the widths interleaved. Prints the table and writes the JSON.
 
+`--baseline-cflags` adds, after each kernels run, the same run on kernels built with those extra compiler flags
+(`SPECDEC_KERNEL_CFLAGS`): a change to a kernel's tuning measured against the old setting in the same script run.
+
     PYTHONPATH=.:proto python scripts/kernel_costs.py --json docs/bench/kernel_costs_avx2.json
+    PYTHONPATH=.:proto python scripts/kernel_costs.py --only target-kernels,draft-int8 \
+        --baseline-cflags "-DPREFETCH_BYTES=512 -DPREFETCH=512" --json out/prefetch.json
 """
 
 from __future__ import annotations
@@ -23,6 +28,15 @@ from typing import Any, Sequence
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
 
+# --only key -> (report name, model, draft quantization, kernels on)
+RUNS = {
+    "target-kernels": ("target, kernels", "target", "none", True),
+    "target-torch": ("target, torch", "target", "none", False),
+    "draft-bf16": ("draft bf16, kernels", "draft", "none", True),
+    "draft-int8": ("draft int8, kernels", "draft", "int8", True),
+    "draft-torch": ("draft bf16, torch", "draft", "none", False),
+}
+
 
 def measure(model_source: str, quantization: str, widths: Sequence[int], context: int, repeats: int,
             threads: int) -> dict[str, Any]:
@@ -30,6 +44,7 @@ def measure(model_source: str, quantization: str, widths: Sequence[int], context
     import torch
 
     from specdec_core.build import prepare_model
+    from specdec_core.environment import kernel_cflags
     from specdec_core.kernels.cpu import kernel_path
     from specdec_core.kv_cache import KVCache
 
@@ -58,16 +73,20 @@ def measure(model_source: str, quantization: str, widths: Sequence[int], context
                 times[w].append(time.perf_counter() - t0)
     ms = {str(w): round(1000 * statistics.median(v), 2) for w, v in times.items()}
     one = ms[str(min(widths))]
-    return {"path": kernel_path(model), "ms": ms, "relative_to_first": {w: round(m / one, 3) for w, m in ms.items()}}
+    return {"path": kernel_path(model), "kernel_cflags": " ".join(kernel_cflags()), "ms": ms,
+            "relative_to_first": {w: round(m / one, 3) for w, m in ms.items()}}
 
 
 def run_child(args: argparse.Namespace, model: str, quantization: str, widths: Sequence[int],
-              kernels: bool) -> dict[str, Any]:
-    """`measure` in a fresh process, with the kernels on or switched off (`SPECDEC_DISABLE_CPU_KERNELS`)."""
+              kernels: bool, cflags: str = "") -> dict[str, Any]:
+    """`measure` in a fresh process, with the kernels on or switched off (`SPECDEC_DISABLE_CPU_KERNELS`), and
+    `cflags` added to the kernels' compiler flags."""
     env = dict(os.environ)
     env.pop("SPECDEC_DISABLE_CPU_KERNELS", None)
     if not kernels:
         env["SPECDEC_DISABLE_CPU_KERNELS"] = "1"
+    if cflags:
+        env["SPECDEC_KERNEL_CFLAGS"] = f"{env.get('SPECDEC_KERNEL_CFLAGS', '')} {cflags}".strip()
     command = [sys.executable, __file__, "--child", model, quantization, ",".join(map(str, widths)),
                str(args.context), str(args.repeats), str(args.threads)]
     done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
@@ -89,8 +108,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", default=",".join(RUNS),
+                        help=f"comma-separated runs, of: {', '.join(RUNS)} (default: all)")
+    parser.add_argument("--baseline-cflags", default="",
+                        help="also run each kernels run on kernels built with these extra compiler flags")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
+    only = [name.strip() for name in args.only.split(",") if name.strip()]
+    if unknown := sorted(set(only) - set(RUNS)):
+        parser.error(f"--only: unknown runs {unknown}; choose from {', '.join(RUNS)}")
     target_widths = [int(w) for w in args.target_widths.split(",")]
     draft_widths = [int(w) for w in args.draft_widths.split(",")]
     from specdec_core.kernels.cpu import cpu_flags
@@ -98,15 +124,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"context": args.context, "repeats": args.repeats, "threads": args.threads,
                               "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "amx"))),
                               "target": args.target, "draft": args.draft, "runs": {}}
-    runs = [("target, kernels", args.target, "none", target_widths, True),
-            ("target, torch", args.target, "none", target_widths, False),
-            ("draft bf16, kernels", args.draft, "none", draft_widths, True),
-            ("draft int8, kernels", args.draft, "int8", draft_widths, True),
-            ("draft bf16, torch", args.draft, "none", draft_widths, False)]
-    for name, model, quantization, widths, kernels in runs:
-        report["runs"][name] = result = run_child(args, model, quantization, widths, kernels)
-        cells = " ".join(f"w={w}: {m} ms ({result['relative_to_first'][w]}x)" for w, m in result["ms"].items())
-        print(f"{name:22} [{result['path']}] {cells}", flush=True)
+    if args.baseline_cflags:
+        report["baseline_cflags"] = args.baseline_cflags
+    models = {"target": args.target, "draft": args.draft}
+    for key in only:
+        name, role, quantization, kernels = RUNS[key]
+        widths = target_widths if role == "target" else draft_widths
+        variants = [(name, "")]
+        if kernels and args.baseline_cflags:
+            variants.append((f"{name} (baseline)", args.baseline_cflags))
+        for label, cflags in variants:
+            report["runs"][label] = result = run_child(args, models[role], quantization, widths, kernels, cflags)
+            cells = " ".join(f"w={w}: {m} ms ({result['relative_to_first'][w]}x)" for w, m in result["ms"].items())
+            print(f"{label:33} [{result['path']}] {cells}", flush=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from specdec_core.kernels import cpu
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "kernel_costs.py"
@@ -19,21 +21,36 @@ def _script():
     return module
 
 
-def test_each_run_reports_its_path_and_costs_relative_to_one_token(tiny_dir, tmp_path):
+def test_each_run_reports_its_path_and_costs_relative_to_one_token(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECDEC_KERNEL_CFLAGS", raising=False)
     out = tmp_path / "costs.json"
     model = str(tiny_dir / "target")
-    code = _script().main(["--target", model, "--draft", model, "--target-widths", "1,3", "--draft-widths", "1,2",
+    baseline = "-DPREFETCH_BYTES=256 -DPREFETCH=256"
+    code = _script().main(["--target", model, "--draft", model, "--only", "target-torch,draft-int8",
+                           "--baseline-cflags", baseline, "--target-widths", "1,3", "--draft-widths", "1,2",
                            "--context", "8", "--repeats", "1", "--threads", "1", "--json", str(out)])
     assert code == 0
-    runs = json.loads(out.read_text())["runs"]
-    assert set(runs) == {"target, kernels", "target, torch", "draft bf16, kernels", "draft int8, kernels",
-                         "draft bf16, torch"}
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    # A baseline twin for the kernels run only: torch's path has no kernels to build otherwise.
+    assert list(runs) == ["target, torch", "draft int8, kernels", "draft int8, kernels (baseline)"]
+    assert report["baseline_cflags"] == baseline
     assert runs["target, torch"]["path"].startswith("torch fallback (SPECDEC_DISABLE_CPU_KERNELS")
-    assert runs["target, kernels"]["path"].startswith("bf16 " if cpu.load_library() else "torch fallback")
     lib = cpu.load_library()
-    assert ("int8" in runs["draft int8, kernels"]["path"]) is bool(lib and lib.specdec_has_int8())
+    for name in ("draft int8, kernels", "draft int8, kernels (baseline)"):
+        assert ("int8" in runs[name]["path"]) is bool(lib and lib.specdec_has_int8())
+    assert runs["draft int8, kernels"]["kernel_cflags"] == ""
+    assert runs["draft int8, kernels (baseline)"]["kernel_cflags"] == baseline
     for run in runs.values():
         assert set(run["ms"]) == set(run["relative_to_first"]) and all(m > 0 for m in run["ms"].values())
         first = min(run["ms"], key=int)
         assert run["relative_to_first"][first] == 1.0
     assert sys.modules.get("kernel_costs") is None  # loaded without registering: nothing leaks to other tests
+
+
+def test_an_unknown_run_is_refused_by_name(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _script().main(["--only", "target-kernels,draft-fp8", "--json", str(tmp_path / "costs.json")])
+    assert exit_.value.code == 2
+    assert "draft-fp8" in capsys.readouterr().err
+    assert not (tmp_path / "costs.json").exists()
