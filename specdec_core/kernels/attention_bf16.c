@@ -6,12 +6,16 @@
  *
  * Why not torch's SDPA: in bf16 on CPUs without native bf16 it is slowest exactly where decoding lives (one
  * query row: about 0.5 ms per layer at 200 keys, 4 ms at 1000), and its result for a row depends on how many
- * rows are computed together. Here each (row, head) is computed alone, in fp32, in a fixed order, so a token's
- * attention output is bit for bit the same in plain decoding and in verification.
+ * rows are computed together. Here each (row, head) is computed in fp32 by one fixed sequence of operations,
+ * so a token's attention output is bit for bit the same in plain decoding and in verification.
+ *
+ * The query rows that read the same KV head (the G heads of a group, for each of the T new tokens) are taken
+ * up to ROWS at a time: each key and value vector is loaded and widened once for all of them instead of once
+ * per row. That changes which rows share a load, never the operations a row's result goes through.
  *
  * Layouts: q, out [B, T, H, D] bf16 contiguous; kc, vc [num_slots, Hkv, capacity, D] bf16. D % 16 == 0.
  * Vectors of `VEC` fp32 lanes (16 with AVX-512, 8 with AVX2: `bf16.h`).
- * Returns 0, or ENOMEM when a thread cannot allocate its scores (out is then partly unwritten).
+ * Returns 0, or ENOMEM when a thread cannot allocate its scratch (out is then partly unwritten).
  */
 #include <errno.h>
 #include <math.h>
@@ -21,35 +25,65 @@
 #include "bf16.h"
 
 #define MAX_D 256
+#define ROWS 6  /* query rows per tile: their accumulators (ROWS x 2 vectors) stay in AVX2's 16 registers */
 
-static void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, int64_t n_keys,
-                       int64_t D, float scale, float *scores) {
-    vec_t qv[MAX_D / VEC];
-    for (int64_t d = 0; d < D; d += VEC) qv[d / VEC] = vec_load_bf16(q + d);
-    float max = -INFINITY;
-    for (int64_t s = 0; s < n_keys; s++) {
-        vec_t acc = vec_zero();
-        for (int64_t d = 0; d < D; d += VEC) acc = vec_fmadd(qv[d / VEC], vec_load_bf16(k + s * D + d), acc);
-        float score = vec_sum(acc) * scale;
-        scores[s] = score;
-        if (score > max) max = score;
+/* The values' pass for one chunk of NV vectors of d (at offset d) over all the tile's rows. */
+#define VALUES(NV)                                                                                      \
+    {                                                                                                   \
+        vec_t acc[ROWS][NV];                                                                            \
+        for (int r = 0; r < ROWS; r++)                                                                  \
+            for (int c = 0; c < NV; c++) acc[r][c] = vec_zero();                                        \
+        for (int64_t s = 0; s < most; s++) {                                                            \
+            vec_t vv[NV];                                                                               \
+            for (int c = 0; c < NV; c++) vv[c] = vec_load_bf16(v + s * D + d + c * VEC);                \
+            _Pragma("GCC unroll 8")                                                                     \
+            for (int r = 0; r < ROWS; r++)                                                              \
+                if (r < rows && s < n_keys[r]) {                                                        \
+                    vec_t p = vec_set1(scores[r * capacity + s]);                                       \
+                    for (int c = 0; c < NV; c++) acc[r][c] = vec_fmadd(p, vv[c], acc[r][c]);            \
+                }                                                                                       \
+        }                                                                                               \
+        float tmp[NV * VEC];                                                                            \
+        for (int r = 0; r < rows; r++) {                                                                \
+            for (int c = 0; c < NV; c++) vec_store(tmp + c * VEC, vec_div(acc[r][c], vec_set1(sums[r])));\
+            for (int i = 0; i < NV * VEC; i++) out[r][d + i] = float_to_bf16(tmp[i]);                   \
+        }                                                                                               \
     }
-    float sum = 0.0f;
-    for (int64_t s = 0; s < n_keys; s++) {
-        scores[s] = expf(scores[s] - max);
-        sum += scores[s];
+
+/* One tile: `rows` query rows of one KV head, row r reading keys [0, n_keys[r]). qf [ROWS, D] fp32 (the rows'
+ * queries, widened); scores [ROWS, capacity] scratch; out[r] the row's output. */
+static void attend_tile(const float *qf, const uint16_t *k, const uint16_t *v, uint16_t *const *out,
+                        const int64_t *n_keys, int rows, int64_t D, int64_t capacity, float scale, float *scores) {
+    int64_t most = 0;
+    for (int r = 0; r < rows; r++) most = n_keys[r] > most ? n_keys[r] : most;
+    /* Scores: for each key, its vector widened once, then each row's dot product in d order. */
+    for (int64_t s = 0; s < most; s++) {
+        vec_t acc[ROWS];
+        for (int r = 0; r < ROWS; r++) acc[r] = vec_zero();
+        for (int64_t d = 0; d < D; d += VEC) {
+            vec_t kv = vec_load_bf16(k + s * D + d);
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < ROWS; r++)
+                if (r < rows) acc[r] = vec_fmadd(vec_load(qf + r * D + d), kv, acc[r]);
+        }
+        for (int r = 0; r < rows; r++)
+            if (s < n_keys[r]) scores[r * capacity + s] = vec_sum(acc[r]) * scale;
     }
-    vec_t acc[MAX_D / VEC];
-    for (int64_t d = 0; d < D; d += VEC) acc[d / VEC] = vec_zero();
-    for (int64_t s = 0; s < n_keys; s++) {
-        vec_t p = vec_set1(scores[s]);
-        for (int64_t d = 0; d < D; d += VEC) acc[d / VEC] = vec_fmadd(p, vec_load_bf16(v + s * D + d), acc[d / VEC]);
+    float sums[ROWS];
+    for (int r = 0; r < rows; r++) {
+        float *row = scores + r * capacity, max = -INFINITY, sum = 0.0f;
+        for (int64_t s = 0; s < n_keys[r]; s++) max = row[s] > max ? row[s] : max;
+        for (int64_t s = 0; s < n_keys[r]; s++) {
+            row[s] = expf(row[s] - max);
+            sum += row[s];
+        }
+        sums[r] = sum;
     }
-    float tmp[VEC];
-    for (int64_t d = 0; d < D; d += VEC) {
-        vec_store(tmp, vec_div(acc[d / VEC], vec_set1(sum)));
-        for (int i = 0; i < VEC; i++) out[d + i] = float_to_bf16(tmp[i]);
-    }
+    /* Values: NV vectors of d at a time, each value vector widened once for every row still reading it. */
+    if (D % (2 * VEC) == 0)
+        for (int64_t d = 0; d < D; d += 2 * VEC) VALUES(2)
+    else
+        for (int64_t d = 0; d < D; d += VEC) VALUES(1)
 }
 
 int specdec_attention_max_head_dim(void) { return MAX_D; }
@@ -57,28 +91,46 @@ int specdec_attention_max_head_dim(void) { return MAX_D; }
 int specdec_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *slots,
                            const int64_t *starts, uint16_t *out, int64_t B, int64_t T, int64_t H, int64_t Hkv,
                            int64_t D, int64_t capacity, float scale, int nthreads) {
-    if ((uint64_t)capacity > SIZE_MAX / sizeof(float)) return ENOMEM; /* the scratch size would wrap around */
-    int64_t group = H / Hkv;
+    /* the scratch size would wrap around */
+    if ((uint64_t)capacity > SIZE_MAX / sizeof(float) / ROWS || D > MAX_D) return ENOMEM;
+    int64_t group = H / Hkv, per_head = T * group;
+    /* Tiles of at most ROWS rows, evenly filled, and enough of them to give every thread work (down to one row
+     * a tile, as on a many-core CPU decoding one sequence). */
+    int64_t tiles = (per_head + ROWS - 1) / ROWS;
+    while (B * Hkv * tiles < nthreads && tiles < per_head) tiles++;
+    int64_t base = per_head / tiles, extra = per_head % tiles;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         /* Scratch per thread. A thread whose allocation fails still takes part in the work-sharing loop (every
-         * thread of the team must reach it) but skips its rows; the caller gets ENOMEM, never a NULL write. */
-        float *scores = malloc(sizeof(float) * (size_t)(capacity > 0 ? capacity : 1));
-        if (scores == NULL) {
+         * thread of the team must reach it) but skips its tiles; the caller gets ENOMEM, never a NULL write. */
+        float *scores = malloc(sizeof(float) * ROWS * (size_t)(capacity > 0 ? capacity : 1));
+        float *qf = aligned_alloc(64, sizeof(float) * ROWS * MAX_D);
+        if (scores == NULL || qf == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static) collapse(3)
         for (int64_t b = 0; b < B; b++)
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t h = 0; h < H; h++) {
-                    if (scores == NULL) continue;
-                    int64_t kv = (slots[b] * Hkv + h / group) * capacity * D;
-                    int64_t row = ((b * T + t) * H + h) * D;
-                    attend_one(q + row, kc + kv, vc + kv, out + row, starts[b] + t + 1, D, scale, scores);
+            for (int64_t kvh = 0; kvh < Hkv; kvh++)
+                for (int64_t tile = 0; tile < tiles; tile++) {
+                    if (scores == NULL || qf == NULL) continue;
+                    /* rows j = t * group + g of this head: query head kvh * group + g of new token t */
+                    int64_t rows = base + (tile < extra), first = tile * base + (tile < extra ? tile : extra);
+                    uint16_t *outs[ROWS];
+                    int64_t n_keys[ROWS];
+                    for (int r = 0; r < rows; r++) {
+                        int64_t t = (first + r) / group, h = kvh * group + (first + r) % group;
+                        int64_t row = ((b * T + t) * H + h) * D;
+                        for (int64_t d = 0; d < D; d += VEC) vec_store(qf + r * D + d, vec_load_bf16(q + row + d));
+                        outs[r] = out + row;
+                        n_keys[r] = starts[b] + t + 1;
+                    }
+                    int64_t kv = (slots[b] * Hkv + kvh) * capacity * D;
+                    attend_tile(qf, kc + kv, vc + kv, outs, n_keys, (int)rows, D, capacity, scale, scores);
                 }
         free(scores);
+        free(qf);
     }
     return failed ? ENOMEM : 0;
 }

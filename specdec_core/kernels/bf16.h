@@ -23,6 +23,7 @@ static inline vec_t vec_load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 #define vec_zero _mm512_setzero_ps
+#define vec_load _mm512_loadu_ps
 #define vec_set1 _mm512_set1_ps
 #define vec_fmadd _mm512_fmadd_ps
 #define vec_div _mm512_div_ps
@@ -39,6 +40,7 @@ static inline vec_t vec_load_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 #define vec_zero _mm256_setzero_ps
+#define vec_load _mm256_loadu_ps
 #define vec_set1 _mm256_set1_ps
 #define vec_fmadd _mm256_fmadd_ps
 #define vec_div _mm256_div_ps

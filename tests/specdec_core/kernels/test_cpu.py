@@ -132,6 +132,40 @@ def test_fused_projection_equals_its_parts_bit_for_bit(rows):
     assert torch.equal(fused, alone)
 
 
+def _attend(q, kc, vc, slots, starts, threads):  # q [B, T, H, D] -> [B, T, H, D]
+    out = torch.empty_like(q)
+    B, T, H, D = q.shape
+    cpu.load_library().specdec_attention_bf16(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(),
+                                              starts.data_ptr(), out.data_ptr(), B, T, H, kc.shape[1], D,
+                                              kc.shape[2], D**-0.5, threads)
+    return out
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(12, 2, 128), (14, 2, 64), (4, 4, 16), (8, 1, 32)])
+def test_attention_matches_torch_and_a_token_alone_gets_the_same_bits(heads, kv_heads, head_dim):
+    """Query rows of one KV head are computed in tiles that share its loads; which rows share a tile (T new tokens
+    in a verify, one in decoding, and how many threads split them) must not change a row's bits."""
+    g = torch.Generator().manual_seed(heads * head_dim)
+    B, T, capacity = 2, 7, 48
+    q = torch.randn(B, T, heads, head_dim, generator=g).to(torch.bfloat16)
+    kc, vc = (torch.randn(3, kv_heads, capacity, head_dim, generator=g).to(torch.bfloat16) for _ in range(2))
+    slots, starts = torch.tensor([2, 0]), torch.tensor([30, 5])
+    full = _attend(q, kc, vc, slots, starts, threads=3)
+    group = heads // kv_heads
+    for b in range(B):
+        for t in range(T):
+            n = int(starts[b]) + t + 1  # the prefix and the new tokens up to this one
+            k = kc[slots[b], :, :n].float().repeat_interleave(group, dim=0)  # [H, n, D]
+            v = vc[slots[b], :, :n].float().repeat_interleave(group, dim=0)  # [H, n, D]
+            p = torch.softmax(torch.einsum("hd,hnd->hn", q[b, t].float(), k) * head_dim**-0.5, dim=-1)  # [H, n]
+            _close(full[b, t], torch.einsum("hn,hnd->hd", p, v), 1e-2)
+    for t in range(T):  # decoding token t alone, one thread or several
+        for threads in (1, 2):
+            alone = _attend(q[:, t : t + 1].contiguous(), kc, vc, slots, starts + t, threads)
+            assert torch.equal(alone[:, 0], full[:, t]), (t, threads)
+    assert torch.equal(_attend(q[:1].contiguous(), kc, vc, slots[:1], starts[:1], 1), full[:1])
+
+
 def test_linear_kernels_refuse_shapes_they_cannot_run():
     with pytest.raises(ValueError, match="in_features"):
         cpu.FastCPULinear(torch.nn.Linear(80, 40).to(torch.bfloat16), cpu.load_library())
