@@ -15,7 +15,8 @@
  *
  * Layouts: q, out [B, T, H, D] bf16 contiguous; kc, vc [num_slots, Hkv, capacity, D] bf16. D % 16 == 0.
  * Vectors of `VEC` fp32 lanes (16 with AVX-512, 8 with AVX2: `bf16.h`).
- * Returns 0, or ENOMEM when a thread cannot allocate its scratch (out is then partly unwritten).
+ * Returns 0, ENOMEM when a thread cannot allocate its scratch (out is then partly unwritten), or EINVAL when D
+ * exceeds MAX_D.
  */
 #include <errno.h>
 #include <math.h>
@@ -91,8 +92,8 @@ int specdec_attention_max_head_dim(void) { return MAX_D; }
 int specdec_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *slots,
                            const int64_t *starts, uint16_t *out, int64_t B, int64_t T, int64_t H, int64_t Hkv,
                            int64_t D, int64_t capacity, float scale, int nthreads) {
-    /* the scratch size would wrap around */
-    if ((uint64_t)capacity > SIZE_MAX / sizeof(float) / ROWS || D > MAX_D) return ENOMEM;
+    if (D > MAX_D) return EINVAL; /* the caller checks `specdec_attention_max_head_dim` */
+    if ((uint64_t)capacity > SIZE_MAX / sizeof(float) / ROWS) return ENOMEM; /* the scratch size would wrap around */
     int64_t group = H / Hkv, per_head = T * group;
     /* Tiles of at most ROWS rows, evenly filled, and enough of them to give every thread work (down to one row
      * a tile, as on a many-core CPU decoding one sequence). */

@@ -3,8 +3,8 @@
 Why: on CPUs without native bf16 instructions, torch's bf16 matmul costs grow linearly with the number of rows,
 so verifying k+1 tokens costs k+1 decode steps and speculation cannot pay; and its bf16 attention is slowest
 for the single query row of decoding. `gemm.c` streams each weight once for all rows; `attention_bf16.c`
-attends in fp32, loading each cached key and value once for all the query rows of its head. Both compute a row the same way whatever else is in the batch, so
-verification reproduces plain decoding bit for bit. They are compiled on first use with the system C compiler
+attends in fp32, loading each cached key and value once for all the query rows of its head. Both compute a row
+the same way whatever else is in the batch, so verification reproduces plain decoding bit for bit. They are compiled on first use with the system C compiler
 for this CPU's vector instructions, AVX-512 or else AVX2 with FMA (`bf16.h`), and cached in a private directory,
 checked before every load (`library.py`); where that is impossible (no compiler, neither instruction set, a cache
 directory refused) the model keeps torch's code paths.

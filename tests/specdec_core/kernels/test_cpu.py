@@ -166,6 +166,13 @@ def test_attention_matches_torch_and_a_token_alone_gets_the_same_bits(heads, kv_
     assert torch.equal(_attend(q[:1].contiguous(), kc, vc, slots[:1], starts[:1], 1), full[:1])
 
 
+def test_attention_refuses_a_head_dim_beyond_its_scratch():
+    wide = cpu.load_library().specdec_attention_max_head_dim() + 16
+    q, kv = torch.zeros(1, 1, 1, wide, dtype=torch.bfloat16), torch.zeros(1, 1, 4, wide, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="specdec_attention_bf16 failed: Invalid argument"):
+        _attend(q, kv, kv, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 1)
+
+
 def test_linear_kernels_refuse_shapes_they_cannot_run():
     with pytest.raises(ValueError, match="in_features"):
         cpu.FastCPULinear(torch.nn.Linear(80, 40).to(torch.bfloat16), cpu.load_library())
