@@ -27,13 +27,13 @@
 #define NB 8         /* weight rows per block */
 #define MB 6         /* input rows per pass over the weights */
 #define KB 64        /* k values per step */
-/* Bytes ahead in each weight row. AVX2: measured on a 2-core AVX2 CPU (the demo draft's layers and LM head, medians
- * of 15 interleaved runs), 6144 took a draft step's matrix multiplies from 50 to 41-42 ms against 512. */
+/* Bytes ahead in the weight row being read. AVX2 reads one row at a time (below): on a 2-core AVX2 CPU (the demo
+ * draft's layers and LM head, one token) 1024 was the best of 512, 1024, 2048 and 6144. */
 #ifndef PREFETCH
 #if defined(__AVX512VNNI__)
 #define PREFETCH 512
 #else
-#define PREFETCH 6144
+#define PREFETCH 1024
 #endif
 #endif
 
@@ -176,14 +176,17 @@ static float quantize_row(const uint16_t *x, int8_t *xs, uint8_t *xa, int64_t K)
             }                                                                                           \
     }
 
-/* The accumulators (NR x ROWS) and the weight vector within AVX2's 16 vector registers; input vectors are loaded
- * where they are used. */
-DEFINE_BLOCK(8, 1)
-DEFINE_BLOCK(4, 2)
-DEFINE_BLOCK(4, 3)
-DEFINE_BLOCK(2, 4)
-DEFINE_BLOCK(2, 5)
-DEFINE_BLOCK(2, 6)
+/* One weight row at a time, for every count of input rows. Reading 8 rows side by side (each row of the demo
+ * draft is 896 or 4864 bytes) kept a 2-core AVX2 CPU's memory at 12-14 GB/s; one row is a single sequential
+ * stream, and the draft's layers and LM head for one token went from 35-40 ms to 24-28 ms (18-20 GB/s, what a
+ * plain read of memory reaches there), and no slower for 2 to 5 rows. The sums are integers, so how rows are
+ * grouped never changes a result. */
+DEFINE_BLOCK(1, 1)
+DEFINE_BLOCK(1, 2)
+DEFINE_BLOCK(1, 3)
+DEFINE_BLOCK(1, 4)
+DEFINE_BLOCK(1, 5)
+DEFINE_BLOCK(1, 6)
 
 typedef void (*block_fn)(const int8_t *, const uint8_t *, const float *, const int8_t *, const float *,
                          const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
@@ -191,7 +194,6 @@ typedef void (*block_fn)(const int8_t *, const uint8_t *, const float *, const i
 int specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const int32_t *wsum,
                       const uint16_t *b, uint16_t *y, int64_t M, int64_t N, int64_t K, int nthreads) {
     static const block_fn blocks[MB + 1] = {0, block_1, block_2, block_3, block_4, block_5, block_6};
-    static const int widths[MB + 1] = {NB, 8, 4, 4, 2, 2, 2}; /* weight rows per block call */
     (void)wsum; /* no excess to subtract: x is never offset here */
     if (M <= 0) return 0;
     if ((uint64_t)M > SIZE_MAX / sizeof(float) || (K > 0 && (uint64_t)M > SIZE_MAX / 2 / (uint64_t)K)) return ENOMEM;
@@ -206,11 +208,10 @@ int specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const
     uint8_t *xa = (uint8_t *)xs + bytes;
     for (int64_t m = 0; m < M; m++) sx[m] = quantize_row(x + m * K, xs + m * K, xa + m * K, K);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += NB)
+    for (int64_t n = 0; n < N; n++)
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
             int64_t rows = M - m0 < MB ? M - m0 : MB;
-            for (int j = 0; j < NB; j += widths[rows])
-                blocks[rows](xs + m0 * K, xa + m0 * K, sx + m0, w, sw, b, y + m0 * N, N, K, n0 + j);
+            blocks[rows](xs + m0 * K, xa + m0 * K, sx + m0, w, sw, b, y + m0 * N, N, K, n);
         }
     free(xs);
     free(sx);

@@ -54,6 +54,32 @@ def test_linear_rows_do_not_depend_on_the_batch():
         assert torch.equal(layer(x[2:6]), batched[2:6])
 
 
+def _int8_reference(layer: "cpu.Int8CPULinear", x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] bf16
+    """What the int8 kernel computes, spelled out: x quantized per row (round half to even), the products summed
+    as integers (exact in float64 here: |sum| < 2^53), scaled by both scales in fp32 in the kernel's order."""
+    xf = x.float()
+    sx = xf.abs().amax(dim=1) / 127.0  # [M]
+    sx = torch.where(sx > 0, sx, torch.ones_like(sx))
+    xq = torch.round(xf / sx.unsqueeze(1))  # [M, K]
+    dot = (xq.double() @ layer.qweight.double().T).float()  # [M, N], integers
+    y = dot * sx.unsqueeze(1) * layer.scale.unsqueeze(0)
+    if layer.bias is not None:
+        y = y + layer.bias.float()
+    return y.to(torch.bfloat16)
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13])
+def test_int8_linear_computes_exactly_its_integer_sums(rows):
+    """Every output of the int8 kernel equals the exact integer product of the quantized row and weights, scaled:
+    a wrong row, column or k offset in any block shape shows as a mismatch, not within a tolerance."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(192, 56, bias=True).to(torch.bfloat16)
+    layer = cpu.Int8CPULinear(linear, cpu.load_library())
+    x = torch.randn(rows, 192).to(torch.bfloat16)
+    assert torch.equal(layer(x), _int8_reference(layer, x))
+
+
 _FP32_PATH_CHECK = """
 import torch
 from specdec_core.build import prepare_model
