@@ -141,52 +141,46 @@ static float quantize_row(const uint16_t *x, int8_t *xs, uint8_t *xa, int64_t K)
     return scale;
 }
 
-#define DEFINE_BLOCK(NR, ROWS)                                                                          \
+/* Weight row n against ROWS input rows. One weight row at a time, for every count of input rows: reading 8 rows
+ * side by side (each row of the demo draft is 896 or 4864 bytes) kept a 2-core AVX2 CPU's memory at 12-14 GB/s;
+ * one row is a single sequential stream, and the draft's layers and LM head for one token went from 35-40 ms to
+ * 24-28 ms (18-20 GB/s, what a plain read of memory reaches there), and no slower for 2 to 5 rows. The sums are
+ * integers, so how rows are grouped never changes a result. */
+#define DEFINE_BLOCK(ROWS)                                                                              \
     static void block_##ROWS(const int8_t *xs, const uint8_t *xa, const float *sx, const int8_t *w,    \
                              const float *sw, const uint16_t *b, uint16_t *y, int64_t N, int64_t K,     \
-                             int64_t n0) {                                                              \
+                             int64_t n) {                                                               \
         const __m256i ones = _mm256_set1_epi16(1);                                                      \
-        __m256i acc[NR][ROWS];                                                                          \
-        for (int j = 0; j < NR; j++)                                                                    \
-            for (int i = 0; i < ROWS; i++) acc[j][i] = _mm256_setzero_si256();                          \
+        __m256i acc[ROWS];                                                                              \
+        for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_si256();                                 \
         for (int64_t k = 0; k < K; k += 32) {                                                           \
+            const int8_t *row = w + n * K + k;                                                          \
+            _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T0);                                    \
+            __m256i wv = _mm256_loadu_si256((const __m256i *)row);                                      \
             _Pragma("GCC unroll 8") /* fully: the accumulators must live in registers */               \
-            for (int j = 0; j < NR; j++) {                                                              \
-                const int8_t *row = w + (n0 + j) * K + k;                                               \
-                _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T0);                                \
-                __m256i wv = _mm256_loadu_si256((const __m256i *)row);                                  \
-                _Pragma("GCC unroll 8")                                                                 \
-                for (int i = 0; i < ROWS; i++) {                                                        \
-                    __m256i xsv = _mm256_loadu_si256((const __m256i *)(xs + i * K + k));                \
-                    __m256i xav = _mm256_loadu_si256((const __m256i *)(xa + i * K + k));                \
-                    __m256i pairs = _mm256_maddubs_epi16(xav, _mm256_sign_epi8(wv, xsv));               \
-                    acc[j][i] = _mm256_add_epi32(acc[j][i], _mm256_madd_epi16(pairs, ones));            \
-                }                                                                                       \
+            for (int i = 0; i < ROWS; i++) {                                                            \
+                __m256i xsv = _mm256_loadu_si256((const __m256i *)(xs + i * K + k));                    \
+                __m256i xav = _mm256_loadu_si256((const __m256i *)(xa + i * K + k));                    \
+                __m256i pairs = _mm256_maddubs_epi16(xav, _mm256_sign_epi8(wv, xsv));                   \
+                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(pairs, ones));                      \
             }                                                                                           \
         }                                                                                               \
-        for (int i = 0; i < ROWS; i++)                                                                  \
-            for (int j = 0; j < NR; j++) {                                                              \
-                __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[j][i]),                            \
-                                          _mm256_extracti128_si256(acc[j][i], 1));                      \
-                s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));                                       \
-                s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));                                       \
-                float sum = (float)_mm_cvtsi128_si32(s) * sx[i] * sw[n0 + j];                           \
-                if (b) sum += bf16_to_float(b[n0 + j]);                                                 \
-                y[i * N + n0 + j] = float_to_bf16(sum);                                                 \
-            }                                                                                           \
+        for (int i = 0; i < ROWS; i++) {                                                                \
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[i]), _mm256_extracti128_si256(acc[i], 1)); \
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));                                           \
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));                                           \
+            float sum = (float)_mm_cvtsi128_si32(s) * sx[i] * sw[n];                                    \
+            if (b) sum += bf16_to_float(b[n]);                                                          \
+            y[i * N + n] = float_to_bf16(sum);                                                          \
+        }                                                                                               \
     }
 
-/* One weight row at a time, for every count of input rows. Reading 8 rows side by side (each row of the demo
- * draft is 896 or 4864 bytes) kept a 2-core AVX2 CPU's memory at 12-14 GB/s; one row is a single sequential
- * stream, and the draft's layers and LM head for one token went from 35-40 ms to 24-28 ms (18-20 GB/s, what a
- * plain read of memory reaches there), and no slower for 2 to 5 rows. The sums are integers, so how rows are
- * grouped never changes a result. */
-DEFINE_BLOCK(1, 1)
-DEFINE_BLOCK(1, 2)
-DEFINE_BLOCK(1, 3)
-DEFINE_BLOCK(1, 4)
-DEFINE_BLOCK(1, 5)
-DEFINE_BLOCK(1, 6)
+DEFINE_BLOCK(1)
+DEFINE_BLOCK(2)
+DEFINE_BLOCK(3)
+DEFINE_BLOCK(4)
+DEFINE_BLOCK(5)
+DEFINE_BLOCK(6)
 
 typedef void (*block_fn)(const int8_t *, const uint8_t *, const float *, const int8_t *, const float *,
                          const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
