@@ -58,6 +58,69 @@ static inline float vec_sum(vec_t v) {
 #error "the CPU kernels need AVX-512 (F, BW) or AVX2 with FMA (cpu.py does not build them elsewhere)"
 #endif
 
+/*
+ * exp(x) for every lane, within 2 ulp of expf over the range where expf is a normal float; NaN stays NaN.
+ * The usual reduction: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so that n ln2 is exact), a degree-6
+ * polynomial for e^r (the coefficients of Cephes' expf), then 2^n put into the exponent. x is first clamped to
+ * [-87.3, 88.3], where 2^n stays a normal float: e^x below the clamp comes out near 1e-38 instead of 0 and above it
+ * near 2e38 instead of inf, harmless for the callers (softmax weights of at most 1, sigmoid).
+ */
+#ifdef SPECDEC_AVX512
+#define vec_min _mm512_min_ps
+#define vec_max _mm512_max_ps
+#define vec_mul _mm512_mul_ps
+#define vec_add _mm512_add_ps
+#define vec_sub _mm512_sub_ps
+#define vec_fnmadd _mm512_fnmadd_ps
+#define vec_round(v) _mm512_roundscale_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vec_pow2i(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+#else
+#define vec_min _mm256_min_ps
+#define vec_max _mm256_max_ps
+#define vec_mul _mm256_mul_ps
+#define vec_add _mm256_add_ps
+#define vec_sub _mm256_sub_ps
+#define vec_fnmadd _mm256_fnmadd_ps
+#define vec_round(v) _mm256_round_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vec_pow2i(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#endif
+
+static inline vec_t vec_exp(vec_t x) {
+    /* min/max return their second operand when either is NaN: x goes second, so NaN passes through. */
+    x = vec_min(vec_set1(88.3f), vec_max(vec_set1(-87.3f), x));
+    vec_t n = vec_round(vec_mul(x, vec_set1(1.44269504088896341f))); /* round(x / ln2) */
+    vec_t r = vec_fnmadd(n, vec_set1(0.693359375f), x);                /* x - n ln2, in two exact steps */
+    r = vec_fnmadd(n, vec_set1(-2.12194440e-4f), r);
+    vec_t p = vec_set1(1.9875691500e-4f);
+    p = vec_fmadd(p, r, vec_set1(1.3981999507e-3f));
+    p = vec_fmadd(p, r, vec_set1(8.3334519073e-3f));
+    p = vec_fmadd(p, r, vec_set1(4.1665795894e-2f));
+    p = vec_fmadd(p, r, vec_set1(1.6666665459e-1f));
+    p = vec_fmadd(p, r, vec_set1(5.0000001201e-1f));
+    vec_t e = vec_add(vec_fmadd(p, vec_mul(r, r), r), vec_set1(1.0f)); /* e^r */
+    return vec_mul(e, vec_pow2i(n));
+}
+
+/* VEC lanes rounded to bf16 as `float_to_bf16` does (to nearest even, NaN kept NaN) and stored at p. */
+static inline void vec_store_bf16(uint16_t *p, vec_t v) {
+#ifdef SPECDEC_AVX512
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+#else
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    __m256i h = _mm256_blendv_epi8(rounded, quiet, nan); /* each lane < 2^16: packing saturates nothing */
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+#endif
+}
+
 static inline float bf16_to_float(uint16_t h) {
     union { uint32_t u; float f; } v = {(uint32_t)h << 16};
     return v.f;

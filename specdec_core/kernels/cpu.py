@@ -101,8 +101,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, fn).errcheck = _check_status
     lib.specdec_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     lib.specdec_rope_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-    lib.specdec_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-    for fn in ("specdec_rms_norm_bf16", "specdec_rope_bf16", "specdec_silu_mul_bf16"):
+    lib.specdec_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.specdec_exp_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+    for fn in ("specdec_rms_norm_bf16", "specdec_rope_bf16", "specdec_silu_mul_bf16", "specdec_exp_f32"):
         getattr(lib, fn).restype = None
     for fn in ("specdec_block_rows", "specdec_k_multiple", "specdec_has_vnni", "specdec_has_int8",
                "specdec_has_native_bf16", "specdec_has_avx512", "specdec_attention_max_head_dim"):
@@ -333,7 +334,7 @@ class FastMLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # [..., 2I]: each row's gate then its up
         rows = gate_up.numel() // (2 * self.width)
         y = torch.empty(*x.shape[:-1], self.width, dtype=gate_up.dtype)  # [..., I]
-        self._lib.specdec_silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), rows, self.width)
+        self._lib.specdec_silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), rows, self.width, torch.get_num_threads())
         return self.down_proj(y)
 
 

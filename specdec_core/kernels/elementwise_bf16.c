@@ -53,14 +53,37 @@ void specdec_rope_bf16(uint16_t *x, const int64_t *positions, const float *inv_f
 
 /*
  * y[r] = silu(gate[r]) * up[r] for rows of a fused gate/up projection: gu is [rows, 2 * width], each row its
- * `width` gate values then its `width` up values; y is [rows, width].
+ * `width` gate values then its `width` up values; y is [rows, width]. Vectorised (`vec_exp`) and split over
+ * `nthreads`: done one value at a time with expf it cost a verify of 17 tokens 33 ms on a 2-core CPU, a tenth of
+ * the target's matrix multiplies. A row's last width % VEC values go through the same vector code, padded.
  */
-void specdec_silu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t rows, int64_t width) {
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *gate = gu + r * 2 * width, *up = gate + width;
-        for (int64_t i = 0; i < width; i++) {
-            float g = bf16_to_float(gate[i]);
-            y[r * width + i] = float_to_bf16(g / (1.0f + expf(-g)) * bf16_to_float(up[i]));
+static inline vec_t silu_mul(vec_t g, vec_t u) {
+    return vec_mul(vec_div(g, vec_add(vec_set1(1.0f), vec_exp(vec_sub(vec_zero(), g)))), u);
+}
+
+void specdec_silu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t rows, int64_t width, int nthreads) {
+    int64_t chunks = (width + VEC - 1) / VEC;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * width >= 4096)
+    for (int64_t c = 0; c < rows * chunks; c++) {
+        int64_t r = c / chunks, i = (c % chunks) * VEC, n = width - i < VEC ? width - i : VEC;
+        const uint16_t *gate = gu + r * 2 * width + i, *up = gate + width;
+        if (n == VEC) {
+            vec_store_bf16(y + r * width + i, silu_mul(vec_load_bf16(gate), vec_load_bf16(up)));
+            continue;
         }
+        uint16_t g[VEC] = {0}, u[VEC] = {0}, out[VEC];
+        for (int64_t j = 0; j < n; j++) g[j] = gate[j], u[j] = up[j];
+        vec_store_bf16(out, silu_mul(vec_load_bf16(g), vec_load_bf16(u)));
+        for (int64_t j = 0; j < n; j++) y[r * width + i + j] = out[j];
+    }
+}
+
+/* out[i] = exp(x[i]) by `vec_exp`, the exponential of softmax and silu: exported so tests can hold it to libm's. */
+void specdec_exp_f32(const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += VEC) {
+        float in[VEC] = {0}, res[VEC];
+        for (int64_t j = 0; j < VEC && i + j < n; j++) in[j] = x[i + j];
+        vec_store(res, vec_exp(vec_load(in)));
+        for (int64_t j = 0; j < VEC && i + j < n; j++) out[i + j] = res[j];
     }
 }

@@ -233,6 +233,40 @@ def test_fused_elementwise_ops_match_torch():
     _close(cpu.FastMLP(mlp, lib)(x), mlp(x), 2e-2)
 
 
+def test_vector_exp_is_within_two_ulp_of_exact():
+    x = torch.cat([torch.linspace(-87.0, 88.0, 200_003), torch.randn(10_000) * 5, torch.tensor([0.0, -0.0, 1e-30])])
+    got = torch.empty_like(x)
+    cpu.load_library().specdec_exp_f32(x.data_ptr(), got.data_ptr(), x.numel())
+    want = torch.exp(x.double())
+    ulp = (want.float().abs().nextafter(torch.tensor(float("inf"))) - want.float().abs()).double()  # fp32 spacing
+    assert ((got.double() - want).abs() / ulp).max() <= 2.0
+    edge = torch.tensor([float("nan"), -1000.0, float("-inf"), 1000.0])
+    out = torch.empty_like(edge)
+    cpu.load_library().specdec_exp_f32(edge.data_ptr(), out.data_ptr(), edge.numel())
+    assert out[0].isnan() and 0 <= out[1] < 1e-37 and 0 <= out[2] < 1e-37 and 1e38 < out[3] < float("inf")
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 19, 32])
+def test_silu_mul_is_the_exact_value_rounded_once(width):
+    """Every value, the tail of a row too, within one bf16 rounding of silu(g) * u computed in float64."""
+    torch.manual_seed(width)
+    rows = 3
+    gu = (torch.randn(rows, 2 * width) * 4).to(torch.bfloat16)
+    gu[0, 0] = 100.0
+    if width > 1:
+        gu[1, 1] = -100.0
+    y = torch.empty(rows, width, dtype=torch.bfloat16)
+    cpu.load_library().specdec_silu_mul_bf16(gu.data_ptr(), y.data_ptr(), rows, width, 2)
+    g, u = gu[:, :width].double(), gu[:, width:].double()
+    want = g * torch.sigmoid(g) * u
+    below = want.to(torch.bfloat16).double()  # the nearest bf16; the kernel may land on a neighbour of it
+    spacing = (below.abs() * 2.0**-7).clamp_min(1e-30)
+    assert ((y.double() - want).abs() <= spacing).all()
+    gu[2, 0] = float("nan")
+    cpu.load_library().specdec_silu_mul_bf16(gu.data_ptr(), y.data_ptr(), rows, width, 2)
+    assert y[2, 0].isnan() and not y[2, 1:].isnan().any()
+
+
 @pytest.fixture(scope="module")
 def bf16_pair(tiny_dir):
     """The tiny target in bf16 twice: with the CPU kernels and with torch's code paths."""
