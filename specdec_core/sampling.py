@@ -85,6 +85,6 @@ def sample_from(
     """
     cdf = weights.cumsum(dim=-1)  # [N, V]
     total = cdf[:, -1:].contiguous()  # [N, 1]
-    drawn = torch.searchsorted(cdf, uniform.unsqueeze(-1).to(cdf.dtype) * total, right=True)  # [N, 1]
+    drawn = torch.searchsorted(cdf, uniform.unsqueeze(-1).to(cdf.device, cdf.dtype) * total, right=True)  # [N, 1]
     last_positive = torch.searchsorted(cdf, total, right=False)  # [N, 1]
     return torch.minimum(drawn, last_positive).squeeze(-1)

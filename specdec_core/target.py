@@ -249,7 +249,7 @@ class LocalTarget:
                 uniform_accept[i, :n] = item.uniform_accept
         uniform_sample = torch.tensor([item.uniform_sample for item in items], dtype=torch.float64)  # [S]
         device = p.device
-        return rejection_sample(
+        result = rejection_sample(
             drafts.to(device),
             num_draft.to(device),
             p,
@@ -257,6 +257,8 @@ class LocalTarget:
             uniform_accept.to(device, p.dtype),
             uniform_sample.to(device, p.dtype),
         )
+        # Outcomes are read on the host, and merged with the greedy rows' (host) outcomes: one copy each.
+        return VerifyResult(result.output_token_ids.cpu(), result.num_accepted.cpu())
 
 
 def _masked(
