@@ -153,8 +153,9 @@ class DraftConfig(Placement):
     dtype: Dtype = "bfloat16"
     device: Device = "cpu"
     # int8: int8 weights and activations (CPU drafts in bf16 on AVX-512 VNNI or AVX2; cheaper drafts, the same output).
+    # int4: 4-bit weights in groups of 32 and int8 activations (CPU drafts in bf16; fewer bytes a draft step).
     # auto: int8 where the CPU has AVX-512 VNNI or AVX2 and the draft is a bf16 CPU model, else none (CUDA: none).
-    quantization: Literal["none", "int8", "auto"] = "auto"
+    quantization: Literal["none", "int8", "int4", "auto"] = "auto"
     num_speculative_tokens: Union[int, Literal["auto"]] = "auto"
     max_speculative_tokens: int = Field(8, ge=1, le=16)
     ngram_max: int = Field(4, ge=1)

@@ -15,7 +15,7 @@ from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.errors import InvalidArgument
 from specdec_core import environment
 from specdec_core.hardware import DRAFT_QUANTIZATIONS, resolve_draft_quantization
-from specdec_core.kernels.cpu import cpu_flags, quantize_draft_int8, use_cpu_kernels
+from specdec_core.kernels.cpu import cpu_flags, quantize_draft_int4, quantize_draft_int8, use_cpu_kernels
 from specdec_core.models.loader import LoadedModel, check_tokenizers_compatible, load_model, resolve_source
 from specdec_core.parallel import shard_model
 from specdec_core.runner import ModelRunner, RunnerConfig
@@ -38,8 +38,8 @@ def prepare_model(
     1. load: torch's own modules (`models.loader`);
     2. shard: keep rank r of `shard = (r, world_size)` (`parallel.shard_model`): it slices plain Linear weights;
     3. kernels: on the CPU in bf16, swap in the CPU kernels (`kernels.cpu`), which repack the (sharded) weights;
-    4. quantization "int8" (a draft: cheaper drafts, the same output; only acceptance can move); "auto": int8
-       where this CPU runs it, else none (`hardware.resolve_draft_quantization`).
+    4. quantization "int8" or "int4" (a draft: cheaper drafts, the same output; only acceptance can move);
+       "auto": what this CPU runs best, else none (`hardware.resolve_draft_quantization`).
     """
     quantization = resolve_quantization(quantization, device=device, dtype=dtype)
     loaded = load_model(source, dtype=dtype, device=device)
@@ -49,13 +49,14 @@ def prepare_model(
     if param.device.type == "cpu" and param.dtype == torch.bfloat16:
         swapped = use_cpu_kernels(loaded.model)
         log.debug("%d linear layers use the CPU bf16 kernel", swapped)
-    if quantization == "int8" and quantize_draft_int8(loaded.model) == 0:
-        log.warning("int8 draft quantization unavailable here (needs a bf16 CPU model and the CPU kernels)")
+    quantize = {"int8": quantize_draft_int8, "int4": quantize_draft_int4}.get(quantization)
+    if quantize is not None and quantize(loaded.model) == 0:
+        log.warning("%s draft quantization unavailable here (needs a bf16 CPU model and the CPU kernels)", quantization)
     return loaded
 
 
 def resolve_quantization(setting: str, *, device: str, dtype: str) -> str:
-    """`setting` ("none", "int8" or "auto") resolved for this machine; `InvalidArgument` for anything else."""
+    """`setting` ("none", "int8", "int4" or "auto") resolved for this machine; `InvalidArgument` for anything else."""
     if setting not in DRAFT_QUANTIZATIONS:
         raise InvalidArgument("quantization", f"choose one of {DRAFT_QUANTIZATIONS}, got {setting!r}")
     return resolve_draft_quantization(setting, device=device, dtype=dtype, cpu_flags=cpu_flags(),

@@ -33,7 +33,7 @@ def int8_kernel_runs(cpu_flags: Iterable[str]) -> bool:
     """Whether the kernels built for a CPU with these flags include the int8 draft kernel."""
     flags = frozenset(cpu_flags)
     return INT8_CPU_FLAGS <= flags if AVX512_FLAGS <= flags else AVX2_FLAGS <= flags
-DRAFT_QUANTIZATIONS = ("none", "int8", AUTO)
+DRAFT_QUANTIZATIONS = ("none", "int8", "int4", AUTO)
 
 
 def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> float | None:

@@ -95,7 +95,7 @@ def register(sub: Any) -> None:
     p.add_argument("--device", default=DistillConfig.device, help="cpu or cuda")
     p.add_argument("--eval-k", type=int, default=DistillConfig.eval_k,
                    help="speculative tokens per round when measuring acceptance")
-    p.add_argument("--draft-quantization", choices=["none", "int8", "auto"], default=DistillConfig.draft_quantization,
+    p.add_argument("--draft-quantization", choices=["none", "int8", "int4", "auto"], default=DistillConfig.draft_quantization,
                    help="of the measured drafts, as in `bench offline`")
     p.set_defaults(func=_main)
 

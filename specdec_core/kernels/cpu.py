@@ -34,10 +34,12 @@ log = logging.getLogger(__name__)
 
 _K_MULTIPLE = 32  # gemm.c's KV: in_features must be a multiple (checked against the library when it loads)
 _INT8_K_MULTIPLE = 64  # gemm_int8.c's KB
+_INT4_GROUP = 32  # gemm_int4.c's G: weights per scale
+_INT4_K_MULTIPLE = 64  # in_features: two groups a step
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("gemm.c", "gemm_int8.c", "attention_bf16.c", "elementwise_bf16.c")
+    for name in ("gemm.c", "gemm_int8.c", "gemm_int4.c", "attention_bf16.c", "elementwise_bf16.c")
 ]
 HEADERS = [Path(__file__).with_name("bf16.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -88,6 +90,8 @@ def load_library() -> ctypes.CDLL | None:
     _declare(lib)
     if lib.specdec_k_multiple() != _K_MULTIPLE:
         raise RuntimeError("gemm.c and cpu.py disagree on the K multiple")
+    if lib.specdec_int4_k_multiple() != _INT4_K_MULTIPLE:
+        raise RuntimeError("gemm_int4.c and cpu.py disagree on the K multiple")
     return lib
 
 
@@ -95,8 +99,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     """The C signatures. The kernels that allocate scratch memory return a status, checked on every call."""
     lib.specdec_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.specdec_gemm_w8a8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.specdec_gemm_w4a8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.specdec_attention_bf16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-    for fn in ("specdec_gemm_bf16", "specdec_gemm_w8a8", "specdec_attention_bf16"):
+    for fn in ("specdec_gemm_bf16", "specdec_gemm_w8a8", "specdec_gemm_w4a8", "specdec_attention_bf16"):
         getattr(lib, fn).restype = ctypes.c_int
         getattr(lib, fn).errcheck = _check_status
     lib.specdec_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
@@ -105,7 +110,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdec_exp_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64]
     for fn in ("specdec_rms_norm_bf16", "specdec_rope_bf16", "specdec_silu_mul_bf16", "specdec_exp_f32"):
         getattr(lib, fn).restype = None
-    for fn in ("specdec_block_rows", "specdec_k_multiple", "specdec_has_vnni", "specdec_has_int8",
+    for fn in ("specdec_block_rows", "specdec_k_multiple", "specdec_has_vnni", "specdec_has_int8", "specdec_int4_k_multiple",
                "specdec_has_native_bf16", "specdec_has_avx512", "specdec_attention_max_head_dim"):
         getattr(lib, fn).restype = ctypes.c_int
 
@@ -142,11 +147,12 @@ class FastCPULinear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._lib = lib
+        self._call = _KernelCall(lib.specdec_gemm_bf16, (linear.weight.detach(),), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if x.dtype != torch.bfloat16 or x.requires_grad:
             return nn.functional.linear(x, self.weight, self.bias)
-        return _gemm(self._lib.specdec_gemm_bf16, x, self.out_features, self.bias, self.weight.data_ptr())
+        return self._call(x, self.out_features)
 
 
 class Int8CPULinear(nn.Module):
@@ -169,10 +175,51 @@ class Int8CPULinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._lib = lib
+        self._call = _KernelCall(lib.specdec_gemm_w8a8, (self.qweight, self.scale, self.row_sums), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] bf16 -> [..., N] bf16
-        weights = (self.qweight.data_ptr(), self.scale.data_ptr(), self.row_sums.data_ptr())
-        return _gemm(self._lib.specdec_gemm_w8a8, x.to(torch.bfloat16), self.out_features, self.bias, *weights)
+        return self._call(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), self.out_features)
+
+
+class Int4CPULinear(nn.Module):
+    """A linear layer with 4-bit weights and int8 activations for *draft* models on the CPU (`gemm_int4.c`).
+
+    Weights: symmetric in groups of 32 along k, w ~= scale[n, g] * q[n, k], q in [-7, 7]; packed two to a byte
+    (`gemm_int4.c`'s layout). Activations are quantized per row on each call. Only ever used for
+    drafting, where precision moves the acceptance rate, not the output.
+    """
+
+    def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
+        super().__init__()
+        _check_shape(linear, lib, _INT4_K_MULTIPLE)
+        q, scale = quantize_int4(linear.weight.detach())
+        self.register_buffer("qweight", pack_int4(q))  # [N, K/2] uint8
+        self.register_buffer("scale", scale)  # [N, K/G] fp32
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._lib = lib
+        self._call = _KernelCall(lib.specdec_gemm_w4a8, (self.qweight, self.scale), self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] bf16 -> [..., N] bf16
+        return self._call(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), self.out_features)
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> ([N, K] int8, [N, K/G] fp32)
+    """Symmetric 4-bit quantization in groups of `_INT4_GROUP` along k: w ~= scale[n, g] * q[n, k], q in [-7, 7]."""
+    N, K = w.shape
+    groups = w.float().view(N, K // _INT4_GROUP, _INT4_GROUP)  # [N, K/G, G]
+    scale = groups.abs().amax(dim=-1) / 7.0  # [N, K/G]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group: any scale, q = 0
+    q = torch.round(groups / scale.unsqueeze(-1)).clamp(-7, 7).to(torch.int8)  # [N, K/G, G]
+    return q.view(N, K), scale.contiguous()
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:  # [N, K] int8 in [-7, 7] -> [N, K/2] uint8
+    """`gemm_int4.c`'s layout: in each pair of groups (64 weights), byte j holds q[j] + 8 in its low nibble and
+    q[32 + j] + 8 in its high one."""
+    N, K = q.shape
+    u = (q.to(torch.int16) + 8).to(torch.uint8).view(N, K // 64, 2, 32)  # [N, K/64, 2, 32]
+    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
 
 
 def _check_shape(linear: nn.Linear, lib: ctypes.CDLL, k_multiple: int) -> None:
@@ -182,16 +229,26 @@ def _check_shape(linear: nn.Linear, lib: ctypes.CDLL, k_multiple: int) -> None:
         raise ValueError(f"out_features {linear.out_features} is not a multiple of {lib.specdec_block_rows()}")
 
 
-def _gemm(kernel, x: torch.Tensor, out_features: int, bias: torch.Tensor | None, *weights: int) -> torch.Tensor:
-    """Run a gemm kernel on bf16 x [..., K]: (x, *weights, bias, y, M, N, K, threads) -> y [..., N] bf16."""
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K).contiguous()  # [M, K]
-    y = torch.empty(*x.shape[:-1], out_features, dtype=torch.bfloat16)  # [..., N]
-    kernel(
-        x2.data_ptr(), *weights, None if bias is None else bias.data_ptr(), y.data_ptr(),
-        x2.shape[0], out_features, K, torch.get_num_threads(),
-    )
-    return y
+class _KernelCall:
+    """A gemm kernel bound to its weight tensors: (x, *weights, bias, y, M, N, K, threads) -> y.
+
+    A decode step makes about a hundred of these calls, and looking a module's parameters and buffers up on each
+    (nn.Module's attribute lookup) cost a draft step of the 0.5B model about a millisecond. The pointers are read
+    once here; the tensors are held with them, so they stay valid whatever happens to the module's attributes."""
+
+    def __init__(self, kernel, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> None:
+        self._kernel = kernel
+        self._held = (*weights, bias)  # keeps the memory behind the pointers alive
+        self._pointers = tuple(w.data_ptr() for w in weights)
+        self._bias = None if bias is None else bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor, out_features: int) -> torch.Tensor:  # bf16 [..., K] -> bf16 [..., N]
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K).contiguous()  # [M, K]
+        y = torch.empty(*x.shape[:-1], out_features, dtype=torch.bfloat16)  # [..., N]
+        self._kernel(x2.data_ptr(), *self._pointers, self._bias, y.data_ptr(), x2.shape[0], out_features, K,
+                     torch.get_num_threads())
+        return y
 
 
 def quantize_draft_int8(model: nn.Module) -> int:
@@ -200,14 +257,26 @@ def quantize_draft_int8(model: nn.Module) -> int:
     lib = load_library()
     if lib is None or not lib.specdec_has_int8():
         return 0
+    return _quantize_linears(model, lambda linear: Int8CPULinear(linear, lib), lib, _INT8_K_MULTIPLE)
+
+
+def quantize_draft_int4(model: nn.Module) -> int:
+    """Replace the linear layers of a bf16 CPU *draft* model by 4-bit ones; return how many (0 without kernels)."""
+    lib = load_library()
+    if lib is None:
+        return 0
+    return _quantize_linears(model, lambda linear: Int4CPULinear(linear, lib), lib, _INT4_K_MULTIPLE)
+
+
+def _quantize_linears(model: nn.Module, make, lib: ctypes.CDLL, k_multiple: int) -> int:
     block = lib.specdec_block_rows()
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, FastCPULinear):
                 child = _as_linear(child)
-            if _eligible(child, block, _INT8_K_MULTIPLE):
-                setattr(parent, name, Int8CPULinear(child, lib))
+            if _eligible(child, block, k_multiple):
+                setattr(parent, name, make(child))
                 swapped += 1
     return swapped
 
@@ -227,9 +296,20 @@ class CPUAttention:
     def __init__(self, lib: ctypes.CDLL, inv_freq: torch.Tensor) -> None:
         self._lib = lib
         self._inv_freq = inv_freq.float().contiguous()  # [hd/2]
+        self._forward: tuple[object, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _rows(self, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Positions [B*T], slots [B] and first positions [B] as the kernels read them (int64, contiguous):
+        converted once per forward (`ctx` is the forward's), not once per layer."""
+        if self._forward is None or self._forward[0] is not ctx:
+            positions = ctx.positions.reshape(-1).to(torch.int64).contiguous()  # [B*T]
+            slots = ctx.slots.to(torch.int64).contiguous()  # [B]
+            starts = ctx.positions[:, 0].to(torch.int64).contiguous()  # [B]
+            self._forward = (ctx, positions, slots, starts)
+        return self._forward[1:]
 
     def __call__(self, q, k, v, ctx, layer: int) -> torch.Tensor:  # q [B, T, H, hd] -> [B, T, H, hd]
-        positions = ctx.positions.reshape(-1).to(torch.int64).contiguous()  # [B*T]
+        positions, slots, starts = self._rows(ctx)
         for x in (q, k):  # rotated in place: both are fresh outputs of the projections
             self._lib.specdec_rope_bf16(
                 x.data_ptr(), positions.data_ptr(), self._inv_freq.data_ptr(), positions.numel(), x.shape[2], x.shape[3]
@@ -239,8 +319,6 @@ class CPUAttention:
         kc, vc = ctx.cache.keys[layer], ctx.cache.values[layer]  # [slots, Hkv, capacity, hd]
         q = q.contiguous()
         out = torch.empty_like(q)
-        slots = ctx.slots.to(torch.int64).contiguous()
-        starts = ctx.positions[:, 0].to(torch.int64).contiguous()
         self._lib.specdec_attention_bf16(
             q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), starts.data_ptr(), out.data_ptr(),
             B, T, H, kc.shape[1], D, kc.shape[2], D**-0.5, torch.get_num_threads(),

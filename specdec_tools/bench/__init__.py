@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                          help="also time transformers' generate and its assisted generation / prompt lookup")
     offline.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
                          help="transformers' prompt lookup length (with --compare-hf --ngram or --suffix)")
-    offline.add_argument("--draft-quantization", choices=["none", "int8", "auto"], default="auto",
+    offline.add_argument("--draft-quantization", choices=["none", "int8", "int4", "auto"], default="auto",
                          help="int8 weights and activations for the draft (CPU with AVX-512 VNNI or AVX2): "
                               "cheaper drafts, same output; auto (default): int8 where the CPU runs it, else none")
     offline.add_argument("--json", required=True, type=Path, help="where to write the report")

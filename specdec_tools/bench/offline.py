@@ -47,7 +47,7 @@ class OfflineBenchConfig:
     compare_hf: bool = False
     prompt_lookup_num_tokens: int = 10
     max_seq_len: int = 4096
-    draft_quantization: str = "auto"  # none, int8, or auto: int8 where the CPU runs it (`specdec_core.hardware`)
+    draft_quantization: str = "auto"  # none, int8, int4, or auto: int8 where the CPU runs it (`specdec_core.hardware`)
 
 
 @dataclass

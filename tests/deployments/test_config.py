@@ -160,13 +160,13 @@ def test_bad_threads_are_named(threads):
         parse_config({"target": {"model": "m", "threads": threads}})
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "auto"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4", "auto"])
 def test_draft_quantization_values(quantization):
     config = parse_config({"target": {"model": "m"},
                            "draft": {"method": "draft_model", "model": "d", "quantization": quantization}})
     assert config.draft.quantization == quantization
     with pytest.raises(InvalidArgument, match="draft.quantization"):
-        parse_config({"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d", "quantization": "int4"}})
+        parse_config({"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d", "quantization": "int2"}})
 
 
 # -- many nodes: where the ranks, the router and the proxies go --------------------------------------------------

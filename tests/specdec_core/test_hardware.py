@@ -129,7 +129,7 @@ def test_draft_quantization_auto_is_int8_where_the_cpu_runs_it(setting, device, 
 
 def test_unknown_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization"):
-        resolve_draft_quantization("int4", device="cpu", dtype="bfloat16", cpu_flags=VNNI)
+        resolve_draft_quantization("int2", device="cpu", dtype="bfloat16", cpu_flags=VNNI)
 
 
 def test_worker_summary_names_threads_cores_and_kernels():

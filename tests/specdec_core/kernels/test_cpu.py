@@ -80,6 +80,42 @@ def test_int8_linear_computes_exactly_its_integer_sums(rows):
     assert torch.equal(layer(x), _int8_reference(layer, x))
 
 
+def test_int4_quantization_is_within_half_a_step_and_packs_two_to_a_byte():
+    torch.manual_seed(0)
+    w = torch.randn(24, 128).to(torch.bfloat16)  # [N, K]
+    w[3, 32:64] = 0.0  # an all-zero group
+    q, scale = cpu.quantize_int4(w)  # [N, K] int8, [N, K/32] fp32
+    assert q.abs().max() <= 7 and torch.equal(q[3, 32:64], torch.zeros(32, dtype=torch.int8))
+    step = scale.float().repeat_interleave(32, dim=1)  # [N, K]
+    assert ((w.float() - q.float() * step).abs() <= step / 2 + 1e-6).all()
+    packed = cpu.pack_int4(q)  # [N, K/2]
+    assert packed.shape == (24, 64) and packed.dtype == torch.uint8
+    assert torch.equal((packed[:, :32] & 15).to(torch.int8) - 8, q[:, :32])  # low nibbles: the first group
+    assert torch.equal((packed[:, :32] >> 4).to(torch.int8) - 8, q[:, 32:64])  # high nibbles: the second
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13])
+def test_int4_linear_computes_its_group_sums(rows):
+    """The 4-bit kernel against its arithmetic in float64 (x quantized per row, integer products summed per group of
+    32, each sum times its group's scale): a wrong nibble, group, row or k offset in any block shape is far off,
+    while the kernel's own fp32 rounding stays within one bf16 step of the exact value."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(192, 56, bias=True).to(torch.bfloat16)
+    layer = cpu.Int4CPULinear(linear, cpu.load_library())
+    x = torch.randn(rows, 192).to(torch.bfloat16)
+    q, scale = cpu.quantize_int4(linear.weight.detach())
+    xf = x.float()
+    sx = xf.abs().amax(dim=1) / 127.0  # [M]
+    xq = torch.round(xf / sx.unsqueeze(1)).double()  # [M, K]
+    groups = (xq.view(rows, 1, 6, 32) * q.double().view(1, 56, 6, 32)).sum(-1)  # [M, N, K/32] integer sums
+    want = (groups * scale.double()).sum(-1) * sx.double().unsqueeze(1) + linear.bias.double()  # [M, N]
+    got = layer(x).double()
+    spacing = want.abs().clamp_min(1e-3) * 2.0**-7  # a bf16 step at the value
+    assert ((got - want).abs() <= spacing).all()
+    batched = layer(x)
+    assert all(torch.equal(layer(x[i : i + 1]), batched[i : i + 1]) for i in range(rows))
+
+
 _FP32_PATH_CHECK = """
 import torch
 from specdec_core.build import prepare_model
@@ -333,6 +369,21 @@ def test_greedy_speculation_with_an_int8_draft_is_exact_in_bf16(tiny_dir):
 
     target, draft = load_pair(str(tiny_dir / "target"), str(tiny_dir / "target"), draft_quantization="int8")
     assert any(isinstance(m, cpu.Int8CPULinear) for m in draft.model.modules())
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompt = target.tokenizer("def add(a, b):")["input_ids"]
+    plain = run_to_completion(build_engine(target, None, DraftSpec(method="none")), [("r", prompt, params, 0)])
+    spec = run_to_completion(build_engine(target, draft, DraftSpec()), [("r", prompt, params, 3)])
+    assert spec["r"][0] == plain["r"][0]
+    assert spec["r"][2].stats.accepted > 0
+
+
+def test_greedy_speculation_with_an_int4_draft_is_exact_in_bf16(tiny_dir):
+    from specdec_core.build import DraftSpec, build_engine, load_pair
+    from specdec_core.config import SamplingParams
+    from tests.helpers import run_to_completion
+
+    target, draft = load_pair(str(tiny_dir / "target"), str(tiny_dir / "target"), draft_quantization="int4")
+    assert any(isinstance(m, cpu.Int4CPULinear) for m in draft.model.modules())
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompt = target.tokenizer("def add(a, b):")["input_ids"]
     plain = run_to_completion(build_engine(target, None, DraftSpec(method="none")), [("r", prompt, params, 0)])
