@@ -21,7 +21,8 @@ Four parts, each printed as it ends and written into one JSON report:
    0) and "residual ignored" (its output with the token after a rejection redrawn from p, not from max(0, p - q)).
 4. the cost of verifying w tokens: a random-weight model of Qwen2.5-1.5B's shape built on the device, a forward of
    w new tokens after a context of 600, w = 1, 2, 3, 5, 9, 17, 33, 65 (medians of 20 after warm-up), and a draft
-   step (w = 1) of a Qwen2.5-0.5B-shaped model: the table, and the draft/target step cost ratio.
+   step (w = 1) of a Qwen2.5-0.5B-shaped model: the table, and the draft/target step cost ratio. On CUDA also the
+   same forwards captured once as CUDA graphs and replayed: the device's own time, without Python's launches.
 
 The exit status is 0 only if every check passes (the wrong samplers failing as they must); the last line sums up.
 
@@ -488,10 +489,9 @@ def random_model(shape: dict[str, Any], device: torch.device, dtype: torch.dtype
     return model.eval().requires_grad_(False)
 
 
-@torch.inference_mode()
-def forward_ms(model: Transformer, widths: tuple[int, ...], context: int, repeats: int,
-               device: torch.device) -> dict[int, float]:
-    """Median ms of a forward of w new tokens (logits at all w, as a verify needs) after `context` cached ones."""
+def _forward_after_context(model: Transformer, widths: tuple[int, ...], context: int,
+                           device: torch.device) -> Callable[[int], torch.Tensor]:
+    """A forward of w new tokens (logits at all w, as a verify needs) after `context` cached ones."""
     args, attn = model.args, model.layers[0].self_attn
     dtype = model.embed_tokens.weight.dtype
     cache = KVCache(args.num_layers, 1, attn.num_kv_heads, context + max(widths) + 8, args.head_dim, dtype, device)
@@ -501,9 +501,18 @@ def forward_ms(model: Transformer, widths: tuple[int, ...], context: int, repeat
     model(ids[:, :context], torch.arange(context, device=device).view(1, -1), cache, slots, context, (0, 0),
           torch.tensor([[context - 1]], device=device))
 
-    def forward(w: int) -> None:
+    def forward(w: int) -> torch.Tensor:  # [1, w, V]
         positions = (context + torch.arange(w, device=device)).view(1, w)  # [1, w]
-        model(ids[:, context : context + w], positions, cache, slots, context + w, (0, context))
+        return model(ids[:, context : context + w], positions, cache, slots, context + w, (0, context))
+
+    return forward
+
+
+@torch.inference_mode()
+def forward_ms(model: Transformer, widths: tuple[int, ...], context: int, repeats: int,
+               device: torch.device) -> dict[int, float]:
+    """Median ms of a forward of w new tokens after `context` cached ones, launched from Python as the engine does."""
+    forward = _forward_after_context(model, widths, context, device)
 
     for _ in range(3):
         for w in widths:
@@ -519,6 +528,36 @@ def forward_ms(model: Transformer, widths: tuple[int, ...], context: int, repeat
     return {w: 1000 * statistics.median(t) for w, t in times.items()}
 
 
+@torch.inference_mode()
+def replayed_ms(model: Transformer, widths: tuple[int, ...], context: int, repeats: int,
+                device: torch.device) -> dict[int, float]:
+    """Median ms of the same forwards captured once as CUDA graphs and replayed: the device's own time for the step,
+    without the launches from Python (each replay rewrites the same cache positions, which is all a timing needs)."""
+    forward = _forward_after_context(model, widths, context, device)
+    out: dict[int, float] = {}
+    for w in widths:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up on the capturing stream, as torch's graph capture requires
+                forward(w)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward(w)
+        graph.replay()
+        times = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            graph.replay()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        out[w] = 1000 * statistics.median(times)
+        del graph
+    return out
+
+
 def verify_cost(report: Report, device: torch.device, quick: bool, context: int, repeats: int) -> dict[str, Any]:
     """Part 4: the target's forward of w tokens, and a draft step, on random weights (bfloat16 on CUDA)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -527,9 +566,21 @@ def verify_cost(report: Report, device: torch.device, quick: bool, context: int,
     target = random_model(target_shape, device, dtype)
     built = time.perf_counter() - t0
     target_ms = forward_ms(target, WIDTHS, context, repeats, device)
+    graphs: dict[str, Any] = {}
+    if device.type == "cuda":  # what the same steps cost the device itself, launched as one graph each
+        try:
+            graphs["target_ms"] = {str(w): round(ms, 4) for w, ms in
+                                   replayed_ms(target, (1, 5, 9, 17, 65), context, repeats, device).items()}
+        except Exception as exc:  # a measurement, not a check of the engine: reported, not failed
+            graphs["error"] = f"{type(exc).__name__}: {exc}"
     del target
     draft = random_model(draft_shape, device, dtype)
     draft_ms = forward_ms(draft, (1,), context, repeats, device)[1]
+    if device.type == "cuda" and "error" not in graphs:
+        try:
+            graphs["draft_ms"] = round(replayed_ms(draft, (1,), context, repeats, device)[1], 4)
+        except Exception as exc:
+            graphs["error"] = f"{type(exc).__name__}: {exc}"
     del draft
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -540,12 +591,14 @@ def verify_cost(report: Report, device: torch.device, quick: bool, context: int,
         print(f"  {w:4d} {ms:8.3f} {ms / target_ms[1]:7.2f}", flush=True)
     print(f"  draft step ({'tiny' if quick else 'Qwen2.5-0.5B shape'}, w=1): {draft_ms:.3f} ms = {ratio:.3f} of a "
           "target step", flush=True)
+    if graphs:
+        print(f"  replayed as CUDA graphs: {graphs}", flush=True)
     report.check("verify cost ran", True)
     return {"dtype": str(dtype), "context": context, "repeats": repeats,
             "target": target_shape, "draft": draft_shape,
             "target_ms": {str(w): round(ms, 4) for w, ms in target_ms.items()},
             "relative_to_w1": {str(w): round(ms / target_ms[1], 3) for w, ms in target_ms.items()},
-            "draft_ms": round(draft_ms, 4), "draft_over_target_step": round(ratio, 4)}
+            "draft_ms": round(draft_ms, 4), "draft_over_target_step": round(ratio, 4), "cuda_graphs": graphs}
 
 
 # -- main -----------------------------------------------------------------------------------------------------------

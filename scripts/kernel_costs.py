@@ -34,6 +34,7 @@ RUNS = {
     "target-torch": ("target, torch", "target", "none", False),
     "draft-bf16": ("draft bf16, kernels", "draft", "none", True),
     "draft-int8": ("draft int8, kernels", "draft", "int8", True),
+    "draft-int4": ("draft int4, kernels", "draft", "int4", True),
     "draft-torch": ("draft bf16, torch", "draft", "none", False),
 }
 

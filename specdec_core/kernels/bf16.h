@@ -73,7 +73,8 @@ static inline float vec_sum(vec_t v) {
 #define vec_sub _mm512_sub_ps
 #define vec_fnmadd _mm512_fnmadd_ps
 #define vec_round(v) _mm512_roundscale_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define vec_pow2i(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+#define vec_pow2i(n) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
 #else
 #define vec_min _mm256_min_ps
 #define vec_max _mm256_max_ps
@@ -82,7 +83,8 @@ static inline float vec_sum(vec_t v) {
 #define vec_sub _mm256_sub_ps
 #define vec_fnmadd _mm256_fnmadd_ps
 #define vec_round(v) _mm256_round_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define vec_pow2i(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#define vec_pow2i(n) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
 #endif
 
 static inline vec_t vec_exp(vec_t x) {

@@ -110,7 +110,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdec_exp_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64]
     for fn in ("specdec_rms_norm_bf16", "specdec_rope_bf16", "specdec_silu_mul_bf16", "specdec_exp_f32"):
         getattr(lib, fn).restype = None
-    for fn in ("specdec_block_rows", "specdec_k_multiple", "specdec_has_vnni", "specdec_has_int8", "specdec_int4_k_multiple",
+    for fn in ("specdec_block_rows", "specdec_k_multiple", "specdec_has_vnni", "specdec_has_int8",
+               "specdec_int4_k_multiple",
                "specdec_has_native_bf16", "specdec_has_avx512", "specdec_attention_max_head_dim"):
         getattr(lib, fn).restype = ctypes.c_int
 
@@ -467,12 +468,12 @@ def cpu_flags() -> frozenset[str]:
 
 
 def rows_batch_invariant(model: nn.Module) -> bool:
-    """Whether every linear layer and the attention of `model` run on the CPU kernels (bf16 or int8), which compute
-    each row the same way whatever else is in the call: then a verify of k + 1 rows gives each row the logits a
+    """Whether every linear layer and the attention of `model` run on the CPU kernels (bf16, int8 or int4), which
+    compute each row the same way whatever else is in the call: then a verify of k + 1 rows gives each row the logits a
     one-row decode gives, bit for bit, and greedy speculation reproduces plain decoding exactly. torch's own paths
     promise no such thing (their matmul and attention pick kernels by shape). Of this process's model only: split
     over more than two tensor-parallel ranks, the all-reduce's order of summation depends on the rows too."""
-    kernel_linears = (FastCPULinear, Int8CPULinear)
+    kernel_linears = (FastCPULinear, Int8CPULinear, Int4CPULinear)
     has_torch_linear = any(type(m) is nn.Linear for m in model.modules())
     return (
         isinstance(getattr(model, "attention", None), CPUAttention)
@@ -483,11 +484,12 @@ def rows_batch_invariant(model: nn.Module) -> bool:
 
 def kernel_path(model: nn.Module) -> str:
     """What runs `model`'s forward, in a few words: the CPU kernels in use ("bf16 AVX-512 (native bf16)", "bf16
-    AVX2 (fp32 widening)", "int8 VNNI"), or "torch fallback (why)"."""
+    AVX2 (fp32 widening)", "int8 VNNI", "int4 AVX2"), or "torch fallback (why)"."""
     int8 = any(isinstance(m, Int8CPULinear) for m in model.modules())
+    int4 = any(isinstance(m, Int4CPULinear) for m in model.modules())
     bf16 = any(isinstance(m, FastCPULinear) for m in model.modules())
     attention = isinstance(getattr(model, "attention", None), CPUAttention)
-    if not (int8 or bf16 or attention):
+    if not (int8 or int4 or bf16 or attention):
         return f"torch fallback ({_why_torch(model)})"
     lib = load_library()
     native = bool(lib is not None and lib.specdec_has_native_bf16())
@@ -495,6 +497,8 @@ def kernel_path(model: nn.Module) -> str:
     parts = [f"bf16 {isa} ({'native bf16' if native else 'fp32 widening'})"] if bf16 or attention else []
     if int8:
         parts.append("int8 VNNI" if lib is not None and lib.specdec_has_vnni() else f"int8 {isa}")
+    if int4:
+        parts.append("int4 AVX2")  # written with AVX2 instructions whatever the build
     if any(type(m) is nn.Linear for m in model.modules()):
         parts.append("some linear layers on torch")
     if not attention:

@@ -7,18 +7,20 @@
  *
  * Why: a draft step reads every weight once, so its cost is the draft's bytes. At 4 bits and a scale per 32
  * weights a weight costs 0.625 bytes instead of int8's 1: the demo draft (0.5B) reads 310 MB a step instead of
- * 494 MB. Per-row int8 scales would lose too much at 4 bits; a scale per group of 32 (as llama.cpp's Q4_0) keeps
- * the draft's guesses: on code and edit prompts its acceptance moved from 85.7% (bf16) to 85.2%. Only ever used
- * for drafting: the draft's precision moves the acceptance rate, never the target's output.
+ * 494 MB. With a scale per group of 32 (as llama.cpp's Q4_0 groups them) the draft kept its guesses: on code and
+ * edit prompts its acceptance moved from 85.7% (bf16) and 86.2% (int8) to 85.2%. Only ever used for drafting: the
+ * draft's precision moves the acceptance rate, never the target's output.
  *
  * Layout: row n's groups 2h and 2h + 1 are the 32 bytes at w4 + n * K / 2 + h * 32, byte j holding
  * wq[64h + j] + 8 in its low nibble and wq[64h + 32 + j] + 8 in its high one: one 256-bit load, a shift and two
- * masks give both groups' values in order. Scales are fp32: broadcast straight from memory, no conversion. Products as in `gemm_int8.c`'s AVX2 path: |xq| times wq with xq's sign (`vpsignb`), pairs
+ * masks give both groups' values in order. Scales are fp32: broadcast straight from memory, no conversion.
+ * Products as in `gemm_int8.c`'s AVX2 path: |xq| times wq with xq's sign (`vpsignb`), pairs
  * summed by `vpmaddubsw` (at most 2 * 127 * 7, no saturation) and fours by `vpmaddwd`, so each group's eight
  * int32 lane sums are exact; each is scaled by the group's scale and added into fp32 lanes, in group order.
  * A row's result goes through the same operations whatever M is (the batch never changes a draft).
  *
- * Written with AVX2 instructions, which CPUs with AVX-512 also run. K a multiple of 2 G (the caller checks).
+ * Written with AVX2 instructions, which CPUs with AVX-512 also run (measured on AVX2 only). K a multiple of 2 G
+ * (the caller checks).
  * Returns 0, or ENOMEM when the quantized inputs cannot be allocated (y unwritten).
  */
 #include <errno.h>
@@ -77,7 +79,8 @@ static inline float sum8(__m256 v) { /* the lanes' sum, always in the same order
                     const int64_t at = i * K + k + h * G;                                               \
                     __m256i xsv = _mm256_loadu_si256((const __m256i *)(xs + at));                       \
                     __m256i xav = _mm256_loadu_si256((const __m256i *)(xa + at));                       \
-                    __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(xav, _mm256_sign_epi8(group[h], xsv)), ones); \
+                    __m256i signed_w = _mm256_sign_epi8(group[h], xsv);                                 \
+                    __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(xav, signed_w), ones);        \
                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[i]);                  \
                 }                                                                                       \
             }                                                                                           \

@@ -406,3 +406,5 @@ def test_the_kernel_path_is_named_and_batch_invariant_only_on_the_kernels(bf16_p
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="auto")
         int8 = "int8 VNNI" if lib.specdec_has_vnni() else "int8 AVX2"
         assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {int8}"
+    draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int4")
+    assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + int4 AVX2"
