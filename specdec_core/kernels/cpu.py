@@ -41,7 +41,7 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in ("gemm.c", "gemm_int8.c", "gemm_int4.c", "attention_bf16.c", "elementwise_bf16.c")
 ]
-HEADERS = [Path(__file__).with_name("bf16.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "int8_rows.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 

@@ -29,23 +29,11 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "int8_rows.h" /* quantize_rows_sign_abs: x as xq and |xq| */
 
 #define G 32         /* weights per group (one scale) */
 #define MB4 6        /* input rows per pass over a weight row */
 #define PREFETCH4 512 /* bytes ahead in the weight row being read */
-
-/* Row of x as xq (signed) and |xq| (unsigned), and its scale. */
-static float quantize_row4(const uint16_t *x, int8_t *xs, uint8_t *xa, int64_t K) {
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(bf16_to_float(x[k])));
-    float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-    for (int64_t k = 0; k < K; k++) {
-        long q = lrintf(bf16_to_float(x[k]) / scale);
-        xs[k] = (int8_t)q;
-        xa[k] = (uint8_t)(q < 0 ? -q : q);
-    }
-    return scale;
-}
 
 static inline float sum8(__m256 v) { /* the lanes' sum, always in the same order */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -109,17 +97,10 @@ int specdec_gemm_w4a8(const uint16_t *x, const uint8_t *w4, const float *ws, con
                       int64_t M, int64_t N, int64_t K, int nthreads) {
     static const block4_fn blocks[MB4 + 1] = {0, block4_1, block4_2, block4_3, block4_4, block4_5, block4_6};
     if (M <= 0) return 0;
-    if ((uint64_t)M > SIZE_MAX / sizeof(float) || (K > 0 && (uint64_t)M > SIZE_MAX / 2 / (uint64_t)K)) return ENOMEM;
-    size_t bytes = (size_t)M * (size_t)K; /* a multiple of 32; aligned_alloc needs a multiple of 64: 2 * bytes */
-    int8_t *xs = aligned_alloc(64, bytes > 0 ? 2 * bytes : 64);
-    float *sx = malloc((size_t)M * sizeof(float));
-    if (xs == NULL || sx == NULL) {
-        free(xs);
-        free(sx);
-        return ENOMEM;
-    }
-    uint8_t *xa = (uint8_t *)xs + bytes;
-    for (int64_t m = 0; m < M; m++) sx[m] = quantize_row4(x + m * K, xs + m * K, xa + m * K, K);
+    int8_t *xs;
+    float *sx;
+    if (quantize_rows_sign_abs(x, M, K, &xs, &sx)) return ENOMEM;
+    const uint8_t *xa = (const uint8_t *)xs + (size_t)M * (size_t)K;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t m0 = 0; m0 < M; m0 += MB4) {

@@ -120,6 +120,8 @@ int specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const
 
 #elif defined(SPECDEC_AVX2)
 
+#include "int8_rows.h" /* quantize_rows_sign_abs: x as xq and |xq| */
+
 /* AVX2 has no VNNI: `vpmaddubsw` multiplies unsigned by signed bytes and adds adjacent pairs into saturating
  * int16, then `vpmaddwd` by ones sums those pairs into int32. With x stored as xq + 128 a pair could reach
  * 2 * 255 * 127 and saturate, so instead |xq| is the unsigned operand and w takes x's sign (`vpsignb`): each
@@ -127,19 +129,6 @@ int specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const
  * one, but a draft step is bound by reading the weights, and int8 weights are half of bf16's bytes. */
 
 int specdec_has_vnni(void) { return 0; }
-
-/* Row i of x quantized into xs [K] (xq) and xa [K] (|xq|), and its scale. */
-static float quantize_row(const uint16_t *x, int8_t *xs, uint8_t *xa, int64_t K) {
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(bf16_to_float(x[k])));
-    float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-    for (int64_t k = 0; k < K; k++) {
-        long q = lrintf(bf16_to_float(x[k]) / scale);
-        xs[k] = (int8_t)q;
-        xa[k] = (uint8_t)(q < 0 ? -q : q);
-    }
-    return scale;
-}
 
 /* Weight row n against ROWS input rows. One weight row at a time, for every count of input rows: reading 8 rows
  * side by side (each row of the demo draft is 896 or 4864 bytes) kept a 2-core AVX2 CPU's memory at 12-14 GB/s;
@@ -190,17 +179,10 @@ int specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const
     static const block_fn blocks[MB + 1] = {0, block_1, block_2, block_3, block_4, block_5, block_6};
     (void)wsum; /* no excess to subtract: x is never offset here */
     if (M <= 0) return 0;
-    if ((uint64_t)M > SIZE_MAX / sizeof(float) || (K > 0 && (uint64_t)M > SIZE_MAX / 2 / (uint64_t)K)) return ENOMEM;
-    size_t bytes = (size_t)M * (size_t)K; /* a multiple of 64, as aligned_alloc needs: K % 64 == 0 */
-    int8_t *xs = aligned_alloc(64, bytes > 0 ? 2 * bytes : 64);
-    float *sx = malloc((size_t)M * sizeof(float));
-    if (xs == NULL || sx == NULL) {
-        free(xs);
-        free(sx);
-        return ENOMEM;
-    }
-    uint8_t *xa = (uint8_t *)xs + bytes;
-    for (int64_t m = 0; m < M; m++) sx[m] = quantize_row(x + m * K, xs + m * K, xa + m * K, K);
+    int8_t *xs;
+    float *sx;
+    if (quantize_rows_sign_abs(x, M, K, &xs, &sx)) return ENOMEM;
+    const uint8_t *xa = (const uint8_t *)xs + (size_t)M * (size_t)K;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
