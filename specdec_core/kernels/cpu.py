@@ -234,8 +234,9 @@ class _KernelCall:
     """A gemm kernel bound to its weight tensors: (x, *weights, bias, y, M, N, K, threads) -> y.
 
     A decode step makes about a hundred of these calls, and looking a module's parameters and buffers up on each
-    (nn.Module's attribute lookup) cost a draft step of the 0.5B model about a millisecond. The pointers are read
-    once here; the tensors are held with them, so they stay valid whatever happens to the module's attributes."""
+    (nn.Module's attribute lookup) took about 0.75 ms of a draft step of the 0.5B model under a profiler. The
+    pointers are read once here; the tensors are held with them, so they stay valid whatever happens to the
+    module's attributes."""
 
     def __init__(self, kernel, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> None:
         self._kernel = kernel
