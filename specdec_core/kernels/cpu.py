@@ -179,7 +179,7 @@ class Int8CPULinear(nn.Module):
         self._call = _KernelCall(lib.specdec_gemm_w8a8, (self.qweight, self.scale, self.row_sums), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] bf16 -> [..., N] bf16
-        return self._call(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), self.out_features)
+        return self._call(x.to(torch.bfloat16), self.out_features)  # a no-op for bf16 x
 
 
 class Int4CPULinear(nn.Module):
@@ -202,7 +202,7 @@ class Int4CPULinear(nn.Module):
         self._call = _KernelCall(lib.specdec_gemm_w4a8, (self.qweight, self.scale), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] bf16 -> [..., N] bf16
-        return self._call(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), self.out_features)
+        return self._call(x.to(torch.bfloat16), self.out_features)  # a no-op for bf16 x
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> ([N, K] int8, [N, K/G] fp32)
