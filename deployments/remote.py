@@ -175,6 +175,13 @@ class ReplicaPool:
             self._pinned[seq_id] = replica
             return replica
 
+    def likely_cached(self, token_ids: Sequence[int], salt: str | None = None) -> int:
+        """The longest prefix of `token_ids` that a usable replica likely holds in its prefix cache, by what was
+        placed where (`affinity`: prompts only, so a conversation's last answer is not counted)."""
+        with self._lock:
+            return max((self.affinity.match(r.address, salt, token_ids) for r in self._replicas.values() if r.usable),
+                       default=0)
+
     def replica_of(self, seq_id: str) -> Replica:
         replica = self._pinned.get(seq_id)
         if replica is None:
@@ -398,6 +405,9 @@ class RemoteDrafter:
         if cached is None:
             self._homeless[seq_id] = time.monotonic() + self.retry_s
         return cached or 0
+
+    def cached(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        return self.pool.likely_cached(token_ids, cache_salt)
 
     def _place(self, seq_id: str, token_ids: Sequence[int]) -> int | None:
         """Start the session on the replica that most likely holds its prefix, else the least loaded usable one

@@ -123,6 +123,7 @@ class _Sequence:
     drafting: bool = False  # the drafter holds state for it (started the first time it drafts, again after a failure)
     draft_failed: bool = False  # the drafter could not start it: it decodes plainly
     drafted_upto: int = 0  # committed tokens after its last round with drafts: the drafter has read up to here
+    draft_cached: int | None = None  # before a start: of its tokens, what the drafter's prefix cache holds
     # What the request allows (`speculation_method`): the draft model (`drafter`) and the free drafter (hybrid).
     model_allowed: bool = True
     free_allowed: bool = True
@@ -589,11 +590,21 @@ class SpecEngine:
         horizon += sum(seq.params.max_tokens for seq in joining)
         return self.config.policy.pays(rows, self.costs, len(rows), self.costs.catch_up_cost(unread), horizon)
 
-    @staticmethod
-    def _unread(seq: _Sequence) -> int:
-        """Context the drafter would have to read before drafting for `seq`: all of it if it never drafted, the
-        tokens committed since its last round with drafts otherwise (none after a round with drafts)."""
-        return len(seq.tokens) - seq.drafted_upto if seq.drafting else len(seq.tokens)
+    def _unread(self, seq: _Sequence) -> int:
+        """Context the drafter would have to read before drafting for `seq`: the tokens committed since its last
+        round with drafts (none after a round with drafts); if it never drafted, all of it but what the drafter's
+        prefix cache holds (a conversation's next turn finds the last one there), asked once per start."""
+        if seq.drafting:
+            return len(seq.tokens) - seq.drafted_upto
+        if self.drafter is None:
+            return 0
+        if seq.draft_cached is None:
+            try:
+                seq.draft_cached = self.drafter.cached(seq.seq_id, seq.tokens, seq.cache_salt)
+            except Exception as exc:  # an estimate: without it a start is priced at the whole context
+                log.warning("drafter could not say what it holds of %s: %s", seq.seq_id, exc)
+                seq.draft_cached = 0
+        return len(seq.tokens) - seq.draft_cached
 
     def _start_drafting(self, seqs: list[_Sequence], ks: list[int]) -> list[int]:
         """Start, on the drafter, the sequences that draft this round for the first time; the time per token of
@@ -726,7 +737,7 @@ class SpecEngine:
     def _drop_draft(self, seq: _Sequence) -> None:
         """Free the drafter's state for `seq`, if it holds any."""
         if seq.drafting:
-            seq.drafting = False
+            seq.drafting, seq.draft_cached = False, None
             try:
                 self.drafter.release(seq.seq_id)
             except Exception as exc:  # what it held is lost either way

@@ -91,22 +91,32 @@ class PrefixIndex:
     def plan(self, tokens: Sequence[int], salt: str | None, free: Sequence[int]) -> Reuse:
         """Where a new sequence of `salt` that starts with `tokens` goes, and which cached prefix it takes. `free`:
         the cache's free slots (never-used ones and entries), not empty, in the order the cache hands them out."""
-        want = list(tokens)
-        best, length, whole = None, 0, False
-        # Entries first, most recent first, then running slots; the longest prefix wins, and among equal ones an
-        # entry that holds nothing more (taken over without a copy or a loss).
-        for slot in [*reversed(self._entries), *sorted(self._live)]:
-            if self._salts[slot] != salt:
-                continue
-            n = common_prefix(want, self._tokens[slot])
-            if n and (n, self._whole_entry(slot, n)) > (length, whole):
-                best, length, whole = slot, n, self._whole_entry(slot, n)
+        best, length, whole = self._longest(tokens, salt)
         unused = [s for s in free if s not in self._entries]
         lru = next(iter(self._entries), None)
         if best is not None and (whole or (not unused and best == lru)):
             return Reuse(best, best, length)
         slot = unused[-1] if unused else lru
         return Reuse(slot, best if length else None, length)
+
+    def held(self, tokens: Sequence[int], salt: str | None) -> int:
+        """How many leading `tokens` some slot of `salt` holds: what a sequence allocated now would start with. A
+        look only: nothing is claimed, and nothing counts as queried."""
+        return self._longest(tokens, salt)[1]
+
+    def _longest(self, tokens: Sequence[int], salt: str | None) -> tuple[int | None, int, bool]:
+        """The slot of `salt` holding the longest prefix of `tokens`, that length, and whether the slot is an entry
+        holding nothing more. Entries first, most recent first, then running slots; among equal prefixes an entry
+        that holds nothing more wins (taken over without a copy or a loss)."""
+        want = list(tokens)
+        best, length, whole = None, 0, False
+        for slot in [*reversed(self._entries), *sorted(self._live)]:
+            if self._salts[slot] != salt:
+                continue
+            n = common_prefix(want, self._tokens[slot])
+            if n and (n, self._whole_entry(slot, n)) > (length, whole):
+                best, length, whole = slot, n, self._whole_entry(slot, n)
+        return best, length, whole
 
     def _whole_entry(self, slot: int | None, length: int) -> bool:
         return slot is not None and slot in self._entries and len(self._tokens[slot]) == length

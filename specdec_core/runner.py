@@ -99,6 +99,10 @@ class ModelRunner:
         self.cache.set_length(slot, plan.length)
         return slot
 
+    def cached_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
+        """How many leading `tokens` an `allocate` for `salt` would start with now (0 without prefix caching)."""
+        return 0 if self.prefix is None else self.prefix.held(tokens, salt)
+
     def release(self, slot: int) -> None:
         """The slot's sequence ended. With prefix caching its contents stay as a cache entry (still a free slot)."""
         if self.prefix is not None:

@@ -103,6 +103,11 @@ class Drafter(Protocol):
         many of those tokens came from a prefix cache (shared only among sequences of one `cache_salt`) instead
         of being read: 0 for a drafter without one."""
 
+    def cached(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """How many of `token_ids` a `start` now would likely find in a prefix cache: an estimate, cheap (no
+        call to another process), by which the engine prices starting the sequence before it does. 0 for a
+        drafter without one."""
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         """Up to `num_tokens` tokens per request, in one batched pass where the method allows."""
 

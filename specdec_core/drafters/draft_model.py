@@ -71,6 +71,9 @@ class DraftModelDrafter:
         self._slots[seq_id] = slot
         return cached
 
+    def cached(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        return self.runner.cached_prefix(self._readable(token_ids[:-1]), cache_salt)
+
     def release(self, seq_id: str) -> None:
         slot = self._slots.pop(seq_id, None)
         if slot is not None:

@@ -36,6 +36,9 @@ class NgramDrafter:
         self._index[seq_id] = _Index(grams={n: {} for n in range(self.min_n, self.max_n + 1)})
         return 0
 
+    def cached(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        return 0
+
     def release(self, seq_id: str) -> None:
         self._index.pop(seq_id, None)
 

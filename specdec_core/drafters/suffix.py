@@ -286,6 +286,9 @@ class SuffixDrafter:
         self._requests[seq_id] = state
         return 0
 
+    def cached(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        return 0
+
     def observe(self, seq_id: str, num_committed: int) -> None:
         """Nothing to roll back: the structures only ever hold committed tokens."""
 

@@ -59,6 +59,9 @@ class VariantDrafter:
     def start(self, seq_id: str, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
         return self._drafter(seq_id).start(seq_id, prompt_ids, cache_salt)
 
+    def cached(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        return self._drafter(seq_id).cached(seq_id, token_ids, cache_salt)
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         groups: dict[str, list[int]] = {}
         for i, request in enumerate(requests):

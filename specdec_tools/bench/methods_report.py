@@ -3,7 +3,7 @@ decoding measured in the same run, and hybrid against the better of its parts. P
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 from specdec_tools.bench.figures import add_speedups, ratio
@@ -15,6 +15,28 @@ ALL, TURN_1, LATER_TURNS = "all", "turn_1", "turns_2_plus"
 
 # hybrid drafts with both of these; it is worth running only where it keeps up with the better of the two alone.
 HYBRID, HYBRID_PARTS, HYBRID_CRITERION = "hybrid", ("suffix", "draft_model"), 0.95
+
+
+NO_DRAFT = "none"  # rounds verified without a proposal: plain decoding steps
+
+
+@dataclass(frozen=True)
+class MethodRounds:
+    """A request's rounds that verified one drafting method's proposals (`NO_DRAFT`: none asked for)."""
+
+    rounds: int = 0
+    tokens: int = 0  # committed by those rounds
+    proposed: int = 0
+    accepted: int = 0
+    seconds: float = 0.0  # their wall time, drafting and verifying
+
+    def plus(self, tokens: int, proposed: int, accepted: int, seconds: float) -> "MethodRounds":
+        return MethodRounds(self.rounds + 1, self.tokens + tokens, self.proposed + proposed,
+                            self.accepted + accepted, self.seconds + seconds)
+
+    def __add__(self, other: "MethodRounds") -> "MethodRounds":
+        return MethodRounds(self.rounds + other.rounds, self.tokens + other.tokens, self.proposed + other.proposed,
+                            self.accepted + other.accepted, self.seconds + other.seconds)
 
 
 @dataclass(frozen=True)
@@ -30,6 +52,7 @@ class RequestRun:
     rounds: int
     proposed: int
     accepted: int
+    by_method: Mapping[str, MethodRounds]  # its rounds by the method whose proposal each verified
 
     @property
     def decode_tokens(self) -> int:
@@ -74,7 +97,20 @@ def group_figures(records: Sequence[Record], baseline: Mapping[tuple[str, int], 
         "acceptance_rate": ratio(accepted, proposed) or 0.0,
         "tokens_per_round": ratio(decode_tokens, rounds) or 0.0,
         "identical": sum(r.run.token_ids == baseline.get(r.key) for r in records),
+        "rounds_by_method": rounds_by_method(runs),
     }
+
+
+def rounds_by_method(runs: Sequence[RequestRun]) -> dict[str, dict[str, Any]]:
+    """Where a method's time went, by the drafting method each round verified (hybrid mixes them): rounds, tokens
+    committed, seconds, and the milliseconds each committed token took."""
+    totals: dict[str, MethodRounds] = {}
+    for run in runs:
+        for name, part in run.by_method.items():
+            totals[name] = totals.get(name, MethodRounds()) + part
+    return {name: {**asdict(part), "tokens_per_round": ratio(part.tokens, part.rounds) or 0.0,
+                   "ms_per_token": 1000.0 * (ratio(part.seconds, part.tokens) or 0.0)}
+            for name, part in sorted(totals.items())}
 
 
 def results(records: Sequence[Record], methods: Sequence[str], groups: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -109,7 +145,9 @@ def request_rows(records: Sequence[Record]) -> list[dict[str, Any]]:
              "prompt_tokens": r.run.prompt_tokens, "cached_tokens": r.run.cached_tokens,
              "output_tokens": len(r.run.token_ids), "seconds": r.run.seconds, "decode_seconds": r.run.decode_seconds,
              "rounds": r.run.rounds, "proposed": r.run.proposed, "accepted": r.run.accepted,
-             "identical": r.run.token_ids == baseline.get(r.key), "token_ids": list(r.run.token_ids),
+             "identical": r.run.token_ids == baseline.get(r.key),
+             "by_method": {name: asdict(part) for name, part in sorted(r.run.by_method.items())},
+             "token_ids": list(r.run.token_ids),
              "text": r.run.text}
             for r in records]
 
@@ -128,6 +166,12 @@ def format_table(report: Mapping[str, Any]) -> str:
                          f"{f['tokens_per_s']:>7.2f} {f['decode_tokens_per_s']:>9.2f} {_times(f['speedup']):>7} "
                          f"{_times(f['decode_speedup']):>7} {accepted:>11} {f['tokens_per_round']:>7.2f} "
                          f"{str(f['identical']) + '/' + str(f['requests']):>9}")
+    for method, groups in report["results"].items():
+        parts = groups[report["headline_group"]]["rounds_by_method"]
+        if len(parts) > 1:  # a method whose rounds mix proposals (hybrid), or proposals and plain steps
+            lines.append(f"{method} rounds in {report['headline_group']}: " + ", ".join(
+                f"{name} {p['rounds']} ({p['tokens_per_round']:.1f} tok/rnd, {p['ms_per_token']:.0f} ms/tok)"
+                for name, p in parts.items()))
     comparisons = {"": report.get("hybrid"), **report.get("hybrid_by_threshold", {})}
     for suffix, hybrid in comparisons.items():
         if hybrid is not None:

@@ -20,7 +20,7 @@ from specdec_core.chat import ChatMessage, encode_chat
 from specdec_core.config import SamplingParams
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
-from specdec_tools.bench.methods_report import ALL, LATER_TURNS, TURN_1, Record, RequestRun
+from specdec_tools.bench.methods_report import ALL, LATER_TURNS, NO_DRAFT, TURN_1, MethodRounds, Record, RequestRun
 from specdec_tools.requests import Session
 
 
@@ -32,6 +32,7 @@ def run_request(engine: SpecEngine, request_id: str, prompt: list[int], params: 
     """Generate one request alone on `engine`, timed from adding it to its last token."""
     tokens: list[int] = []
     text: list[str] = []
+    by_method: dict[str, MethodRounds] = {}
     first = last = None
     start = time.perf_counter()
     engine.add_request(request_id, prompt, params, k, cache_salt=salt)
@@ -41,12 +42,16 @@ def run_request(engine: SpecEngine, request_id: str, prompt: list[int], params: 
                 raise RuntimeError(f"request {request_id} failed: {out.error}") from out.error
             tokens += out.new_token_ids
             text.append(out.new_text)
+            if (info := out.round) is not None:
+                name = info.method or NO_DRAFT
+                by_method[name] = by_method.get(name, MethodRounds()).plus(
+                    len(out.new_token_ids), len(info.proposed_token_ids), info.num_accepted, info.seconds)
             if first is None:
                 first = time.perf_counter()
             last = out
     end = time.perf_counter()
     return RequestRun(tuple(tokens), "".join(text), last.num_prompt_tokens, last.num_cached_tokens, end - start,
-                      end - (first or end), last.stats.rounds, last.stats.proposed, last.stats.accepted)
+                      end - (first or end), last.stats.rounds, last.stats.proposed, last.stats.accepted, by_method)
 
 
 @dataclass(frozen=True)

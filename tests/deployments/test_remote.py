@@ -300,6 +300,11 @@ def test_a_conversations_next_turn_goes_to_the_replica_that_holds_its_prefix(pai
         other = turn("other-salt", second, salt="tenant-b")
         assert where["other-salt"] != where["turn-1"] and other.num_cached_tokens == 0
         assert one.num_cached_tokens == 0
+        # What a remote drafter tells the engine a start would find cached (prompts placed, by salt): a third turn
+        # likely finds the second's prompt, a salt never placed finds nothing.
+        third = second + list(range(300, 320))
+        assert pool.likely_cached(third) == len(second) == RemoteDrafter(pool).cached("turn-3", third)
+        assert pool.likely_cached(third, "tenant-c") == 0
     finally:
         s1.stop(0)
         s2.stop(0)

@@ -544,6 +544,9 @@ class Seen:
         self.seq_ids.add(seq_id)
         return self.drafter.start(seq_id, prompt_ids, cache_salt)
 
+    def cached(self, seq_id, token_ids, cache_salt=None):
+        return self.drafter.cached(seq_id, token_ids, cache_salt)
+
     def propose(self, requests):
         self.seq_ids.update(r.seq_id for r in requests)
         return self.drafter.propose(requests)

@@ -86,6 +86,9 @@ class _LabelledOracle:
     def start(self, seq_id, prompt_ids, cache_salt=None):
         return 0
 
+    def cached(self, seq_id, token_ids, cache_salt=None):
+        return 0
+
     def observe(self, seq_id, num_committed):
         pass
 
@@ -214,6 +217,9 @@ class _Recording:
         self.started.append((seq_id, len(prompt_ids)))
         return self.inner.start(seq_id, prompt_ids, cache_salt)
 
+    def cached(self, seq_id, token_ids, cache_salt=None):
+        return self.inner.cached(seq_id, token_ids, cache_salt)
+
     def propose(self, requests):
         assert all(r.num_tokens > 0 for r in requests)  # rows at k = 0 are not the drafter's business
         return self.inner.propose(requests)
@@ -280,6 +286,32 @@ def test_drafts_are_not_started_for_a_batch_about_to_grow_past_where_they_pay(ti
     assert [seq_id for seq_id, _ in recorder.started] == ([] if joining else ["first"])
 
 
+class _DearStarts(_PaysAloneOnly):
+    """Speculation pays for one sequence, and the drafter reads a context at 20 ms a token: a start that reads
+    150 tokens (3 s) costs more than its drafts save over 20 tokens, one that reads 20 does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.catch_up = 0.02
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_start_is_priced_at_what_the_drafters_prefix_cache_lacks(tiny_target, prefix_caching):
+    """A conversation's next turn: the draft model's prefix cache holds the last turn, so starting its drafts reads
+    only the new message, and `auto` speculates; without the cache the same start reads the whole context, and
+    does not."""
+    engine = make_engine(tiny_target, tiny_target.model, prefix_caching=prefix_caching)
+    engine.costs = _DearStarts()
+    engine.acceptance = AcceptanceEstimate.starting_at(0.9, weight=1e6)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    first = (_ids(tiny_target, PROMPTS[2]) * 8)[:120]
+    answer, _, _ = run_to_completion(engine, [("turn1", first, params, 3)])["turn1"]
+    second = first + answer + _ids(tiny_target, PROMPTS[1])[:10]
+    tokens, _, last = run_to_completion(engine, [("turn2", second, params, "auto")])["turn2"]
+    assert tokens == _plain(tiny_target, second, params)[0]
+    assert (last.stats.proposed > 0) == prefix_caching, last.stats
+
+
 def _nearly_free_verification(explore_samples: int) -> CostModel:
     """Measured costs at one sequence under which every further draft pays: a verify of 17 tokens a row costs
     about what one does, and a draft step almost nothing."""
@@ -326,6 +358,9 @@ class _Flaky:
 
     def start(self, seq_id, prompt_ids, cache_salt=None):
         return self.inner.start(seq_id, prompt_ids, cache_salt)
+
+    def cached(self, seq_id, token_ids, cache_salt=None):
+        return self.inner.cached(seq_id, token_ids, cache_salt)
 
     def propose(self, requests):
         self.calls += 1

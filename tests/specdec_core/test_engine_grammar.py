@@ -137,6 +137,9 @@ class _CountingDrafter:
     def start(self, seq_id, prompt_ids, cache_salt=None):
         return self.inner.start(seq_id, prompt_ids, cache_salt)
 
+    def cached(self, seq_id, token_ids, cache_salt=None):
+        return self.inner.cached(seq_id, token_ids, cache_salt)
+
     def propose(self, requests):
         self.proposals += len(requests)
         return self.inner.propose(requests)
@@ -213,6 +216,9 @@ class _FixedDrafter:
         self.tokens = tokens
 
     def start(self, seq_id, prompt_ids, cache_salt=None):
+        return 0
+
+    def cached(self, seq_id, token_ids, cache_salt=None):
         return 0
 
     def propose(self, requests):

@@ -109,9 +109,14 @@ def test_salts_share_prefixes_only_within_themselves(tiny_target):
     slot, _ = _start(runner, PROMPT, salt="alice")
     runner.release(slot)
     for salt, cached in [("bob", 0), (None, 0), ("alice", len(PROMPT) - 1)]:
+        before = runner.prefix_cache_stats()
+        assert runner.cached_prefix(PROMPT[:-1], salt) == cached, salt  # a look: nothing claimed or counted
+        assert runner.prefix_cache_stats() == before
         other = runner.allocate(PROMPT[:-1], salt)
         assert runner.length(other) == cached, salt
         runner.release(other)
+    assert runner.cached_prefix([*PROMPT[:10], 999], "alice") == 10
+    assert _runner(tiny_target, prefix_caching=False).cached_prefix(PROMPT) == 0
 
 
 def test_a_failed_forward_leaves_the_valid_prefix_and_nothing_else(tiny_target):

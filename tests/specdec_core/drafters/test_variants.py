@@ -28,6 +28,10 @@ class Recording:
         self.calls.append(("start", seq_id))
         return 0
 
+    def cached(self, seq_id, token_ids, cache_salt=None):
+        self.calls.append(("cached", seq_id))
+        return 0
+
     def propose(self, requests):
         self.calls.append(("propose", tuple(r.seq_id for r in requests)))
         return [Proposal([self.token] * r.num_tokens, None) for r in requests]
@@ -48,6 +52,7 @@ def test_each_sequence_is_served_by_its_variant_and_rows_keep_their_order():
     variants = VariantDrafter({"a": a, "b": b}, default="a")
     variants.assign("s1", "b")
     variants.assign("s2", "a")
+    variants.cached("s1", [1])
     variants.start("s1", [1])
     proposals = variants.propose([_request("s1"), _request("s2"), _request("s3"), _request("s4", k=3)])
     # s3 and s4 were never assigned: the default's
@@ -55,7 +60,7 @@ def test_each_sequence_is_served_by_its_variant_and_rows_keep_their_order():
     assert ("propose", ("s1",)) in b.calls and ("propose", ("s2", "s3", "s4")) in a.calls
     variants.observe("s1", 3)
     variants.release("s1")
-    assert b.calls[0] == ("start", "s1") and b.calls[-2:] == [("observe", "s1"), ("release", "s1")]
+    assert b.calls[:2] == [("cached", "s1"), ("start", "s1")] and b.calls[-2:] == [("observe", "s1"), ("release", "s1")]
     assert not any("s1" in (seqs if call == "propose" else (seqs,)) for call, seqs in a.calls)
     variants.forget("s1")
     assert variants.variant_of("s1") == "a"

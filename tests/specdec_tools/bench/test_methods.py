@@ -10,7 +10,8 @@ import pytest
 
 from specdec_core.chat import ChatMessage, encode_chat
 from specdec_core.drafters import registry
-from specdec_tools.bench.methods_report import HYBRID_CRITERION, LATER_TURNS, OFF, TURN_1, hybrid_comparison
+from specdec_tools.bench.methods_report import (HYBRID_CRITERION, LATER_TURNS, OFF, TURN_1, format_table,
+                                                hybrid_comparison)
 from specdec_core.errors import InvalidArgument
 from specdec_tools.bench.methods_run import MethodsBenchConfig, engine_names, run_methods_bench
 from specdec_tools.cli import main
@@ -60,6 +61,15 @@ def assert_ratios_are_of_the_rates(report):
             assert f["speedup"] == pytest.approx(f["tokens_per_s"] / off["tokens_per_s"])
             assert f["decode_speedup"] == pytest.approx(f["decode_tokens_per_s"] / off["decode_tokens_per_s"])
             assert f["tokens_per_round"] == pytest.approx((f["output_tokens"] - f["requests"]) / f["rounds"])
+            # Every round is counted once, under the method whose proposal it verified ("none": no proposal).
+            parts = f["rounds_by_method"]
+            assert sum(p["rounds"] for p in parts.values()) == f["rounds"]
+            assert sum(p["tokens"] for p in parts.values()) == f["output_tokens"] - f["requests"]
+            assert sum(p["proposed"] for p in parts.values()) == f["proposed"]
+            assert sum(p["accepted"] for p in parts.values()) == f["accepted"]
+            assert 0 < sum(p["seconds"] for p in parts.values()) <= f["decode_seconds"]
+            allowed = {"off": set(), "hybrid": {"suffix", "draft_model"}}.get(method, {method})
+            assert set(parts) <= allowed | {"none"}, (method, parts)
     headline = report["headline_group"]
     assert report["headline_decode_speedup"] == {m: report["results"][m][headline]["decode_speedup"]
                                                  for m in report["methods"]}
@@ -164,6 +174,19 @@ def test_bad_thresholds_are_refused_naming_the_flag(files, thresholds):
                                 draft_confidence_thresholds=thresholds)
     with pytest.raises(InvalidArgument, match="--draft-confidence-threshold"):
         run_methods_bench(config)
+
+
+def test_the_table_breaks_down_the_rounds_of_methods_that_mix_proposals(prompts_report):
+    table = format_table(prompts_report)
+    mixed = 0
+    for method, groups in prompts_report["results"].items():
+        parts = groups["all"]["rounds_by_method"]
+        mixed += len(parts) > 1
+        line = next((l for l in table.splitlines() if l.startswith(f"{method} rounds in all: ")), None)
+        assert (line is not None) == (len(parts) > 1), method
+        if line is not None:
+            assert all(f"{name} {p['rounds']} (" in line for name, p in parts.items())
+    assert mixed  # the n-gram and suffix drafters propose nothing in some rounds
 
 
 def test_hybrid_is_reported_when_it_ran(prompts_report):
