@@ -222,10 +222,15 @@ class ReplicaPool:
                     self.retire(address)
         return responses, failures
 
-    def release(self, seq_id: str) -> None:
+    def release(self, seq_id: str, held: Sequence[int] = (), salt: str | None = None) -> None:
+        """The session ended. `held`: the tokens its replica's cache holds for it now (kept there as a prefix-cache
+        entry), remembered for placing later sessions and for `likely_cached`."""
         replica = self.unpin(seq_id)
         if replica is None:
             return
+        if held:
+            with self._lock:
+                self.affinity.record(replica.address, salt, held)
         try:
             replica.stub.Release(wpb.ReleaseRequest(seq_ids=[seq_id]), timeout=min(self.timeout_s, 10.0))
         except grpc.RpcError as exc:  # the worker's idle timeout frees it in the end
@@ -392,6 +397,7 @@ class RemoteDrafter:
         self.timeout_s = timeout_s or pool.timeout_s
         self.retry_s = retry_s
         self._sent: dict[str, int] = {}  # sessions held by a draft worker: committed tokens it has been told about
+        self._tokens: dict[str, Sequence[int]] = {}  # their committed tokens (the engine's list, read at release)
         self._homeless: dict[str, float] = {}  # sessions no draft worker holds: when to try to place them again
         self._salts: dict[str, str | None] = {}  # every session's cache salt, for placing it again
         self._constrained: set[str] = set()  # sessions whose draft worker holds their grammar
@@ -424,7 +430,7 @@ class RemoteDrafter:
             responses, failures = self.pool.fan_out({replica.address: (replica, request)}, "Start", metadata,
                                                     self.timeout_s)
             if not failures:
-                self._sent[seq_id] = len(token_ids)
+                self._sent[seq_id], self._tokens[seq_id] = len(token_ids), token_ids
                 self._constrained.discard(seq_id)  # a new session: its grammar goes with its first Propose
                 return codec.decode_started(responses[replica.address], 1)[0]
             self.pool.unpin(seq_id)
@@ -472,6 +478,7 @@ class RemoteDrafter:
         for address, response in responses.items():
             for i, msg in zip(groups[address], response.proposals):
                 self._sent[requests[i].seq_id] = len(requests[i].token_ids)
+                self._tokens[requests[i].seq_id] = requests[i].token_ids
                 if requests[i].grammar is not None:
                     self._constrained.add(requests[i].seq_id)
                 proposals[i] = codec.decode_proposal(msg, vocab, requests[i].return_probs)
@@ -493,16 +500,18 @@ class RemoteDrafter:
     def _evict(self, seq_id: str) -> None:
         """The session's draft state is lost or in doubt: free it where possible, and place it again later."""
         self._sent.pop(seq_id, None)
+        self._tokens.pop(seq_id, None)
         self._constrained.discard(seq_id)
         self.pool.release(seq_id)  # a no-op for a replica marked failed (its sessions are already unpinned)
         self._homeless[seq_id] = time.monotonic() + self.retry_s
 
     def release(self, seq_id: str) -> None:
-        self._sent.pop(seq_id, None)
+        sent, tokens = self._sent.pop(seq_id, 0), self._tokens.pop(seq_id, ())
         self._constrained.discard(seq_id)
         self._homeless.pop(seq_id, None)
-        self._salts.pop(seq_id, None)
-        self.pool.release(seq_id)
+        # The worker's cache keeps what it read of the session (all it was sent but the last token, read with the
+        # next Propose): a conversation's next turn is likely to find it there.
+        self.pool.release(seq_id, tokens[: sent - 1], self._salts.pop(seq_id, None))
 
     @property
     def active_sequences(self) -> int:

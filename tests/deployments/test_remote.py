@@ -310,6 +310,26 @@ def test_a_conversations_next_turn_goes_to_the_replica_that_holds_its_prefix(pai
         s2.stop(0)
 
 
+def test_a_draft_worker_is_known_to_hold_an_ended_conversation_for_its_next_turn(pair):
+    """What the engine asks before starting drafts for a new turn (`RemoteDrafter.cached`): the draft worker keeps
+    an ended session's tokens as a prefix-cache entry, and the router remembers them, the answer included, so the
+    start of the next turn is priced at its new message alone."""
+    tserver, taddr = _serve(_target(pair))
+    dserver, daddr = _serve(_draft(pair))
+    try:
+        engine, _ = _engine(pair, [taddr], [daddr])
+        tokens, _, _ = run_to_completion(engine, [("turn-1", PROMPT, GREEDY, 3)])["turn-1"]
+        second = PROMPT + tokens + [11, 12, 13]
+        held = engine.drafter.cached("turn-2", second)
+        # All it read: the answer but its last rounds (those after the last Propose: near the end, room for fewer
+        # tokens leaves no room for drafts); at placement it had the prompt alone.
+        assert len(PROMPT) + len(tokens) - 10 <= held < len(PROMPT) + len(tokens)
+        assert engine.drafter.cached("turn-2", second, "another-salt") == 0
+    finally:
+        tserver.stop(0)
+        dserver.stop(0)
+
+
 STRUCTURED_PROMPTS = ["def add(a, b):", "The quick brown fox", "class Counter:", "x = 1\ny = 2\n"]
 
 
