@@ -586,7 +586,7 @@ class SpecEngine:
         if not joining:
             return True
         rows = rows + [(seq.estimate, None if seq.k_setting == AUTO else int(seq.k_setting)) for seq in joining]
-        unread += sum(len(seq.tokens) for seq in joining if seq.k_setting == AUTO)
+        unread += sum(self._unread(seq) for seq in joining if seq.k_setting == AUTO)
         horizon += sum(seq.params.max_tokens for seq in joining)
         return self.config.policy.pays(rows, self.costs, len(rows), self.costs.catch_up_cost(unread), horizon)
 
@@ -611,23 +611,37 @@ class SpecEngine:
         context read teaches the cost model what starting (and catching up) costs. A sequence the drafter cannot
         take decodes plainly from then on: a drafter's failure costs speculation, never the request."""
         out = list(ks)
-        for i, (seq, k) in enumerate(zip(seqs, ks)):
-            if k == 0 or seq.drafting:
-                continue
+        new = [i for i, (seq, k) in enumerate(zip(seqs, ks)) if k > 0 and not seq.drafting]
+        start_many = getattr(self.drafter, "start_many", None)
+        if len(new) > 1 and start_many is not None:
             t0 = time.perf_counter()
             try:
-                cached = self.drafter.start(seq.seq_id, seq.tokens, seq.cache_salt)
+                cached = start_many([(seqs[i].seq_id, seqs[i].tokens, seqs[i].cache_salt) for i in new])
+            except Exception as exc:  # all or none started: each is tried alone below, so one cannot fail the rest
+                log.warning("drafter could not start %d sequences together, trying each: %s", len(new), exc)
+            else:
+                self._started([seqs[i] for i in new], cached, time.perf_counter() - t0)
+                return out
+        for i in new:
+            t0 = time.perf_counter()
+            try:
+                cached = [self.drafter.start(seqs[i].seq_id, seqs[i].tokens, seqs[i].cache_salt)]
             except Exception as exc:
-                log.warning("drafter could not start %s, it decodes without drafts: %s", seq.seq_id, exc)
-                seq.draft_failed = True
+                log.warning("drafter could not start %s, it decodes without drafts: %s", seqs[i].seq_id, exc)
+                seqs[i].draft_failed = True
                 out[i] = 0
                 continue
-            # A start that found its context cached says nothing about what reading a context costs (its time is
-            # mostly the call's fixed part): only full reads teach the price.
-            if not cached:
-                self.costs.observe_catch_up(len(seq.tokens), time.perf_counter() - t0)
-            seq.drafting, seq.drafted_upto = True, len(seq.tokens)
+            self._started([seqs[i]], cached, time.perf_counter() - t0)
         return out
+
+    def _started(self, seqs: list[_Sequence], cached: list[int], seconds: float) -> None:
+        """The drafter started `seqs`, finding `cached` tokens of each in its prefix cache, in `seconds`. Starts
+        that found their contexts cached say nothing about what reading a context costs (their time is mostly the
+        call's fixed part): only full reads teach the price."""
+        if not any(cached):
+            self.costs.observe_catch_up(sum(len(seq.tokens) for seq in seqs), seconds)
+        for seq in seqs:
+            seq.drafting, seq.drafted_upto = True, len(seq.tokens)
 
     def _propose(self, seqs: list[_Sequence], ks: list[int]) -> list[Proposal]:
         """Each row's proposal; rows at k = 0 get an empty one without troubling the drafter."""

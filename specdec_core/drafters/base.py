@@ -93,7 +93,11 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    """Propose tokens for a batch of sequences; observe what the target kept."""
+    """Propose tokens for a batch of sequences; observe what the target kept.
+
+    A drafter whose starts cost a forward each may also offer `start_many(starts) -> list[int]`, `start` for several
+    (seq_id, prompt_ids, cache_salt) at once, all or none: the engine calls it when several sequences start drafting
+    in one round (`DraftModelDrafter` reads their contexts batched)."""
 
     name: str
 

@@ -20,6 +20,7 @@ from specdec_core.sparse_q import SparseQ
 # small on the wire (under a kilobyte per position instead of the whole vocabulary) and costs almost no
 # acceptance. q is kept sparse (`SparseQ`) from here to the verifier.
 Q_SUPPORT = 128
+START_BATCH = 16  # sequences whose contexts are read in one forward when they start together
 
 
 @dataclass(frozen=True)
@@ -58,17 +59,33 @@ class DraftModelDrafter:
         self._slots: dict[str, int] = {}
 
     def start(self, seq_id: str, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        return self.start_many([(seq_id, prompt_ids, cache_salt)])[0]
+
+    def start_many(self, starts: Sequence[tuple[str, Sequence[int], str | None]]) -> list[int]:
+        """`start` for several sequences (seq_id, prompt_ids, cache_salt): what their caches lack is read in
+        forwards of equal lengths, up to START_BATCH rows each (no padding), as the target's prefill reads prompts.
+        A burst of new requests that draft in one round costs a few forwards, not one each. All or none start."""
         # The last prompt token is read with the first propose, whose logits we need anyway.
-        context = self._readable(prompt_ids[:-1])
-        slot = self.runner.allocate(context, cache_salt)  # holding the longest cached prefix of the context
-        cached = self.runner.length(slot)
+        contexts = [self._readable(prompt_ids[:-1]) for _, prompt_ids, _ in starts]
+        slots: list[int] = []
         try:
-            if len(context) > cached:
-                self.runner.extend([slot], [context[cached:]])
+            for context, (_, _, salt) in zip(contexts, starts):
+                slots.append(self.runner.allocate(context, salt))  # holding the longest cached prefix of it
+            cached = [self.runner.length(slot) for slot in slots]
+            by_length: dict[int, list[int]] = {}
+            for i, (context, n) in enumerate(zip(contexts, cached)):
+                if len(context) > n:
+                    by_length.setdefault(len(context) - n, []).append(i)
+            for members in by_length.values():
+                for first in range(0, len(members), START_BATCH):
+                    chunk = members[first : first + START_BATCH]
+                    self.runner.extend([slots[i] for i in chunk], [contexts[i][cached[i] :] for i in chunk])
         except Exception:
-            self.runner.release(slot)
+            for slot in slots:
+                self.runner.release(slot)
             raise
-        self._slots[seq_id] = slot
+        for (seq_id, _, _), slot in zip(starts, slots):
+            self._slots[seq_id] = slot
         return cached
 
     def cached(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:

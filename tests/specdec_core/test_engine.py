@@ -348,6 +348,30 @@ def test_a_drafter_that_cannot_start_a_sequence_costs_speculation_not_the_reques
     assert last.stats.proposed == 0
 
 
+def test_sequences_that_cannot_start_together_are_started_one_by_one(tiny_target):
+    """Several sequences start drafting in one round: together where the drafter can (`start_many`); where that
+    fails, each alone, so one that cannot start costs only its own speculation."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = {f"r{i}": _ids(tiny_target, text) for i, text in enumerate(PROMPTS)}
+    for fails in (False, True):
+        engine = make_engine(tiny_target, tiny_target.model)
+        calls = []
+        start_many = engine.drafter.start_many
+
+        def together(starts, start_many=start_many, fails=fails, calls=calls):
+            calls.append(len(starts))
+            if fails and len(starts) > 1:
+                raise RuntimeError("no room for all of them")
+            return start_many(starts)  # `start` comes here too, with one
+
+        engine.drafter.start_many = together
+        done = run_to_completion(engine, [(name, ids, params, 2) for name, ids in prompts.items()])
+        assert calls == [len(PROMPTS)] + [1] * len(PROMPTS) * fails
+        for name, ids in prompts.items():
+            tokens, _, last = done[name]
+            assert tokens == _plain(tiny_target, ids, params)[0] and last.stats.proposed > 0, (fails, name)
+
+
 class _Flaky:
     """Fault injection: a drafter whose `propose` raises on every `every`-th call, after the drafter it wraps has
     drafted (its state has moved on by drafts the engine never sees)."""

@@ -87,6 +87,36 @@ def test_a_start_reads_only_what_its_prefix_cache_lacks_and_drafts_the_same(tiny
     assert got.token_ids == want.token_ids
 
 
+def test_sequences_started_together_read_in_a_forward_per_length_and_draft_as_if_alone(tiny_target, monkeypatch):
+    """Four sequences start drafting in one round: the two of one length are read in one forward, a cached prefix
+    shortens one read, and each drafts what it drafts when started alone. A slot that cannot be had starts none."""
+    gen = torch.Generator().manual_seed(1)
+    contexts = {name: torch.randint(0, 300, (n,), generator=gen).tolist() for name, n in
+                [("a", 12), ("b", 12), ("c", 20)]}
+    contexts["d"] = contexts["c"][:15] + [7, 8, 9]  # 15 of its 17 context tokens are in "c"'s slot once it ends
+    drafter = _drafter(tiny_target.model, prefix_caching=True)
+    drafter.start("c", contexts["c"])
+    drafter.release("c")
+    forwards = []
+    extend = drafter.runner.extend
+    monkeypatch.setattr(drafter.runner, "extend", lambda slots, feeds, **kw: (
+        forwards.append(sorted(len(f) for f in feeds)), extend(slots, feeds, **kw))[1])
+    cached = drafter.start_many([(name, contexts[name], None) for name in "abd"])
+    assert cached == [0, 0, 15]
+    assert sorted(forwards) == [[2], [11, 11]]  # a and b together; d reads its last 2 context tokens
+    together = drafter.propose([_request(name, contexts[name]) for name in "abd"])
+    for name, proposal in zip("abd", together):
+        fresh = _drafter(tiny_target.model)
+        fresh.start(name, contexts[name])
+        (alone,) = fresh.propose([_request(name, contexts[name])])
+        assert proposal.token_ids == alone.token_ids, name
+    full = _drafter(tiny_target.model)
+    full.start_many([(f"s{i}", contexts["a"], None) for i in range(3)])
+    with pytest.raises(Exception, match="kv_slots|slots"):
+        full.start_many([("x", contexts["a"], None), ("y", contexts["b"], None)])  # one slot left for two
+    assert full.runner.cache.free_slots == 1 and set(full._slots) == {"s0", "s1", "s2"}
+
+
 def _grammar(tiny_target, regex: str) -> GrammarState:
     compiler = GrammarCompiler(tiny_target.tokenizer, tiny_target.model.vocab_size, sorted(tiny_target.eos_token_ids))
     return GrammarState(compiler.compile(Constraint("regex", regex)))
