@@ -154,7 +154,7 @@ class DraftConfig(Placement):
     device: Device = "cpu"
     # int8: int8 weights and activations (CPU drafts in bf16 on AVX-512 VNNI or AVX2; cheaper drafts, the same output).
     # int4: 4-bit weights in groups of 32 and int8 activations (CPU drafts in bf16; fewer bytes a draft step).
-    # auto: int8 where the CPU has AVX-512 VNNI or AVX2 and the draft is a bf16 CPU model, else none (CUDA: none).
+    # auto, for a bf16 CPU draft: int8 on AVX-512 VNNI, int4 on AVX2 without AVX-512; else none (CUDA: none).
     quantization: Literal["none", "int8", "int4", "auto"] = "auto"
     num_speculative_tokens: Union[int, Literal["auto"]] = "auto"
     max_speculative_tokens: int = Field(8, ge=1, le=16)

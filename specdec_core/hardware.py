@@ -132,16 +132,19 @@ def resolve_threads(setting: int | str, cores: int, share: int = 1) -> int:
 
 def resolve_draft_quantization(setting: str, *, device: str, dtype: str, cpu_flags: Iterable[str],
                                kernels_enabled: bool = True) -> str:
-    """The draft's quantization: `none` or `int8` as given; `auto`: int8 where it can run (a bfloat16 draft on the
-    CPU, a CPU whose kernels have the int8 kernel: AVX-512 VNNI, or AVX2 without AVX-512; the CPU kernels not
-    switched off), else none (CUDA and other devices too).
-    int8 changes only the drafts, so only the acceptance rate: the output stays the target's."""
+    """The draft's quantization: `none`, `int8` or `int4` as given; `auto`, for a bfloat16 draft on the CPU kernels
+    (not switched off): int8 on AVX-512 with VNNI, int4 on AVX2 without AVX-512, else none (CUDA and other devices
+    too). On AVX2 the int8 kernel multiplies bytes without VNNI, and a draft step reading 4-bit weights measured
+    faster than int8's (docs/benchmarks.md); int4 is unmeasured on AVX-512.
+    Either changes only the drafts, so only the acceptance rate: the output stays the target's."""
     if setting not in DRAFT_QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {DRAFT_QUANTIZATIONS}, got {setting!r}")
     if setting != AUTO:
         return setting
-    runs = device == "cpu" and dtype == "bfloat16" and kernels_enabled and int8_kernel_runs(cpu_flags)
-    return "int8" if runs else "none"
+    flags = frozenset(cpu_flags)
+    if device != "cpu" or dtype != "bfloat16" or not kernels_enabled or not int8_kernel_runs(flags):
+        return "none"
+    return "int8" if AVX512_FLAGS <= flags else "int4"
 
 
 def use_threads(setting: int | str, share: int = 1) -> tuple[int, int]:

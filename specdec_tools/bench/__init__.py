@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                          help="transformers' prompt lookup length (with --compare-hf --ngram or --suffix)")
     offline.add_argument("--draft-quantization", choices=["none", "int8", "int4", "auto"], default="auto",
                          help="int8 weights and activations for the draft (CPU with AVX-512 VNNI or AVX2): "
-                              "cheaper drafts, same output; auto (default): int8 where the CPU runs it, else none")
+                              "cheaper drafts, same output; int4: 4-bit weights; auto (default): int8 on AVX-512 VNNI, "
+                              "int4 on AVX2, else none")
     offline.add_argument("--json", required=True, type=Path, help="where to write the report")
     offline.set_defaults(func=_offline)
     loadgen.register(modes)

@@ -23,7 +23,7 @@ from specdec_core.config import SamplingParams, parse_num_speculative_tokens
 from specdec_core.drafters import registry
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
-from specdec_core.kernels.cpu import Int8CPULinear, kernel_info, kernel_path, rows_batch_invariant
+from specdec_core.kernels.cpu import Int4CPULinear, Int8CPULinear, kernel_info, kernel_path, rows_batch_invariant
 from specdec_core.models.loader import LoadedModel
 from specdec_core.runner import RunnerConfig
 from specdec_tools.requests import read_prompt_texts
@@ -47,7 +47,7 @@ class OfflineBenchConfig:
     compare_hf: bool = False
     prompt_lookup_num_tokens: int = 10
     max_seq_len: int = 4096
-    draft_quantization: str = "auto"  # none, int8, int4, or auto: int8 where the CPU runs it (`specdec_core.hardware`)
+    draft_quantization: str = "auto"  # none, int8, int4, or auto: what this CPU runs best (`specdec_core.hardware`)
 
 
 @dataclass
@@ -181,10 +181,15 @@ def kernel_report(target: LoadedModel, draft: LoadedModel | None) -> dict[str, A
     return {
         "target_kernels": kernel_path(target.model),
         "draft_kernels": None if draft is None else kernel_path(draft.model),
-        "draft_quantization_used": None if draft is None else (
-            "int8" if any(isinstance(m, Int8CPULinear) for m in draft.model.modules()) else "none"),
+        "draft_quantization_used": None if draft is None else _quantization_used(draft.model),
         "rows_batch_invariant": rows_batch_invariant(target.model),
     }
+
+
+def _quantization_used(model: torch.nn.Module) -> str:
+    """Which quantized layers the draft runs: int8, int4, or none (a layer the kernels cannot take stays bf16)."""
+    kinds = {type(m) for m in model.modules()}
+    return "int8" if Int8CPULinear in kinds else "int4" if Int4CPULinear in kinds else "none"
 
 
 def machine_info() -> dict[str, Any]:

@@ -18,8 +18,8 @@ def add_run_options(parser: argparse.ArgumentParser, seed_help: str) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--draft-quantization", choices=["none", "int8", "int4", "auto"], default="auto",
                         help="int8 weights and activations for the draft (CPU with AVX-512 VNNI or AVX2); int4: "
-                             "4-bit weights in groups of 32; auto (default, as the service): int8 where the CPU runs "
-                             "it, else none")
+                             "4-bit weights in groups of 32; auto (default, as the service): int8 on AVX-512 VNNI, "
+                             "int4 on AVX2, else none")
     parser.add_argument("--num-speculative-tokens", default="auto", help="k, or auto")
     parser.add_argument("--max-seq-len", type=positive(int), default=4096,
                         help="tokens per sequence (prompt and output) each engine holds")

@@ -55,7 +55,7 @@ class StructuredBenchConfig:
     seed: int = 0
     dtype: str = "bfloat16"
     device: str = "cpu"
-    draft_quantization: str = "auto"  # none, int8, int4, or auto: int8 where the CPU runs it (`specdec_core.hardware`)
+    draft_quantization: str = "auto"  # none, int8, int4, or auto: what this CPU runs best (`specdec_core.hardware`)
     num_speculative_tokens: int | str = "auto"
     max_seq_len: int = 4096
     progress: bool = True

@@ -113,16 +113,17 @@ NO_VNNI = {"fpu", "avx2", "avx512f", "avx512bw"}
     [
         ("auto", "cpu", "bfloat16", VNNI, True, "int8"),
         ("auto", "cpu", "bfloat16", NO_VNNI, True, "none"),
-        ("auto", "cpu", "bfloat16", {"avx2", "fma"}, True, "int8"),  # AVX2's kernels multiply bytes without VNNI
+        ("auto", "cpu", "bfloat16", {"avx2", "fma"}, True, "int4"),  # AVX2's int8 multiplies bytes without VNNI
         ("auto", "cpu", "bfloat16", {"avx2"}, True, "none"),  # no FMA: no kernels
         ("auto", "cpu", "bfloat16", VNNI, False, "none"),  # SPECDEC_DISABLE_CPU_KERNELS
         ("auto", "cpu", "float32", VNNI, True, "none"),  # the int8 kernel takes bf16 drafts
         ("auto", "cuda", "bfloat16", VNNI, True, "none"),
         ("none", "cpu", "bfloat16", VNNI, True, "none"),
         ("int8", "cpu", "bfloat16", NO_VNNI, True, "int8"),  # as asked (the build warns it cannot)
+        ("int4", "cpu", "bfloat16", VNNI, True, "int4"),
     ],
 )
-def test_draft_quantization_auto_is_int8_where_the_cpu_runs_it(setting, device, dtype, flags, kernels, chosen):
+def test_draft_quantization_auto_is_what_the_cpu_runs_best(setting, device, dtype, flags, kernels, chosen):
     got = resolve_draft_quantization(setting, device=device, dtype=dtype, cpu_flags=flags, kernels_enabled=kernels)
     assert got == chosen
 
