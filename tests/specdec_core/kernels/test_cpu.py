@@ -391,7 +391,11 @@ def test_the_kernel_path_is_named_and_batch_invariant_only_on_the_kernels(bf16_p
     assert cpu.kernel_path(plain.model).startswith("torch fallback (")  # loaded, never given the kernels
     assert not cpu.rows_batch_invariant(plain.model)
     if cpu.load_library().specdec_has_int8():
+        # auto: int8 on AVX-512 (with VNNI: the int8 kernel needs it there), 4-bit weights on AVX2
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="auto")
+        chosen = "int8 VNNI" if lib.specdec_has_avx512() else "int4 AVX2"
+        assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {chosen}"
+        draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int8")
         int8 = "int8 VNNI" if lib.specdec_has_vnni() else "int8 AVX2"
         assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {int8}"
     draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int4")
