@@ -177,7 +177,7 @@ class ReplicaPool:
 
     def likely_cached(self, token_ids: Sequence[int], salt: str | None = None) -> int:
         """The longest prefix of `token_ids` that a usable replica likely holds in its prefix cache, by what was
-        placed where (`affinity`: prompts only, so a conversation's last answer is not counted)."""
+        placed where and what ended sessions left there (`affinity`; the worker may have evicted it since)."""
         with self._lock:
             return max((self.affinity.match(r.address, salt, token_ids) for r in self._replicas.values() if r.usable),
                        default=0)

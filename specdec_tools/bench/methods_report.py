@@ -30,10 +30,6 @@ class MethodRounds:
     accepted: int = 0
     seconds: float = 0.0  # their wall time, drafting and verifying
 
-    def plus(self, tokens: int, proposed: int, accepted: int, seconds: float) -> "MethodRounds":
-        return MethodRounds(self.rounds + 1, self.tokens + tokens, self.proposed + proposed,
-                            self.accepted + accepted, self.seconds + seconds)
-
     def __add__(self, other: "MethodRounds") -> "MethodRounds":
         return MethodRounds(self.rounds + other.rounds, self.tokens + other.tokens, self.proposed + other.proposed,
                             self.accepted + other.accepted, self.seconds + other.seconds)

@@ -44,8 +44,8 @@ def run_request(engine: SpecEngine, request_id: str, prompt: list[int], params: 
             text.append(out.new_text)
             if (info := out.round) is not None:
                 name = info.method or NO_DRAFT
-                by_method[name] = by_method.get(name, MethodRounds()).plus(
-                    len(out.new_token_ids), len(info.proposed_token_ids), info.num_accepted, info.seconds)
+                by_method[name] = by_method.get(name, MethodRounds()) + MethodRounds(
+                    1, len(out.new_token_ids), len(info.proposed_token_ids), info.num_accepted, info.seconds)
             if first is None:
                 first = time.perf_counter()
             last = out
