@@ -44,6 +44,12 @@ def cpu_kernels_disabled() -> bool:
     return bool(os.environ.get("SPECDEC_DISABLE_CPU_KERNELS"))
 
 
+def draft_int8_rows_disabled() -> bool:
+    """`SPECDEC_DISABLE_INT8_ROWS`: a 4-bit draft runs calls of several rows on its own kernel too, not fbgemm's
+    int8 GEMM (`kernels/fbgemm_rows.py`): the two side by side in benchmarks, or a way around a faulty fbgemm."""
+    return bool(os.environ.get("SPECDEC_DISABLE_INT8_ROWS"))
+
+
 def c_compiler() -> str:
     """`$CC`, else `cc`: compiles the CPU kernels."""
     return os.environ.get("CC", "cc")

@@ -28,7 +28,7 @@ from torch import nn
 
 from specdec_core import environment
 from specdec_core.hardware import AVX2_FLAGS, AVX512_FLAGS
-from specdec_core.kernels import library
+from specdec_core.kernels import fbgemm_rows, library
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdec_rope_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.specdec_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.specdec_exp_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64]
-    for fn in ("specdec_rms_norm_bf16", "specdec_rope_bf16", "specdec_silu_mul_bf16", "specdec_exp_f32"):
+    lib.specdec_rows_span.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    lib.specdec_rows_finish.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+    for fn in ("specdec_rms_norm_bf16", "specdec_rope_bf16", "specdec_silu_mul_bf16", "specdec_exp_f32",
+               "specdec_rows_span", "specdec_rows_finish"):
         getattr(lib, fn).restype = None
     for fn in ("specdec_block_rows", "specdec_k_multiple", "specdec_has_vnni", "specdec_has_int8",
                "specdec_int4_k_multiple",
@@ -186,8 +189,10 @@ class Int4CPULinear(nn.Module):
     """A linear layer with 4-bit weights and int8 activations for *draft* models on the CPU (`gemm_int4.c`).
 
     Weights: symmetric in groups of 32 along k, w ~= scale[n, g] * q[n, k], q in [-7, 7]; packed two to a byte
-    (`gemm_int4.c`'s layout). Activations are quantized per row on each call. Only ever used for
-    drafting, where precision moves the acceptance rate, not the output.
+    (`gemm_int4.c`'s layout). Activations are quantized per row on each call. A call of many rows (reading a
+    context, several sequences' steps) runs int8 weights through fbgemm instead where torch has it
+    (`fbgemm_rows.py`: bound by multiply-adds, not bytes, such a call ran up to 1.8x faster there). Only ever
+    used for drafting, where precision moves the acceptance rate, not the output.
     """
 
     def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
@@ -200,9 +205,23 @@ class Int4CPULinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._lib = lib
         self._call = _KernelCall(lib.specdec_gemm_w4a8, (self.qweight, self.scale), self.bias)
+        self._rows = fbgemm_rows.Int8Rows(linear, lib) if fbgemm_rows.available() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] bf16 -> [..., N] bf16
-        return self._call(x.to(torch.bfloat16), self.out_features)  # a no-op for bf16 x
+        x = x.to(torch.bfloat16)  # a no-op for bf16 x
+        if self._rows is not None and x.numel() >= fbgemm_rows.FROM_ROWS * x.shape[-1]:
+            return self._rows(x)
+        return self.kernel(x)
+
+    @property
+    def int8_rows(self) -> bool:
+        """Whether calls of `fbgemm_rows.FROM_ROWS` rows or more run on fbgemm (then a row's result depends on how
+        many rows share its call)."""
+        return self._rows is not None
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] bf16 -> [..., N] bf16
+        """The 4-bit kernel, whatever the number of rows (`forward` gives it calls of few rows)."""
+        return self._call(x, self.out_features)
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> ([N, K] int8, [N, K/G] fp32)
@@ -469,25 +488,28 @@ def cpu_flags() -> frozenset[str]:
 
 
 def rows_batch_invariant(model: nn.Module) -> bool:
-    """Whether every linear layer and the attention of `model` run on the CPU kernels (bf16, int8 or int4), which
-    compute each row the same way whatever else is in the call: then a verify of k + 1 rows gives each row the logits a
-    one-row decode gives, bit for bit, and greedy speculation reproduces plain decoding exactly. torch's own paths
-    promise no such thing (their matmul and attention pick kernels by shape). Of this process's model only: split
-    over more than two tensor-parallel ranks, the all-reduce's order of summation depends on the rows too."""
+    """Whether every linear layer and the attention of `model` run on the CPU kernels (bf16, int8, or int4 without
+    fbgemm's calls of many rows), which compute each row the same way whatever else is in the call: then a verify
+    of k + 1 rows gives each row the logits a one-row decode gives, bit for bit, and greedy speculation reproduces
+    plain decoding exactly. torch's own paths promise no such thing (their matmul and attention pick kernels by
+    shape). Of this process's model only: split over more than two tensor-parallel ranks, the all-reduce's order of
+    summation depends on the rows too."""
     kernel_linears = (FastCPULinear, Int8CPULinear, Int4CPULinear)
     has_torch_linear = any(type(m) is nn.Linear for m in model.modules())
+    splits_rows = any(isinstance(m, Int4CPULinear) and m.int8_rows for m in model.modules())
     return (
         isinstance(getattr(model, "attention", None), CPUAttention)
         and not has_torch_linear
+        and not splits_rows
         and any(isinstance(m, kernel_linears) for m in model.modules())
     )
 
 
 def kernel_path(model: nn.Module) -> str:
     """What runs `model`'s forward, in a few words: the CPU kernels in use ("bf16 AVX-512 (native bf16)", "bf16
-    AVX2 (fp32 widening)", "int8 VNNI", "int4 AVX2"), or "torch fallback (why)"."""
+    AVX2 (fp32 widening)", "int8 VNNI", "int4 AVX2 (int8 fbgemm from 5 rows)"), or "torch fallback (why)"."""
     int8 = any(isinstance(m, Int8CPULinear) for m in model.modules())
-    int4 = any(isinstance(m, Int4CPULinear) for m in model.modules())
+    int4 = [m for m in model.modules() if isinstance(m, Int4CPULinear)]
     bf16 = any(isinstance(m, FastCPULinear) for m in model.modules())
     attention = isinstance(getattr(model, "attention", None), CPUAttention)
     if not (int8 or int4 or bf16 or attention):
@@ -498,8 +520,9 @@ def kernel_path(model: nn.Module) -> str:
     parts = [f"bf16 {isa} ({'native bf16' if native else 'fp32 widening'})"] if bf16 or attention else []
     if int8:
         parts.append("int8 VNNI" if lib is not None and lib.specdec_has_vnni() else f"int8 {isa}")
-    if int4:
-        parts.append("int4 AVX2")  # written with AVX2 instructions whatever the build
+    if int4:  # written with AVX2 instructions whatever the build
+        rows = f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if any(m.int8_rows for m in int4) else ""
+        parts.append(f"int4 AVX2{rows}")
     if any(type(m) is nn.Linear for m in model.modules()):
         parts.append("some linear layers on torch")
     if not attention:

@@ -87,3 +87,32 @@ void specdec_exp_f32(const float *x, float *out, int64_t n) {
         for (int64_t j = 0; j < VEC && i + j < n; j++) out[i + j] = res[j];
     }
 }
+
+/*
+ * The two ends of an int8 GEMM call of several rows through fbgemm (`fbgemm_rows.py`), one pass each instead of
+ * several torch ops. span: each bf16 row of x [rows, dim] divided by its largest magnitude (1 for a zero row),
+ * followed by +1 and -1, into out [rows, dim + 2] fp32; the divisors into peak [rows]. finish: y [rows, n] fp32
+ * times its row's peak, plus bias (bf16 [n] or NULL), rounded into out [rows, n] bf16.
+ */
+void specdec_rows_span(const uint16_t *x, float *out, float *peak, int64_t rows, int64_t dim) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * dim;
+        float *o = out + r * (dim + 2);
+        float top = 0.0f;
+        for (int64_t i = 0; i < dim; i++) top = fmaxf(top, fabsf(bf16_to_float(xr[i])));
+        peak[r] = top > 0.0f ? top : 1.0f;
+        for (int64_t i = 0; i < dim; i++) o[i] = bf16_to_float(xr[i]) / peak[r];
+        o[dim] = 1.0f;
+        o[dim + 1] = -1.0f;
+    }
+}
+
+void specdec_rows_finish(const float *y, const float *peak, const uint16_t *bias, uint16_t *out, int64_t rows,
+                         int64_t n) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < n; j++) {
+            float v = y[r * n + j] * peak[r];
+            if (bias) v += bf16_to_float(bias[j]);
+            out[r * n + j] = float_to_bf16(v);
+        }
+}

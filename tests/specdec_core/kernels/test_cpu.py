@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec_core.build import prepare_model
-from specdec_core.kernels import cpu
+from specdec_core.kernels import cpu, fbgemm_rows
 from specdec_core.models.loader import load_model
 from specdec_core.models.transformer import MLP, RMSNorm, TorchAttention
 from specdec_core.runner import ModelRunner, RunnerConfig
@@ -109,11 +109,55 @@ def test_int4_linear_computes_its_group_sums(rows):
     xq = torch.round(xf / sx.unsqueeze(1)).double()  # [M, K]
     groups = (xq.view(rows, 1, 6, 32) * q.double().view(1, 56, 6, 32)).sum(-1)  # [M, N, K/32] integer sums
     want = (groups * scale.double()).sum(-1) * sx.double().unsqueeze(1) + linear.bias.double()  # [M, N]
-    got = layer(x).double()
+    got = layer.kernel(x).double()
     spacing = want.abs().clamp_min(1e-3) * 2.0**-7  # a bf16 step at the value
     assert ((got - want).abs() <= spacing).all()
+    batched = layer.kernel(x)
+    assert all(torch.equal(layer.kernel(x[i : i + 1]), batched[i : i + 1]) for i in range(rows))
+    assert torch.equal(layer(x[:1]), batched[:1])  # a row alone takes the 4-bit kernel
+
+
+needs_fbgemm = pytest.mark.skipif(not fbgemm_rows.available(), reason="this torch has no x86 int8 GEMM (fbgemm)")
+
+
+@needs_fbgemm
+def test_int4_layers_run_several_rows_as_int8_rows_each_independent_of_the_batch():
+    """Calls of FROM_ROWS rows or more go to fbgemm's int8 GEMM, fewer to the 4-bit kernel. Each row is pinned to
+    the range [-1, 1] first, so fbgemm's one quantization per call is the same for every batch: a row gets the same
+    bits in any call fbgemm runs. Rows of very different magnitudes each keep their own precision (one scale for
+    the call would flatten the small row to a few levels)."""
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(192, 56, bias=False).to(torch.bfloat16)
+    layer = cpu.Int4CPULinear(linear, cpu.load_library())
+    x = torch.randn(13, 192)
+    x[4] *= 1e-3
+    x[9] *= 50.0
+    x = x.to(torch.bfloat16)
     batched = layer(x)
-    assert all(torch.equal(layer(x[i : i + 1]), batched[i : i + 1]) for i in range(rows))
+    assert not torch.equal(batched, layer.kernel(x))  # not the 4-bit kernel
+    few = fbgemm_rows.FROM_ROWS - 1
+    assert torch.equal(layer(x[:few]), layer.kernel(x[:few]))
+    for i in range(13 - fbgemm_rows.FROM_ROWS):
+        assert torch.equal(layer(x[i : i + fbgemm_rows.FROM_ROWS])[0], batched[i])
+    assert torch.equal(layer(x[3:11]), batched[3:11])
+    want = torch.nn.functional.linear(x.float(), linear.weight.float())  # [13, N]
+    for i in range(13):  # each row within int8's error of its own exact value, the small one included
+        row_error = (batched[i].float() - want[i]).norm() / want[i].norm()
+        assert row_error < 3e-2, (i, row_error)
+
+
+@needs_fbgemm
+def test_int8_rows_keep_a_zero_row_the_bias_and_the_leading_dimensions():
+    torch.manual_seed(4)
+    linear = torch.nn.Linear(128, 40, bias=True).to(torch.bfloat16)
+    rows = fbgemm_rows.Int8Rows(linear, cpu.load_library())
+    x = torch.randn(2, 3, 128).to(torch.bfloat16)
+    x[1, 2] = 0.0
+    y = rows(x)
+    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16
+    assert torch.equal(y[1, 2], linear.bias.detach())  # a zero row: the bias alone
+    want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+    _close(y[0], want[0], 3e-2)
 
 
 _FP32_PATH_CHECK = """
@@ -393,10 +437,13 @@ def test_the_kernel_path_is_named_and_batch_invariant_only_on_the_kernels(bf16_p
     if cpu.load_library().specdec_has_int8():
         # auto: int8 on AVX-512 (with VNNI: the int8 kernel needs it there), 4-bit weights on AVX2
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="auto")
-        chosen = "int8 VNNI" if lib.specdec_has_avx512() else "int4 AVX2"
+        int4 = "int4 AVX2" + (f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if fbgemm_rows.available() else "")
+        chosen = "int8 VNNI" if lib.specdec_has_avx512() else int4
         assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {chosen}"
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int8")
         int8 = "int8 VNNI" if lib.specdec_has_vnni() else "int8 AVX2"
         assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {int8}"
     draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int4")
-    assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + int4 AVX2"
+    rows = f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if fbgemm_rows.available() else ""
+    assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + int4 AVX2{rows}"
+    assert cpu.rows_batch_invariant(draft.model) is not fbgemm_rows.available()
