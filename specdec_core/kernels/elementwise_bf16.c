@@ -89,7 +89,7 @@ void specdec_exp_f32(const float *x, float *out, int64_t n) {
 }
 
 /*
- * The two ends of an int8 GEMM call of several rows through fbgemm (`fbgemm_rows.py`), one pass each instead of
+ * The two ends of an int8 GEMM call of many rows through fbgemm (`fbgemm_rows.py`), one pass each instead of
  * several torch ops. span: each bf16 row of x [rows, dim] divided by its largest magnitude (1 for a zero row),
  * followed by +1 and -1, into out [rows, dim + 2] fp32; the divisors into peak [rows]. finish: y [rows, n] fp32
  * times its row's peak, plus bias (bf16 [n] or NULL), rounded into out [rows, n] bf16.

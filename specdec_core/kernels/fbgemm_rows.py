@@ -4,9 +4,8 @@ Why: a draft step of one token reads every weight once, and there the 4-bit kern
 it reads the fewest bytes. A call of many rows is bound by the multiply-adds instead, and there the 4-bit kernel,
 which unpacks and re-signs each weight for every row, lost to fbgemm's packed int8 GEMM by up to 1.8x on a
 2-core AVX2 CPU (a 0.5B draft's forward of 9 tokens: 96-103 ms against 65-66; 17 tokens: 180-186 against 103;
-`FROM_ROWS`).
-Many rows are what a draft reads when it starts a sequence (the context its prefix cache lacks), when it
-catches up on the tokens a suffix proposal committed, and when several sequences draft at once.
+`FROM_ROWS`). Many rows are what a draft reads when it starts a sequence (the context its prefix cache lacks),
+when it catches up on the tokens a suffix proposal committed, and when several sequences draft at once.
 
 Each row is independent of the others in its call: fbgemm quantizes its whole input with one scale and zero point,
 so each row is first divided by its largest magnitude and given two extra entries, +1 and -1 (against weight
