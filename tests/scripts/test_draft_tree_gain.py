@@ -3,32 +3,18 @@ costs, Sequoia's tree of the most frequent paths, and the oracle's dynamic progr
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).parents[2] / "scripts"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there; the scripts import each other by name
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import scripts_loaded
 
 
 @pytest.fixture(scope="module")
 def scripts():
-    names = ("tree_verify_gain", "draft_tree_gain", "hybrid_ceiling")
-    modules = [_load(n) for n in names]
-    yield modules[1], modules[2]
-    for n in names:
-        sys.modules.pop(n, None)
+    with scripts_loaded("tree_verify_gain", "draft_tree_gain", "hybrid_ceiling") as modules:
+        yield modules[1], modules[2]
 
 
 def test_a_tree_accepts_the_longest_prefix_of_the_ranks_it_holds(scripts):

@@ -3,30 +3,15 @@ costs against rounds counted by hand."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPTS = Path(__file__).parents[2] / "scripts"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there; the scripts import each other by name
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import scripts_loaded
 
 
 @pytest.fixture(scope="module")
 def replay():
-    names = ("tree_verify_gain", "draft_tree_gain", "hybrid_ceiling", "hybrid_replay")
-    modules = [_load(n) for n in names]
-    yield modules[-1]
-    for n in names:
-        sys.modules.pop(n, None)
+    with scripts_loaded("tree_verify_gain", "draft_tree_gain", "hybrid_ceiling", "hybrid_replay") as modules:
+        yield modules[-1]
 
 
 def test_cost_curve_interpolates_and_extends_the_last_segment(replay):
