@@ -42,7 +42,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -88,6 +88,10 @@ class Tally:
         self.tokens, self.ms, self.rounds = self.tokens + tokens, self.ms + ms, self.rounds + 1
         self.suffix_rounds += suffix
         return tokens
+
+    def speedup(self, plain_ms: float) -> float:
+        """Decode speed over plain decoding's, which takes `plain_ms` a token."""
+        return round(plain_ms * self.tokens / self.ms, 3)
 
 
 def teacher_forced(requests: Sequence[replayed.Replayed], quantization: str) -> list[Drafts]:
@@ -173,7 +177,7 @@ def speedups(drafts: Sequence[Drafts], offers: Sequence[list[list[int]]], costs:
     out = {}
     for name, (limit, cumulative, suffix) in RULES.items():
         t = replay(drafts, offers, costs, limit, cumulative, suffix)
-        out[name] = {"decode_speedup": round(plain_ms / (t.ms / t.tokens), 3), "ms_per_token": round(t.ms / t.tokens, 1),
+        out[name] = {"decode_speedup": t.speedup(plain_ms), "ms_per_token": round(t.ms / t.tokens, 1),
                      "tokens_per_round": round(t.tokens / t.rounds, 2), "rounds": t.rounds,
                      "suffix_rounds": t.suffix_rounds}
     return out
@@ -183,16 +187,15 @@ def sensitivity(drafts: Sequence[Drafts], offers: Sequence[list[list[int]]], cos
                 rule: str) -> dict[str, dict[str, float]]:
     """`rule`'s speedup with every draft forward scaled, and with a verify's cost beyond one token scaled."""
     limit, cumulative, suffix = RULES[rule]
+    one = costs.verify(1)
     out: dict[str, dict[str, float]] = {"draft_forward": {}, "verify_beyond_one_token": {}}
     for factor in (1.0, 0.8, 0.6, 0.4):
-        scaled = Costs(costs.verify, lambda w, f=factor: f * costs.draft(w), costs.round_ms, costs.plain_round_ms)
-        t = replay(drafts, offers, scaled, limit, cumulative, suffix)
-        out["draft_forward"][f"{factor:g}"] = round(plain_ms / (t.ms / t.tokens), 3)
-        one = costs.verify(1)
-        scaled = Costs(lambda w, f=factor: one + f * (costs.verify(w) - one), costs.draft, costs.round_ms,
-                       costs.plain_round_ms)
-        t = replay(drafts, offers, scaled, limit, cumulative, suffix)
-        out["verify_beyond_one_token"][f"{factor:g}"] = round(plain_ms / (t.ms / t.tokens), 3)
+        variants = {
+            "draft_forward": replace(costs, draft=lambda w, f=factor: f * costs.draft(w)),
+            "verify_beyond_one_token": replace(costs, verify=lambda w, f=factor: one + f * (costs.verify(w) - one)),
+        }
+        for what, scaled in variants.items():
+            out[what][f"{factor:g}"] = replay(drafts, offers, scaled, limit, cumulative, suffix).speedup(plain_ms)
     return out
 
 
