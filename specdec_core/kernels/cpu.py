@@ -28,7 +28,7 @@ from torch import nn
 
 from specdec_core import environment
 from specdec_core.hardware import AVX2_FLAGS, AVX512_FLAGS
-from specdec_core.kernels import fbgemm_rows, library
+from specdec_core.kernels import fbgemm_rows, layers_int4, library
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ _INT4_K_MULTIPLE = 64  # in_features: two groups a step
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("gemm.c", "gemm_int8.c", "gemm_int4.c", "attention_bf16.c", "elementwise_bf16.c")
+    for name in ("gemm.c", "gemm_int8.c", "gemm_int4.c", "attention_bf16.c", "elementwise_bf16.c", "layers_int4.c")
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "int8_rows.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -101,7 +101,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdec_gemm_w8a8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.specdec_gemm_w4a8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.specdec_attention_bf16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-    for fn in ("specdec_gemm_bf16", "specdec_gemm_w8a8", "specdec_gemm_w4a8", "specdec_attention_bf16"):
+    layers_int4.declare(lib)
+    for fn in ("specdec_gemm_bf16", "specdec_gemm_w8a8", "specdec_gemm_w4a8", "specdec_attention_bf16",
+               "specdec_layers_w4"):
         getattr(lib, fn).restype = ctypes.c_int
         getattr(lib, fn).errcheck = _check_status
     lib.specdec_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
@@ -282,11 +284,33 @@ def quantize_draft_int8(model: nn.Module) -> int:
 
 
 def quantize_draft_int4(model: nn.Module) -> int:
-    """Replace the linear layers of a bf16 CPU *draft* model by 4-bit ones; return how many (0 without kernels)."""
+    """Replace the linear layers of a bf16 CPU *draft* model by 4-bit ones; return how many (0 without kernels).
+    Where every decoder layer then runs on the kernels, its steps of a few rows run them in one call
+    (`layers_int4.py`)."""
     lib = load_library()
     if lib is None:
         return 0
-    return _quantize_linears(model, lambda linear: Int4CPULinear(linear, lib), lib, _INT4_K_MULTIPLE)
+    swapped = _quantize_linears(model, lambda linear: Int4CPULinear(linear, lib), lib, _INT4_K_MULTIPLE)
+    if _runs_layers_int4(model):
+        model.run_layers = layers_int4.Int4Layers(model, lib, model.attention, model.run_layers)
+    return swapped
+
+
+def _runs_layers_int4(model: nn.Module) -> bool:
+    """Whether every decoder layer is what `layers_int4.c` computes: the CPU norms and attention, q/k/v and
+    gate/up fused, every linear 4-bit (all with fbgemm rows or none)."""
+    from specdec_core.models.transformer import DecoderLayer, run_in_turn
+
+    if not isinstance(getattr(model, "attention", None), CPUAttention) or model.run_layers is not run_in_turn:
+        return False
+    linears = []
+    for layer in model.layers:
+        if not (type(layer) is DecoderLayer and type(layer.input_layernorm) is FastRMSNorm
+                and type(layer.post_attention_layernorm) is FastRMSNorm and type(layer.self_attn) is FusedAttention
+                and type(layer.mlp) is FastMLP):
+            return False
+        linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    return all(type(m) is Int4CPULinear for m in linears) and len({m.int8_rows for m in linears}) == 1
 
 
 def _quantize_linears(model: nn.Module, make, lib: ctypes.CDLL, k_multiple: int) -> int:
@@ -316,10 +340,10 @@ class CPUAttention:
 
     def __init__(self, lib: ctypes.CDLL, inv_freq: torch.Tensor) -> None:
         self._lib = lib
-        self._inv_freq = inv_freq.float().contiguous()  # [hd/2]
+        self.inv_freq = inv_freq.float().contiguous()  # [hd/2]
         self._forward: tuple[object, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def _rows(self, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rows(self, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Positions [B*T], slots [B] and first positions [B] as the kernels read them (int64, contiguous):
         converted once per forward (`ctx` is the forward's), not once per layer."""
         if self._forward is None or self._forward[0] is not ctx:
@@ -330,10 +354,10 @@ class CPUAttention:
         return self._forward[1:]
 
     def __call__(self, q, k, v, ctx, layer: int) -> torch.Tensor:  # q [B, T, H, hd] -> [B, T, H, hd]
-        positions, slots, starts = self._rows(ctx)
+        positions, slots, starts = self.rows(ctx)
         for x in (q, k):  # rotated in place: both are fresh outputs of the projections
             self._lib.specdec_rope_bf16(
-                x.data_ptr(), positions.data_ptr(), self._inv_freq.data_ptr(), positions.numel(), x.shape[2], x.shape[3]
+                x.data_ptr(), positions.data_ptr(), self.inv_freq.data_ptr(), positions.numel(), x.shape[2], x.shape[3]
             )
         ctx.cache.write(layer, ctx.slots, ctx.positions, k, v, ctx.single)
         B, T, H, D = q.shape

@@ -164,6 +164,12 @@ class ForwardContext:
     attention: Any  # the attention backend: (q, k, v, ctx, layer) -> output; writes the cache
 
 
+def run_in_turn(layers: nn.ModuleList, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [B, T, D]
+    for layer in layers:
+        x = layer(x, ctx)
+    return x
+
+
 class Transformer(nn.Module):
     """Llama-family decoder. Parameter names follow Hugging Face's so checkpoints load without renaming."""
 
@@ -177,8 +183,10 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-        # Swappable from outside (kernels.cpu): how a layer attends over the cache.
+        # Swappable from outside (kernels.cpu): how a layer attends over the cache, and how the layers run (one
+        # after the other, or all in one call where a kernel can: `kernels.layers_int4`).
         self.attention: Any = TorchAttention()
+        self.run_layers: Any = run_in_turn
 
     @property
     def vocab_size(self) -> int:
@@ -195,9 +203,7 @@ class Transformer(nn.Module):
         logit_index: torch.Tensor | None = None,  # [B, N] which of the T positions need logits; None = all
     ) -> torch.Tensor:  # [B, N, V] float32
         ctx = self._context(tokens, positions, cache, slots, num_keys, single)
-        x = self.embed_tokens(tokens)  # [B, T, D]
-        for layer in self.layers:
-            x = layer(x, ctx)
+        x = self.run_layers(self.layers, self.embed_tokens(tokens), ctx)  # [B, T, D]
         if logit_index is not None:
             x = x.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, N, D]
         return self.lm_head(self.norm(x)).float()  # [B, N, V]

@@ -1,0 +1,92 @@
+"""A 4-bit draft's decoder layers in one C call (`layers_int4.c`) for its steps of a few rows.
+
+Why: a draft step of the 0.5B demo draft on the 2-core AVX2 machine spent about 7 of its 30 ms dispatching its
+hundred kernel calls through torch modules and ctypes, not in them. `Int4Layers` replaces the model's loop over
+its layers (`Transformer.run_layers`) by one call that runs the same kernels in the same order, so the logits are
+bit for bit those of the module-by-module forward; calls the one-call path cannot take (rows that go to fbgemm,
+`fbgemm_rows.FROM_ROWS` and more) take the loop. Installed by `quantize_draft_int4` where every layer has the
+shape the C code knows (fused q/k/v and gate/up, 4-bit linears, the CPU norms and attention), else not at all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+from torch import nn
+
+from specdec_core.kernels import fbgemm_rows
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", Linear), ("o", Linear),
+                ("gate_up", Linear), ("down", Linear)]
+
+
+class Dims(ctypes.Structure):
+    _fields_ = [("D", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("hd", ctypes.c_int64),
+                ("I", ctypes.c_int64), ("capacity", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("inv_freq", ctypes.c_void_p)]
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """`specdec_layers_w4`'s signature: (layers, keys, values, L, dims, x, positions, slots, starts, B, T, threads)."""
+    lib.specdec_layers_w4.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 5 + \
+        [ctypes.c_int64] * 2 + [ctypes.c_int]
+
+
+def _linear(layer: Any) -> Linear:
+    bias = layer.bias
+    return Linear(layer.qweight.data_ptr(), layer.scale.data_ptr(), None if bias is None else bias.data_ptr())
+
+
+class Int4Layers:
+    """`Transformer.run_layers` for a 4-bit draft on the CPU kernels: (layers, x [B, T, D], ctx) -> [B, T, D]."""
+
+    def __init__(self, model: nn.Module, lib: ctypes.CDLL, attention: Any, fallback: Any) -> None:
+        self._lib, self._attention, self._fallback = lib, attention, fallback
+        args, layers = model.args, model.layers
+        self._layers = (Layer * len(layers))(*(self._layer(layer) for layer in layers))
+        self._inv_freq = attention.inv_freq  # [hd / 2] fp32, held: the C code reads it
+        self._shape = (args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size)
+        self._eps = float(layers[0].input_layernorm.eps)
+        self._held = list(model.buffers()) + list(model.parameters())  # what the pointers point into
+        # Rows that fbgemm would take (`Int4CPULinear.forward`) go through the loop: the same results, as the
+        # layers' own calls give them.
+        self._max_rows = fbgemm_rows.FROM_ROWS - 1 if layers[0].mlp.down_proj.int8_rows else None
+        self._cache: tuple[Any, Any, Any, Any] | None = None
+
+    @staticmethod
+    def _layer(layer: nn.Module) -> Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                     _linear(attn.qkv_proj), _linear(attn.o_proj), _linear(mlp.gate_up_proj), _linear(mlp.down_proj))
+
+    def _cache_pointers(self, cache: Any) -> tuple[Any, Any, Any]:
+        """The cache's per-layer key and value pointers and its dims, built once per cache."""
+        if self._cache is None or self._cache[0] is not cache:
+            L = len(self._layers)
+            keys = (ctypes.c_void_p * L)(*(k.data_ptr() for k in cache.keys))
+            values = (ctypes.c_void_p * L)(*(v.data_ptr() for v in cache.values))
+            D, H, Hkv, hd, I = self._shape
+            dims = Dims(D, H, Hkv, hd, I, cache.capacity, self._eps, hd**-0.5, self._inv_freq.data_ptr())
+            self._cache = (cache, keys, values, dims)
+        return self._cache[1:]
+
+    def __call__(self, layers: nn.ModuleList, x: torch.Tensor, ctx: Any) -> torch.Tensor:  # [B, T, D]
+        B, T, _ = x.shape
+        if ctx.attention is not self._attention or x.dtype != torch.bfloat16 or (
+                self._max_rows is not None and B * T > self._max_rows):
+            return self._fallback(layers, x, ctx)
+        positions, slots, starts = self._attention.rows(ctx)
+        keys, values, dims = self._cache_pointers(ctx.cache)
+        x = x.contiguous().clone()  # [B, T, D]: updated in place
+        self._lib.specdec_layers_w4(ctypes.addressof(self._layers), ctypes.addressof(keys), ctypes.addressof(values),
+                                    len(self._layers), ctypes.addressof(dims), x.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                                    starts.data_ptr(), B, T, torch.get_num_threads())
+        return x

@@ -1,0 +1,104 @@
+"""A 4-bit draft's layers in one C call: bit for bit the module-by-module forward, the cache written the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_core.build import prepare_model
+from specdec_core.kernels import cpu, fbgemm_rows, layers_int4
+from specdec_core.models.transformer import run_in_turn
+from specdec_core.runner import ModelRunner, RunnerConfig
+
+pytestmark = pytest.mark.skipif(cpu.load_library() is None,
+                                reason="CPU kernels need AVX-512 or AVX2 with FMA, and a C compiler")
+
+
+@pytest.fixture(scope="module")
+def int4_model(tiny_dir):
+    return prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int4").model
+
+
+class _Loop:
+    """The module-by-module forward, counting the calls it takes."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, layers, x, ctx):
+        self.calls += 1
+        return run_in_turn(layers, x, ctx)
+
+
+def _runner(model) -> ModelRunner:
+    return ModelRunner(model, RunnerConfig(num_slots=4, max_seq_len=256))
+
+
+def test_installed_only_where_every_layer_is_4_bit(tiny_dir, int4_model):
+    assert isinstance(int4_model.run_layers, layers_int4.Int4Layers)
+    for source, quantization in ((tiny_dir / "target", "none"), (tiny_dir / "draft", "int4")):
+        # the tiny draft's hidden size (32) is no multiple of the 4-bit kernel's 64: its layers stay bf16
+        model = prepare_model(source, dtype="bfloat16", quantization=quantization).model
+        assert model.run_layers is run_in_turn
+
+
+def test_steps_and_cache_are_those_of_the_layer_by_layer_forward(int4_model):
+    """Two slots fed the same tokens, one through each path, step by step at the widths drafts and verifies use:
+    every step's logits equal, and so is every key and value written."""
+    fused = int4_model.run_layers
+    runner = _runner(int4_model)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, int4_model.vocab_size, (60,), generator=gen).tolist()
+    a, b = runner.allocate(), runner.allocate()
+    at = 0
+    try:
+        for width in (3, 1, 1, 2, 4, 1, 3, 2, 1):
+            feed = tokens[at : at + width]
+            int4_model.run_layers = run_in_turn
+            want = runner.extend([a], [feed], all_logits=True)  # [1, width, V]
+            int4_model.run_layers = fused
+            got = runner.extend([b], [feed], all_logits=True)
+            assert torch.equal(got, want), width
+            at += width
+    finally:
+        int4_model.run_layers = fused
+    for keys, values in zip(runner.cache.keys, runner.cache.values):  # [slots, Hkv, capacity, hd]
+        assert torch.equal(keys[a, :, :at], keys[b, :, :at]) and torch.equal(values[a, :, :at], values[b, :, :at])
+        assert keys[a, :, :at].abs().sum() > 0
+
+
+def test_a_batch_of_rows_of_different_lengths_matches(int4_model):
+    fused = int4_model.run_layers
+    runner = _runner(int4_model)
+    prompts = [[5, 9, 14, 30, 2, 8], [7, 3], [11, 12, 13, 40, 41]]
+    slots = [runner.allocate() for _ in prompts]
+    for slot, prompt in zip(slots, prompts):
+        runner.extend([slot], [prompt])
+    feeds = [[21], [22, 23], [24]]  # padded to 2 a row: 6 rows, past FROM_ROWS where fbgemm takes them
+    lengths = [runner.length(s) for s in slots]
+    outs = []
+    for run_layers in (run_in_turn, fused):
+        int4_model.run_layers = run_layers
+        outs.append(runner.extend(slots[:2], feeds[:2], all_logits=True))  # 4 rows: one call
+        outs.append(runner.extend(slots, feeds, all_logits=True))
+        for slot, length in zip(slots, lengths):
+            runner.truncate(slot, length)
+    int4_model.run_layers = fused
+    assert torch.equal(outs[2], outs[0]) and torch.equal(outs[3], outs[1])
+
+
+def test_rows_that_fbgemm_takes_go_through_the_loop(int4_model):
+    if not int4_model.layers[0].mlp.down_proj.int8_rows:
+        pytest.skip("no fbgemm here: the one call takes every width")
+    fused = int4_model.run_layers
+    loop = _Loop()
+    int4_model.run_layers = layers_int4.Int4Layers(int4_model, cpu.load_library(), int4_model.attention, loop)
+    try:
+        runner = _runner(int4_model)
+        slot = runner.allocate()
+        runner.extend([slot], [list(range(1, fbgemm_rows.FROM_ROWS))])
+        assert loop.calls == 0
+        runner.extend([slot], [list(range(1, fbgemm_rows.FROM_ROWS + 1))])
+        assert loop.calls == 1
+    finally:
+        int4_model.run_layers = fused
