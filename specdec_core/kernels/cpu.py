@@ -99,7 +99,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     """The C signatures. The kernels that allocate scratch memory return a status, checked on every call."""
     lib.specdec_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.specdec_gemm_w8a8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.specdec_gemm_w4a8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.specdec_gemm_w4a8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.specdec_attention_bf16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
     layers_int4.declare(lib)
     for fn in ("specdec_gemm_bf16", "specdec_gemm_w8a8", "specdec_gemm_w4a8", "specdec_attention_bf16",
@@ -190,8 +190,8 @@ class Int8CPULinear(nn.Module):
 class Int4CPULinear(nn.Module):
     """A linear layer with 4-bit weights and int8 activations for *draft* models on the CPU (`gemm_int4.c`).
 
-    Weights: symmetric in groups of 32 along k, w ~= scale[n, g] * q[n, k], q in [-7, 7]; packed two to a byte
-    (`gemm_int4.c`'s layout). Activations are quantized per row on each call. A call of many rows (reading a
+    Weights: symmetric in groups of 32 along k, w ~= scale[n, g] * q[n, k], q in [-7, 7], fp16 scales; packed two
+    to a byte with the scales in the same stream (`gemm_int4.c`'s layout). Activations are quantized per row on each call. A call of many rows (reading a
     context, several sequences' steps) runs int8 weights through fbgemm instead where torch has it
     (`fbgemm_rows.py`: bound by multiply-adds, not bytes, such a call ran up to 1.8x faster there). Only ever
     used for drafting, where precision moves the acceptance rate, not the output.
@@ -201,12 +201,11 @@ class Int4CPULinear(nn.Module):
         super().__init__()
         _check_shape(linear, lib, _INT4_K_MULTIPLE)
         q, scale = quantize_int4(linear.weight.detach())
-        self.register_buffer("qweight", pack_int4(q))  # [N, K/2] uint8
-        self.register_buffer("scale", scale)  # [N, K/G] fp32
+        self.register_buffer("qweight", pack_int4(q, scale))  # [N, K/64 * 36] uint8
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._lib = lib
-        self._call = _KernelCall(lib.specdec_gemm_w4a8, (self.qweight, self.scale), self.bias)
+        self._call = _KernelCall(lib.specdec_gemm_w4a8, (self.qweight,), self.bias)
         self._rows = fbgemm_rows.Int8Rows(linear, lib) if fbgemm_rows.available() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] bf16 -> [..., N] bf16
@@ -226,22 +225,28 @@ class Int4CPULinear(nn.Module):
         return self._call(x, self.out_features)
 
 
-def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> ([N, K] int8, [N, K/G] fp32)
-    """Symmetric 4-bit quantization in groups of `_INT4_GROUP` along k: w ~= scale[n, g] * q[n, k], q in [-7, 7]."""
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> ([N, K] int8, [N, K/G] fp16)
+    """Symmetric 4-bit quantization in groups of `_INT4_GROUP` along k: w ~= scale[n, g] * q[n, k], q in [-7, 7],
+    each scale max|group| / 7 rounded to fp16 (q is rounded against the fp16 scale). A group too small for fp16
+    (a scale below its smallest value) or all zero gets q = 0."""
     N, K = w.shape
     groups = w.float().view(N, K // _INT4_GROUP, _INT4_GROUP)  # [N, K/G, G]
-    scale = groups.abs().amax(dim=-1) / 7.0  # [N, K/G]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group: any scale, q = 0
-    q = torch.round(groups / scale.unsqueeze(-1)).clamp(-7, 7).to(torch.int8)  # [N, K/G, G]
+    scale = (groups.abs().amax(dim=-1) / 7.0).clamp(max=torch.finfo(torch.float16).max).half()  # [N, K/G]
+    zero = scale == 0
+    scale = torch.where(zero, torch.ones_like(scale), scale)  # any scale: q = 0 there
+    q = torch.round(groups / scale.float().unsqueeze(-1)).clamp(-7, 7)  # [N, K/G, G]
+    q = torch.where(zero.unsqueeze(-1), torch.zeros_like(q), q).to(torch.int8)
     return q.view(N, K), scale.contiguous()
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:  # [N, K] int8 in [-7, 7] -> [N, K/2] uint8
-    """`gemm_int4.c`'s layout: in each pair of groups (64 weights), byte j holds q[j] + 8 in its low nibble and
-    q[32 + j] + 8 in its high one."""
+def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # [N, K] int8, [N, K/G] fp16 -> [N, K/64*36]
+    """`gemm_int4.c`'s layout: per pair of groups (64 weights) 36 bytes, the first 32 holding q[j] + 8 in byte j's
+    low nibble and q[32 + j] + 8 in its high one, then the two groups' fp16 scales."""
     N, K = q.shape
     u = (q.to(torch.int16) + 8).to(torch.uint8).view(N, K // 64, 2, 32)  # [N, K/64, 2, 32]
-    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
+    nibbles = u[:, :, 0] | (u[:, :, 1] << 4)  # [N, K/64, 32]
+    scales = scale.contiguous().view(torch.uint8).view(N, K // 64, 4)  # [N, K/64, 4]: two fp16, little-endian
+    return torch.cat([nibbles, scales], dim=-1).reshape(N, K // 64 * 36).contiguous()
 
 
 def _check_shape(linear: nn.Linear, lib: ctypes.CDLL, k_multiple: int) -> None:

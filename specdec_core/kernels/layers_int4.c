@@ -22,8 +22,8 @@
 
 #include "bf16.h"
 
-int specdec_gemm_w4a8(const uint16_t *x, const uint8_t *w4, const float *ws, const uint16_t *b, uint16_t *y,
-                      int64_t M, int64_t N, int64_t K, int nthreads);
+int specdec_gemm_w4a8(const uint16_t *x, const uint8_t *w4, const uint16_t *b, uint16_t *y, int64_t M, int64_t N,
+                      int64_t K, int nthreads);
 int specdec_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *slots,
                            const int64_t *starts, uint16_t *out, int64_t B, int64_t T, int64_t H, int64_t Hkv,
                            int64_t D, int64_t capacity, float scale, int nthreads);
@@ -33,10 +33,9 @@ void specdec_rope_bf16(uint16_t *x, const int64_t *positions, const float *inv_f
                        int64_t head_dim);
 void specdec_silu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t rows, int64_t width, int nthreads);
 
-/* One 4-bit linear layer: packed weights [N, K / 2], scales [N, K / 32], bias [N] or NULL (`gemm_int4.c`). */
+/* One 4-bit linear layer: weights and scales packed [N, K / 64 * 36], bias [N] or NULL (`gemm_int4.c`). */
 typedef struct {
     const uint8_t *weight;
-    const float *scale;
     const uint16_t *bias;
 } specdec_linear_w4;
 
@@ -55,7 +54,7 @@ typedef struct {
 
 static int linear(const specdec_linear_w4 *w, const uint16_t *x, uint16_t *y, int64_t M, int64_t N, int64_t K,
                   int nthreads) {
-    return specdec_gemm_w4a8(x, w->weight, w->scale, w->bias, y, M, N, K, nthreads);
+    return specdec_gemm_w4a8(x, w->weight, w->bias, y, M, N, K, nthreads);
 }
 
 static void add_into(uint16_t *x, const uint16_t *y, int64_t n) { /* x = bf16(x + y), as torch adds bf16 */

@@ -20,7 +20,7 @@ from specdec_core.kernels import fbgemm_rows
 
 
 class Linear(ctypes.Structure):
-    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+    _fields_ = [("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -42,7 +42,7 @@ def declare(lib: ctypes.CDLL) -> None:
 
 def _linear(layer: Any) -> Linear:
     bias = layer.bias
-    return Linear(layer.qweight.data_ptr(), layer.scale.data_ptr(), None if bias is None else bias.data_ptr())
+    return Linear(layer.qweight.data_ptr(), None if bias is None else bias.data_ptr())
 
 
 class Int4Layers:

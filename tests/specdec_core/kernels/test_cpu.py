@@ -80,24 +80,31 @@ def test_int8_linear_computes_exactly_its_integer_sums(rows):
     assert torch.equal(layer(x), _int8_reference(layer, x))
 
 
-def test_int4_quantization_is_within_half_a_step_and_packs_two_to_a_byte():
+def test_int4_quantization_is_within_half_a_step_and_packs_two_to_a_byte_with_the_scales():
     torch.manual_seed(0)
     w = torch.randn(24, 128).to(torch.bfloat16)  # [N, K]
     w[3, 32:64] = 0.0  # an all-zero group
-    q, scale = cpu.quantize_int4(w)  # [N, K] int8, [N, K/32] fp32
-    assert q.abs().max() <= 7 and torch.equal(q[3, 32:64], torch.zeros(32, dtype=torch.int8))
+    w[5, 64:96] = 1e-9  # a group whose scale is below fp16's smallest value: taken as zero
+    q, scale = cpu.quantize_int4(w)  # [N, K] int8, [N, K/32] fp16
+    assert scale.dtype == torch.float16 and q.abs().max() <= 7
+    assert not q[3, 32:64].any() and not q[5, 64:96].any()
     step = scale.float().repeat_interleave(32, dim=1)  # [N, K]
-    assert ((w.float() - q.float() * step).abs() <= step / 2 + 1e-6).all()
-    packed = cpu.pack_int4(q)  # [N, K/2]
-    assert packed.shape == (24, 64) and packed.dtype == torch.uint8
-    assert torch.equal((packed[:, :32] & 15).to(torch.int8) - 8, q[:, :32])  # low nibbles: the first group
-    assert torch.equal((packed[:, :32] >> 4).to(torch.int8) - 8, q[:, 32:64])  # high nibbles: the second
+    close = (w.float() - q.float() * step).abs() <= step / 2 + 1e-6
+    assert close[:, :64].all() and close[:5].all() and close[6:].all()
+    packed = cpu.pack_int4(q, scale)  # [N, K/64 * 36]
+    assert packed.shape == (24, 2 * 36) and packed.dtype == torch.uint8
+    for block in range(2):
+        nibbles = packed[:, 36 * block : 36 * block + 32]  # [N, 32]
+        assert torch.equal((nibbles & 15).to(torch.int8) - 8, q[:, 64 * block : 64 * block + 32])  # the first group
+        assert torch.equal((nibbles >> 4).to(torch.int8) - 8, q[:, 64 * block + 32 : 64 * block + 64])  # the second
+        scales = packed[:, 36 * block + 32 : 36 * (block + 1)].contiguous().view(torch.float16)  # [N, 2]
+        assert torch.equal(scales, scale[:, 2 * block : 2 * block + 2])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13])
 def test_int4_linear_computes_its_group_sums(rows):
     """The 4-bit kernel against its arithmetic in float64 (x quantized per row, integer products summed per group of
-    32, each sum times its group's scale): a wrong nibble, group, row or k offset in any block shape is far off,
+    32, each sum times its group's fp16 scale): a wrong nibble, group, row or k offset in any block shape is far off,
     while the kernel's own fp32 rounding stays within one bf16 step of the exact value."""
     torch.manual_seed(rows)
     linear = torch.nn.Linear(192, 56, bias=True).to(torch.bfloat16)
@@ -115,6 +122,35 @@ def test_int4_linear_computes_its_group_sums(rows):
     batched = layer.kernel(x)
     assert all(torch.equal(layer.kernel(x[i : i + 1]), batched[i : i + 1]) for i in range(rows))
     assert torch.equal(layer(x[:1]), batched[:1])  # a row alone takes the 4-bit kernel
+
+
+_INT4_OUTPUT = """
+import sys
+import torch
+from specdec_core.kernels import cpu
+torch.manual_seed(5)
+linear = torch.nn.Linear(192, 56, bias=True).to(torch.bfloat16)
+linear.weight.data[7, :32] *= 1e-4  # small scales: fp16 subnormals
+x = torch.randn(7, 192).to(torch.bfloat16)
+torch.save(cpu.Int4CPULinear(linear, cpu.load_library()).kernel(x), sys.argv[1])
+"""
+
+
+@pytest.mark.skipif("f16c" not in cpu.cpu_flags(), reason="this CPU builds the fallback already")
+def test_int4_scales_read_without_f16c_give_the_same_bits(tmp_path):
+    """The 4-bit kernel reads its fp16 scales with F16C's conversion, or without it by a portable one that must
+    give the same floats: built both ways, the same layer gives the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    outputs = []
+    for flags in ("", "-mno-f16c"):
+        env = {**os.environ, "SPECDEC_KERNEL_CFLAGS": flags, "SPECDEC_KERNEL_DIR": str(tmp_path / f"lib{flags}")}
+        out = tmp_path / f"y{flags}.pt"
+        subprocess.run([sys.executable, "-c", _INT4_OUTPUT, str(out)], env=env, check=True, timeout=300)
+        outputs.append(torch.load(out))
+    assert torch.equal(outputs[0], outputs[1])
 
 
 needs_fbgemm = pytest.mark.skipif(not fbgemm_rows.available(), reason="this torch has no x86 int8 GEMM (fbgemm)")
