@@ -39,15 +39,16 @@ def run(model_source: str, widths: Sequence[int], context: int, repeats: int, th
     runner.extend([slot], [ids[:context]])
     paths = {"loop": run_in_turn, "one call": fused}
 
-    def forward(path: str, w: int) -> tuple[float, torch.Tensor]:
+    def forward(path: str, w: int, all_logits: bool = False) -> tuple[float, torch.Tensor]:
+        """As a draft step runs: logits of the last token only (all of them for the comparison)."""
         model.run_layers = paths[path]
         start = time.perf_counter()
-        logits = runner.extend([slot], [ids[context : context + w]], all_logits=True)  # [1, w, V]
+        logits = runner.extend([slot], [ids[context : context + w]], all_logits=all_logits)  # [1, w or 1, V]
         seconds = time.perf_counter() - start
         runner.truncate(slot, context)
         return seconds, logits
 
-    identical = {w: torch.equal(forward("loop", w)[1], forward("one call", w)[1]) for w in widths}
+    identical = {w: torch.equal(forward("loop", w, True)[1], forward("one call", w, True)[1]) for w in widths}
     times: dict[tuple[str, int], list[float]] = {(p, w): [] for p in paths for w in widths}
     for rep in range(repeats):
         for path in (paths if rep % 2 else reversed(list(paths))):
