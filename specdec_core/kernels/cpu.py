@@ -191,10 +191,10 @@ class Int4CPULinear(nn.Module):
     """A linear layer with 4-bit weights and int8 activations for *draft* models on the CPU (`gemm_int4.c`).
 
     Weights: symmetric in groups of 32 along k, w ~= scale[n, g] * q[n, k], q in [-7, 7], fp16 scales; packed two
-    to a byte with the scales in the same stream (`gemm_int4.c`'s layout). Activations are quantized per row on each call. A call of many rows (reading a
-    context, several sequences' steps) runs int8 weights through fbgemm instead where torch has it
-    (`fbgemm_rows.py`: bound by multiply-adds, not bytes, such a call ran up to 1.8x faster there). Only ever
-    used for drafting, where precision moves the acceptance rate, not the output.
+    to a byte with the scales in the same stream (`gemm_int4.c`'s layout). Activations are quantized per row on
+    each call. A call of many rows (reading a context, several sequences' steps) runs int8 weights through fbgemm
+    instead where torch has it (`fbgemm_rows.py`: bound by multiply-adds, not bytes, such a call ran up to 1.8x
+    faster there). Only ever used for drafting, where precision moves the acceptance rate, not the output.
     """
 
     def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
@@ -536,7 +536,8 @@ def rows_batch_invariant(model: nn.Module) -> bool:
 
 def kernel_path(model: nn.Module) -> str:
     """What runs `model`'s forward, in a few words: the CPU kernels in use ("bf16 AVX-512 (native bf16)", "bf16
-    AVX2 (fp32 widening)", "int8 VNNI", "int4 AVX2 (int8 fbgemm from 5 rows)"), or "torch fallback (why)"."""
+    AVX2 (fp32 widening)", "int8 VNNI", "int4 AVX2 (int8 fbgemm from 5 rows), layers in one call"), or "torch
+    fallback (why)"."""
     int8 = any(isinstance(m, Int8CPULinear) for m in model.modules())
     int4 = [m for m in model.modules() if isinstance(m, Int4CPULinear)]
     bf16 = any(isinstance(m, FastCPULinear) for m in model.modules())
@@ -551,7 +552,8 @@ def kernel_path(model: nn.Module) -> str:
         parts.append("int8 VNNI" if lib is not None and lib.specdec_has_vnni() else f"int8 {isa}")
     if int4:  # written with AVX2 instructions whatever the build
         rows = f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if any(m.int8_rows for m in int4) else ""
-        parts.append(f"int4 AVX2{rows}")
+        in_one_call = isinstance(getattr(model, "run_layers", None), layers_int4.Int4Layers)
+        parts.append(f"int4 AVX2{rows}" + (", layers in one call" if in_one_call else ""))
     if any(type(m) is nn.Linear for m in model.modules()):
         parts.append("some linear layers on torch")
     if not attention:

@@ -68,15 +68,17 @@ class Int4Layers:
                      _linear(attn.qkv_proj), _linear(attn.o_proj), _linear(mlp.gate_up_proj), _linear(mlp.down_proj))
 
     def _cache_pointers(self, cache: Any) -> tuple[Any, Any, Any]:
-        """The cache's per-layer key and value pointers and its dims, built once per cache."""
-        if self._cache is None or self._cache[0] is not cache:
+        """The cache's per-layer key and value pointers and its dims, built once per cache (a KVCache keeps its
+        tensors for life). Engines sharing the model with caches of their own rebuild them on each switch."""
+        held = self._cache
+        if held is None or held[0] is not cache:
             L = len(self._layers)
             keys = (ctypes.c_void_p * L)(*(k.data_ptr() for k in cache.keys))
             values = (ctypes.c_void_p * L)(*(v.data_ptr() for v in cache.values))
             D, H, Hkv, hd, I = self._shape
             dims = Dims(D, H, Hkv, hd, I, cache.capacity, self._eps, hd**-0.5, self._inv_freq.data_ptr())
-            self._cache = (cache, keys, values, dims)
-        return self._cache[1:]
+            held = self._cache = (cache, keys, values, dims)
+        return held[1:]
 
     def __call__(self, layers: nn.ModuleList, x: torch.Tensor, ctx: Any) -> torch.Tensor:  # [B, T, D]
         B, T, _ = x.shape
@@ -86,7 +88,8 @@ class Int4Layers:
         positions, slots, starts = self._attention.rows(ctx)
         keys, values, dims = self._cache_pointers(ctx.cache)
         x = x.contiguous().clone()  # [B, T, D]: updated in place
-        self._lib.specdec_layers_w4(ctypes.addressof(self._layers), ctypes.addressof(keys), ctypes.addressof(values),
-                                    len(self._layers), ctypes.addressof(dims), x.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                                    starts.data_ptr(), B, T, torch.get_num_threads())
+        self._lib.specdec_layers_w4(
+            ctypes.addressof(self._layers), ctypes.addressof(keys), ctypes.addressof(values), len(self._layers),
+            ctypes.addressof(dims), x.data_ptr(), positions.data_ptr(), slots.data_ptr(), starts.data_ptr(), B, T,
+            torch.get_num_threads())
         return x

@@ -474,6 +474,7 @@ def test_the_kernel_path_is_named_and_batch_invariant_only_on_the_kernels(bf16_p
         # auto: int8 on AVX-512 (with VNNI: the int8 kernel needs it there), 4-bit weights on AVX2
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="auto")
         int4 = "int4 AVX2" + (f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if fbgemm_rows.available() else "")
+        int4 += ", layers in one call"
         chosen = "int8 VNNI" if lib.specdec_has_avx512() else int4
         assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {chosen}"
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int8")
@@ -481,5 +482,5 @@ def test_the_kernel_path_is_named_and_batch_invariant_only_on_the_kernels(bf16_p
         assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {int8}"
     draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int4")
     rows = f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if fbgemm_rows.available() else ""
-    assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + int4 AVX2{rows}"
+    assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + int4 AVX2{rows}, layers in one call"
     assert cpu.rows_batch_invariant(draft.model) is not fbgemm_rows.available()
