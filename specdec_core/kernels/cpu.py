@@ -28,7 +28,7 @@ from torch import nn
 
 from specdec_core import environment
 from specdec_core.hardware import AVX2_FLAGS, AVX512_FLAGS
-from specdec_core.kernels import fbgemm_rows, layers_int4, library
+from specdec_core.kernels import fbgemm_rows, layers_quant, library
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ _INT4_K_MULTIPLE = 64  # in_features: two groups a step
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("gemm.c", "gemm_int8.c", "gemm_int4.c", "attention_bf16.c", "elementwise_bf16.c", "layers_int4.c")
+    for name in ("gemm.c", "gemm_int8.c", "gemm_int4.c", "attention_bf16.c", "elementwise_bf16.c", "layers_quant.c")
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "int8_rows.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -101,9 +101,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdec_gemm_w8a8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.specdec_gemm_w4a8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.specdec_attention_bf16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-    layers_int4.declare(lib)
+    layers_quant.declare(lib)
     for fn in ("specdec_gemm_bf16", "specdec_gemm_w8a8", "specdec_gemm_w4a8", "specdec_attention_bf16",
-               "specdec_layers_w4"):
+               "specdec_layers_quant"):
         getattr(lib, fn).restype = ctypes.c_int
         getattr(lib, fn).errcheck = _check_status
     lib.specdec_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
@@ -281,41 +281,44 @@ class _KernelCall:
 
 def quantize_draft_int8(model: nn.Module) -> int:
     """Replace the linear layers of a bf16 CPU *draft* model by int8 ones; return how many. 0 if unavailable
-    (no kernels, or AVX-512 kernels on a CPU without VNNI)."""
+    (no kernels, or AVX-512 kernels on a CPU without VNNI). Where every decoder layer then runs on the kernels, its
+    steps run in one call (`layers_quant.py`)."""
     lib = load_library()
     if lib is None or not lib.specdec_has_int8():
         return 0
-    return _quantize_linears(model, lambda linear: Int8CPULinear(linear, lib), lib, _INT8_K_MULTIPLE)
+    swapped = _quantize_linears(model, lambda linear: Int8CPULinear(linear, lib), lib, _INT8_K_MULTIPLE)
+    _run_layers_in_one_call(model, lib, Int8CPULinear, 8)
+    return swapped
 
 
 def quantize_draft_int4(model: nn.Module) -> int:
     """Replace the linear layers of a bf16 CPU *draft* model by 4-bit ones; return how many (0 without kernels).
-    Where every decoder layer then runs on the kernels, its steps of a few rows run them in one call
-    (`layers_int4.py`)."""
+    Where every decoder layer then runs on the kernels, its steps of a few rows run in one call
+    (`layers_quant.py`)."""
     lib = load_library()
     if lib is None:
         return 0
     swapped = _quantize_linears(model, lambda linear: Int4CPULinear(linear, lib), lib, _INT4_K_MULTIPLE)
-    if _runs_layers_int4(model):
-        model.run_layers = layers_int4.Int4Layers(model, lib, model.attention, model.run_layers)
+    _run_layers_in_one_call(model, lib, Int4CPULinear, 4)
     return swapped
 
 
-def _runs_layers_int4(model: nn.Module) -> bool:
-    """Whether every decoder layer is what `layers_int4.c` computes: the CPU norms and attention, q/k/v and
-    gate/up fused, every linear 4-bit (all with fbgemm rows or none)."""
+def _run_layers_in_one_call(model: nn.Module, lib: ctypes.CDLL, linear_type: type, bits: int) -> None:
+    """Where every decoder layer is what `layers_quant.c` computes (the CPU norms and attention, q/k/v and gate/up
+    fused, every linear of `linear_type`, all with fbgemm rows or none), its steps of few rows run in one call."""
     from specdec_core.models.transformer import DecoderLayer, run_in_turn
 
     if not isinstance(getattr(model, "attention", None), CPUAttention) or model.run_layers is not run_in_turn:
-        return False
+        return
     linears = []
     for layer in model.layers:
         if not (type(layer) is DecoderLayer and type(layer.input_layernorm) is FastRMSNorm
                 and type(layer.post_attention_layernorm) is FastRMSNorm and type(layer.self_attn) is FusedAttention
                 and type(layer.mlp) is FastMLP):
-            return False
+            return
         linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    return all(type(m) is Int4CPULinear for m in linears) and len({m.int8_rows for m in linears}) == 1
+    if all(type(m) is linear_type for m in linears) and len({getattr(m, "int8_rows", False) for m in linears}) == 1:
+        model.run_layers = layers_quant.QuantLayers(model, lib, model.attention, model.run_layers, bits)
 
 
 def _quantize_linears(model: nn.Module, make, lib: ctypes.CDLL, k_multiple: int) -> int:
@@ -552,8 +555,9 @@ def kernel_path(model: nn.Module) -> str:
         parts.append("int8 VNNI" if lib is not None and lib.specdec_has_vnni() else f"int8 {isa}")
     if int4:  # written with AVX2 instructions whatever the build
         rows = f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if any(m.int8_rows for m in int4) else ""
-        in_one_call = isinstance(getattr(model, "run_layers", None), layers_int4.Int4Layers)
-        parts.append(f"int4 AVX2{rows}" + (", layers in one call" if in_one_call else ""))
+        parts.append(f"int4 AVX2{rows}")
+    if isinstance(getattr(model, "run_layers", None), layers_quant.QuantLayers):
+        parts[-1] += ", layers in one call"
     if any(type(m) is nn.Linear for m in model.modules()):
         parts.append("some linear layers on torch")
     if not attention:

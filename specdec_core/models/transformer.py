@@ -184,7 +184,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         # Swappable from outside (kernels.cpu): how a layer attends over the cache, and how the layers run (one
-        # after the other, or all in one call where a kernel can: `kernels.layers_int4`).
+        # after the other, or all in one call where a kernel can: `kernels.layers_quant`).
         self.attention: Any = TorchAttention()
         self.run_layers: Any = run_in_turn
 

@@ -475,11 +475,11 @@ def test_the_kernel_path_is_named_and_batch_invariant_only_on_the_kernels(bf16_p
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="auto")
         int4 = "int4 AVX2" + (f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if fbgemm_rows.available() else "")
         int4 += ", layers in one call"
-        chosen = "int8 VNNI" if lib.specdec_has_avx512() else int4
+        chosen = "int8 VNNI, layers in one call" if lib.specdec_has_avx512() else int4
         assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {chosen}"
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int8")
         int8 = "int8 VNNI" if lib.specdec_has_vnni() else "int8 AVX2"
-        assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {int8}"
+        assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {int8}, layers in one call"
     draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int4")
     rows = f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if fbgemm_rows.available() else ""
     assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + int4 AVX2{rows}, layers in one call"

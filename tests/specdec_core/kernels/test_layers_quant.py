@@ -1,4 +1,4 @@
-"""A 4-bit draft's layers in one C call: bit for bit the module-by-module forward, the cache written the same."""
+"""A quantized draft's layers in one C call: bit for bit the module-by-module forward, the cache written the same."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec_core.build import prepare_model
-from specdec_core.kernels import cpu, fbgemm_rows, layers_int4
+from specdec_core.kernels import cpu, fbgemm_rows, layers_quant
 from specdec_core.models.transformer import run_in_turn
 from specdec_core.runner import ModelRunner, RunnerConfig
 
@@ -14,9 +14,11 @@ pytestmark = pytest.mark.skipif(cpu.load_library() is None,
                                 reason="CPU kernels need AVX-512 or AVX2 with FMA, and a C compiler")
 
 
-@pytest.fixture(scope="module")
-def int4_model(tiny_dir):
-    return prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int4").model
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def quantized(request, tiny_dir):
+    if request.param == "int8" and not cpu.load_library().specdec_has_int8():
+        pytest.skip("AVX-512 kernels have the int8 draft kernel only with VNNI")
+    return prepare_model(tiny_dir / "target", dtype="bfloat16", quantization=request.param).model
 
 
 class _Loop:
@@ -34,42 +36,42 @@ def _runner(model) -> ModelRunner:
     return ModelRunner(model, RunnerConfig(num_slots=4, max_seq_len=256))
 
 
-def test_installed_only_where_every_layer_is_4_bit(tiny_dir, int4_model):
-    assert isinstance(int4_model.run_layers, layers_int4.Int4Layers)
+def test_installed_only_where_every_layer_is_quantized(tiny_dir, quantized):
+    assert isinstance(quantized.run_layers, layers_quant.QuantLayers)
     for source, quantization in ((tiny_dir / "target", "none"), (tiny_dir / "draft", "int4")):
-        # the tiny draft's hidden size (32) is no multiple of the 4-bit kernel's 64: its layers stay bf16
+        # the tiny draft's hidden size (32) is no multiple of the quantized kernels' 64: its layers stay bf16
         model = prepare_model(source, dtype="bfloat16", quantization=quantization).model
         assert model.run_layers is run_in_turn
 
 
-def test_steps_and_cache_are_those_of_the_layer_by_layer_forward(int4_model):
+def test_steps_and_cache_are_those_of_the_layer_by_layer_forward(quantized):
     """Two slots fed the same tokens, one through each path, step by step at the widths drafts and verifies use:
     every step's logits equal, and so is every key and value written."""
-    fused = int4_model.run_layers
-    runner = _runner(int4_model)
+    fused = quantized.run_layers
+    runner = _runner(quantized)
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(1, int4_model.vocab_size, (60,), generator=gen).tolist()
+    tokens = torch.randint(1, quantized.vocab_size, (60,), generator=gen).tolist()
     a, b = runner.allocate(), runner.allocate()
     at = 0
     try:
         for width in (3, 1, 1, 2, 4, 1, 3, 2, 1):
             feed = tokens[at : at + width]
-            int4_model.run_layers = run_in_turn
+            quantized.run_layers = run_in_turn
             want = runner.extend([a], [feed], all_logits=True)  # [1, width, V]
-            int4_model.run_layers = fused
+            quantized.run_layers = fused
             got = runner.extend([b], [feed], all_logits=True)
             assert torch.equal(got, want), width
             at += width
     finally:
-        int4_model.run_layers = fused
+        quantized.run_layers = fused
     for keys, values in zip(runner.cache.keys, runner.cache.values):  # [slots, Hkv, capacity, hd]
         assert torch.equal(keys[a, :, :at], keys[b, :, :at]) and torch.equal(values[a, :, :at], values[b, :, :at])
         assert keys[a, :, :at].abs().sum() > 0
 
 
-def test_a_batch_of_rows_of_different_lengths_matches(int4_model):
-    fused = int4_model.run_layers
-    runner = _runner(int4_model)
+def test_a_batch_of_rows_of_different_lengths_matches(quantized):
+    fused = quantized.run_layers
+    runner = _runner(quantized)
     prompts = [[5, 9, 14, 30, 2, 8], [7, 3], [11, 12, 13, 40, 41]]
     slots = [runner.allocate() for _ in prompts]
     for slot, prompt in zip(slots, prompts):
@@ -78,27 +80,27 @@ def test_a_batch_of_rows_of_different_lengths_matches(int4_model):
     lengths = [runner.length(s) for s in slots]
     outs = []
     for run_layers in (run_in_turn, fused):
-        int4_model.run_layers = run_layers
+        quantized.run_layers = run_layers
         outs.append(runner.extend(slots[:2], feeds[:2], all_logits=True))  # 4 rows: one call
         outs.append(runner.extend(slots, feeds, all_logits=True))
         for slot, length in zip(slots, lengths):
             runner.truncate(slot, length)
-    int4_model.run_layers = fused
+    quantized.run_layers = fused
     assert torch.equal(outs[2], outs[0]) and torch.equal(outs[3], outs[1])
 
 
-def test_rows_that_fbgemm_takes_go_through_the_loop(int4_model):
-    if not int4_model.layers[0].mlp.down_proj.int8_rows:
-        pytest.skip("no fbgemm here: the one call takes every width")
-    fused = int4_model.run_layers
+def test_rows_that_fbgemm_takes_go_through_the_loop(quantized):
+    if not getattr(quantized.layers[0].mlp.down_proj, "int8_rows", False):
+        pytest.skip("int8 weights, or no fbgemm here: the one call takes every width")
+    fused = quantized.run_layers
     loop = _Loop()
-    int4_model.run_layers = layers_int4.Int4Layers(int4_model, cpu.load_library(), int4_model.attention, loop)
+    quantized.run_layers = layers_quant.QuantLayers(quantized, cpu.load_library(), quantized.attention, loop, 4)
     try:
-        runner = _runner(int4_model)
+        runner = _runner(quantized)
         slot = runner.allocate()
         runner.extend([slot], [list(range(1, fbgemm_rows.FROM_ROWS))])
         assert loop.calls == 0
         runner.extend([slot], [list(range(1, fbgemm_rows.FROM_ROWS + 1))])
         assert loop.calls == 1
     finally:
-        int4_model.run_layers = fused
+        quantized.run_layers = fused

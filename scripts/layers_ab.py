@@ -1,10 +1,10 @@
-"""A 4-bit draft's forward of w tokens with its layers in one C call against the layer-by-layer loop, side by side.
+"""A quantized draft's forward of w tokens with its layers in one C call against the layer-by-layer loop, side by side.
 
 The two run in one process over one model and one KV cache, swapped every repeat (`Transformer.run_layers`), so
 the machine's drift (15-25% within minutes on a shared 2-core machine) moves both alike; the figure to read is the
 median of the paired ratios. First checks that both give bit-identical logits at every width.
 
-    PYTHONPATH=.:proto python scripts/layers_int4_ab.py --json out/layers_int4_ab.json
+    PYTHONPATH=.:proto python scripts/layers_ab.py --quantization int4 --json out/layers_int4_ab.json
 """
 
 from __future__ import annotations
@@ -19,19 +19,21 @@ from typing import Any, Sequence
 DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
-def run(model_source: str, widths: Sequence[int], context: int, repeats: int, threads: int) -> dict[str, Any]:
+def run(model_source: str, quantization: str, widths: Sequence[int], context: int, repeats: int,
+        threads: int) -> dict[str, Any]:
     import torch
 
     from specdec_core.build import prepare_model
-    from specdec_core.kernels.layers_int4 import Int4Layers
+    from specdec_core.kernels.layers_quant import QuantLayers
     from specdec_core.models.transformer import run_in_turn
     from specdec_core.runner import ModelRunner, RunnerConfig
 
     torch.set_num_threads(threads)
-    model = prepare_model(model_source, quantization="int4").model.eval()
+    model = prepare_model(model_source, quantization=quantization).model.eval()
     fused = model.run_layers
-    if not isinstance(fused, Int4Layers):
-        raise SystemExit(f"{model_source}: its layers do not run in one call here (no kernels, or not all 4-bit)")
+    if not isinstance(fused, QuantLayers):
+        raise SystemExit(f"{model_source} ({quantization}): its layers do not run in one call here (no kernels, or "
+                         "not every linear quantized)")
     runner = ModelRunner(model, RunnerConfig(num_slots=1, max_seq_len=context + max(widths) + 8))
     slot = runner.allocate()
     ids = torch.randint(10, min(30000, model.vocab_size), (context + max(widths),),
@@ -56,7 +58,7 @@ def run(model_source: str, widths: Sequence[int], context: int, repeats: int, th
                 times[(path, w)].append(forward(path, w)[0])
     model.run_layers = fused
     return {
-        "model": str(model_source), "context": context, "repeats": repeats, "threads": threads,
+        "model": str(model_source), "quantization": quantization, "context": context, "repeats": repeats, "threads": threads,
         "widths": {str(w): {
             "identical": identical[w],
             "loop_ms": round(1000 * statistics.median(times[("loop", w)]), 2),
@@ -70,6 +72,7 @@ def run(model_source: str, widths: Sequence[int], context: int, repeats: int, th
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=DRAFT, help="model name or directory")
+    parser.add_argument("--quantization", default="int4", choices=("int4", "int8"))
     parser.add_argument("--widths", default="1,2,3", help="tokens a forward, comma-separated")
     parser.add_argument("--context", type=int, default=700)
     parser.add_argument("--repeats", type=int, default=40)
@@ -77,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     widths = [int(w) for w in args.widths.split(",")]
-    report = run(args.draft, widths, args.context, args.repeats, args.threads)
+    report = run(args.draft, args.quantization, widths, args.context, args.repeats, args.threads)
     for w, row in report["widths"].items():
         print(f"w={w}: loop {row['loop_ms']} ms, one call {row['one_call_ms']} ms, paired ratio "
               f"{row['paired_ratio']}, logits {'identical' if row['identical'] else 'DIFFER'}")

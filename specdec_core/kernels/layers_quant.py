@@ -1,11 +1,12 @@
-"""A 4-bit draft's decoder layers in one C call (`layers_int4.c`) for its steps of a few rows.
+"""A quantized draft's decoder layers in one C call (`layers_quant.c`) for its steps of a few rows.
 
 Why: a draft step of the 0.5B demo draft on the 2-core AVX2 machine spent about 7 of its 30 ms dispatching its
-hundred kernel calls through torch modules and ctypes, not in them. `Int4Layers` replaces the model's loop over
+hundred kernel calls through torch modules and ctypes, not in them. `QuantLayers` replaces the model's loop over
 its layers (`Transformer.run_layers`) by one call that runs the same kernels in the same order, so the logits are
-bit for bit those of the module-by-module forward; calls the one-call path cannot take (rows that go to fbgemm,
-`fbgemm_rows.FROM_ROWS` and more) take the loop. Installed by `quantize_draft_int4` where every layer has the
-shape the C code knows (fused q/k/v and gate/up, 4-bit linears, the CPU norms and attention), else not at all.
+bit for bit those of the module-by-module forward; calls the one-call path cannot take (a 4-bit draft's rows that
+go to fbgemm, `fbgemm_rows.FROM_ROWS` and more) take the loop. Installed by `quantize_draft_int4` and
+`quantize_draft_int8` where every layer has the shape the C code knows (fused q/k/v and gate/up, every linear
+4-bit or every one int8, the CPU norms and attention), else not at all.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from specdec_core.kernels import fbgemm_rows
 
 
 class Linear(ctypes.Structure):
-    _fields_ = [("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+    _fields_ = [("bits", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("row_sums", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -35,37 +37,43 @@ class Dims(ctypes.Structure):
 
 
 def declare(lib: ctypes.CDLL) -> None:
-    """`specdec_layers_w4`'s signature: (layers, keys, values, L, dims, x, positions, slots, starts, B, T, threads)."""
-    lib.specdec_layers_w4.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 5 + \
+    """`specdec_layers_quant`'s signature: (layers, keys, values, L, dims, x, positions, slots, starts, B, T,
+    threads)."""
+    lib.specdec_layers_quant.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 5 + \
         [ctypes.c_int64] * 2 + [ctypes.c_int]
 
 
-def _linear(layer: Any) -> Linear:
-    bias = layer.bias
-    return Linear(layer.qweight.data_ptr(), None if bias is None else bias.data_ptr())
+def _linear(layer: Any, bits: int) -> Linear:
+    """An `Int4CPULinear` (bits 4: scales packed with the weights) or an `Int8CPULinear` (bits 8) as C reads it."""
+    bias = None if layer.bias is None else layer.bias.data_ptr()
+    if bits == 8:
+        return Linear(8, layer.qweight.data_ptr(), layer.scale.data_ptr(), layer.row_sums.data_ptr(), bias)
+    return Linear(4, layer.qweight.data_ptr(), None, None, bias)
 
 
-class Int4Layers:
-    """`Transformer.run_layers` for a 4-bit draft on the CPU kernels: (layers, x [B, T, D], ctx) -> [B, T, D]."""
+class QuantLayers:
+    """`Transformer.run_layers` for a draft whose linears are all 4-bit (`bits` 4) or all int8 (8), on the CPU
+    kernels: (layers, x [B, T, D], ctx) -> [B, T, D]."""
 
-    def __init__(self, model: nn.Module, lib: ctypes.CDLL, attention: Any, fallback: Any) -> None:
+    def __init__(self, model: nn.Module, lib: ctypes.CDLL, attention: Any, fallback: Any, bits: int) -> None:
         self._lib, self._attention, self._fallback = lib, attention, fallback
         args, layers = model.args, model.layers
-        self._layers = (Layer * len(layers))(*(self._layer(layer) for layer in layers))
+        self._layers = (Layer * len(layers))(*(self._layer(layer, bits) for layer in layers))
         self._inv_freq = attention.inv_freq  # [hd / 2] fp32, held: the C code reads it
         self._shape = (args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size)
         self._eps = float(layers[0].input_layernorm.eps)
         self._held = list(model.buffers()) + list(model.parameters())  # what the pointers point into
         # Rows that fbgemm would take (`Int4CPULinear.forward`) go through the loop: the same results, as the
         # layers' own calls give them.
-        self._max_rows = fbgemm_rows.FROM_ROWS - 1 if layers[0].mlp.down_proj.int8_rows else None
+        self._max_rows = fbgemm_rows.FROM_ROWS - 1 if getattr(layers[0].mlp.down_proj, "int8_rows", False) else None
         self._cache: tuple[Any, Any, Any, Any] | None = None
 
     @staticmethod
-    def _layer(layer: nn.Module) -> Layer:
+    def _layer(layer: nn.Module, bits: int) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         return Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                     _linear(attn.qkv_proj), _linear(attn.o_proj), _linear(mlp.gate_up_proj), _linear(mlp.down_proj))
+                     *(_linear(linear, bits) for linear in linears))
 
     def _cache_pointers(self, cache: Any) -> tuple[Any, Any, Any]:
         """The cache's per-layer key and value pointers and its dims, built once per cache (a KVCache keeps its
@@ -88,7 +96,7 @@ class Int4Layers:
         positions, slots, starts = self._attention.rows(ctx)
         keys, values, dims = self._cache_pointers(ctx.cache)
         x = x.contiguous().clone()  # [B, T, D]: updated in place
-        self._lib.specdec_layers_w4(
+        self._lib.specdec_layers_quant(
             ctypes.addressof(self._layers), ctypes.addressof(keys), ctypes.addressof(values), len(self._layers),
             ctypes.addressof(dims), x.data_ptr(), positions.data_ptr(), slots.data_ptr(), starts.data_ptr(), B, T,
             torch.get_num_threads())

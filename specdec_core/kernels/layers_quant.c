@@ -1,10 +1,11 @@
 /*
- * A 4-bit draft's decoder layers in one call, for its steps of a few rows.
+ * A quantized draft's decoder layers in one call (4-bit weights, `gemm_int4.c`, or int8, `gemm_int8.c`), for its
+ * steps of a few rows.
  *
  * Why: a draft step is a hundred small kernel calls, and each went through torch's module dispatch, tensor
  * allocations, views and ctypes: on the 2-core AVX2 machine, of a 30 ms step of the 0.5B demo draft (700 tokens
  * of context) 20 ms were its matrix multiplies, 3 its other kernels and 7 that dispatch. Here the layers run the
- * same kernels in the same order with the same roundings (`gemm_int4.c`, `elementwise_bf16.c`,
+ * same kernels in the same order with the same roundings (`gemm_int4.c` or `gemm_int8.c`, `elementwise_bf16.c`,
  * `attention_bf16.c`; residual adds in fp32 rounded to bf16, as torch adds bf16), so a row's result is bit for
  * bit the one the module-by-module forward gives.
  *
@@ -24,6 +25,8 @@
 
 int specdec_gemm_w4a8(const uint16_t *x, const uint8_t *w4, const uint16_t *b, uint16_t *y, int64_t M, int64_t N,
                       int64_t K, int nthreads);
+int specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const int32_t *wsum, const uint16_t *b,
+                      uint16_t *y, int64_t M, int64_t N, int64_t K, int nthreads);
 int specdec_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *slots,
                            const int64_t *starts, uint16_t *out, int64_t B, int64_t T, int64_t H, int64_t Hkv,
                            int64_t D, int64_t capacity, float scale, int nthreads);
@@ -33,27 +36,32 @@ void specdec_rope_bf16(uint16_t *x, const int64_t *positions, const float *inv_f
                        int64_t head_dim);
 void specdec_silu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t rows, int64_t width, int nthreads);
 
-/* One 4-bit linear layer: weights and scales packed [N, K / 64 * 36], bias [N] or NULL (`gemm_int4.c`). */
+/* One quantized linear layer, bias [N] or NULL. bits 4: weight is the weights and scales packed [N, K / 64 * 36]
+ * (`gemm_int4.c`); bits 8: weight is int8 [N, K], with its rows' scales [N] and sums [N] (`gemm_int8.c`). */
 typedef struct {
-    const uint8_t *weight;
+    int64_t bits;
+    const void *weight;
+    const float *scale;
+    const int32_t *row_sums;
     const uint16_t *bias;
-} specdec_linear_w4;
+} specdec_linear_q;
 
 /* One decoder layer's weights (cpu.py's `LayerPointers` mirrors this). */
 typedef struct {
     const uint16_t *input_norm, *post_norm; /* [D] bf16 */
-    specdec_linear_w4 qkv, o, gate_up, down;
-} specdec_layer_w4;
+    specdec_linear_q qkv, o, gate_up, down;
+} specdec_layer_q;
 
 /* The model's sizes, and what its attention and norms need. */
 typedef struct {
     int64_t D, H, Hkv, hd, I, capacity;
     float eps, scale; /* the norms' epsilon; attention's 1 / sqrt(hd) */
     const float *inv_freq; /* [hd / 2]: rotary frequencies */
-} specdec_dims_w4;
+} specdec_dims_q;
 
-static int linear(const specdec_linear_w4 *w, const uint16_t *x, uint16_t *y, int64_t M, int64_t N, int64_t K,
+static int linear(const specdec_linear_q *w, const uint16_t *x, uint16_t *y, int64_t M, int64_t N, int64_t K,
                   int nthreads) {
+    if (w->bits == 8) return specdec_gemm_w8a8(x, w->weight, w->scale, w->row_sums, w->bias, y, M, N, K, nthreads);
     return specdec_gemm_w4a8(x, w->weight, w->bias, y, M, N, K, nthreads);
 }
 
@@ -62,7 +70,7 @@ static void add_into(uint16_t *x, const uint16_t *y, int64_t n) { /* x = bf16(x 
 }
 
 /* q and k out of each row of qkv into dense [M, heads, hd] buffers (the rotary kernel's layout), rotated. */
-static void split_rotate(const specdec_dims_w4 *d, const uint16_t *qkv, uint16_t *q, uint16_t *k,
+static void split_rotate(const specdec_dims_q *d, const uint16_t *qkv, uint16_t *q, uint16_t *k,
                          const int64_t *positions, int64_t M) {
     int64_t wq = d->H * d->hd, wkv = d->Hkv * d->hd, w = wq + 2 * wkv;
     for (int64_t m = 0; m < M; m++) {
@@ -74,7 +82,7 @@ static void split_rotate(const specdec_dims_w4 *d, const uint16_t *qkv, uint16_t
 }
 
 /* Each new token's key (rotated) and value at its position in its row's slot. */
-static void write_cache(const specdec_dims_w4 *d, uint16_t *keys, uint16_t *values, const uint16_t *k,
+static void write_cache(const specdec_dims_q *d, uint16_t *keys, uint16_t *values, const uint16_t *k,
                         const uint16_t *qkv, const int64_t *positions, const int64_t *slots, int64_t B, int64_t T) {
     int64_t wq = d->H * d->hd, wkv = d->Hkv * d->hd, w = wq + 2 * wkv;
     size_t bytes = sizeof(uint16_t) * (size_t)d->hd;
@@ -89,8 +97,8 @@ static void write_cache(const specdec_dims_w4 *d, uint16_t *keys, uint16_t *valu
         }
 }
 
-int specdec_layers_w4(const specdec_layer_w4 *layers, uint16_t *const *keys, uint16_t *const *values, int64_t L,
-                      const specdec_dims_w4 *d, uint16_t *x, const int64_t *positions, const int64_t *slots,
+int specdec_layers_quant(const specdec_layer_q *layers, uint16_t *const *keys, uint16_t *const *values, int64_t L,
+                      const specdec_dims_q *d, uint16_t *x, const int64_t *positions, const int64_t *slots,
                       const int64_t *starts, int64_t B, int64_t T, int nthreads) {
     int64_t M = B * T, D = d->D, I = d->I;
     int64_t wq = d->H * d->hd, wkv = d->Hkv * d->hd, w = wq + 2 * wkv;
@@ -103,7 +111,7 @@ int specdec_layers_w4(const specdec_layer_w4 *layers, uint16_t *const *keys, uin
     uint16_t *out = attended + M * wq, *gate_up = out + M * D, *act = gate_up + M * 2 * I;
     int status = 0;
     for (int64_t l = 0; l < L && status == 0; l++) {
-        const specdec_layer_w4 *layer = layers + l;
+        const specdec_layer_q *layer = layers + l;
         specdec_rms_norm_bf16(x, layer->input_norm, normed, M, D, d->eps);
         if ((status = linear(&layer->qkv, normed, qkv, M, w, D, nthreads))) break;
         split_rotate(d, qkv, q, k, positions, M);
