@@ -210,7 +210,7 @@ class DraftWorker(_Worker):
         draft = self.draft
         # Refuses a mismatched pair.
         loaded = prepare_draft(model, self.target.tokenizer, dtype=draft.dtype, device=draft.device,
-                               quantization=draft.quantization)
+                               quantization=draft.quantization, vocabulary=draft.vocabulary)
         serve_log.info("%s", worker_summary(f"{self.kind} {model}", self.threads, self.cores,
                                             kernel_path(loaded.model)))
         runner = ModelRunner(loaded.model, _runner_config(self.cfg, draft))

@@ -4,7 +4,8 @@ Four parts, each printed as it ends and written into one JSON report:
 
 1. environment: torch, the device, the dtypes checked.
 2. the engine on the device: tiny random-weight models (`models.tiny`: a qwen2 target, a smaller draft, and the
-   target with noise on its weights as a "near" draft whose drafts are often right) loaded onto it. First the calls
+   target with noise on its weights as a "near" draft whose drafts are often right, and that draft again with its
+   LM head cut to 128 ids plus the contexts', `models.vocab_head`) loaded onto it. First the calls
    that sample (the target's prefill and verify, greedy and sampled rows together, the draft model's propose) made
    directly, each on its own. Then, for every drafting method of the registry (the draft-model methods with each
    draft), several greedy prompts batched in one engine must give, token for token, the output of plain decoding
@@ -166,13 +167,17 @@ def build_tiny_models(root: Path) -> dict[str, Path]:
         noisy = {k: (v + torch.randn(v.shape, generator=gen) * 0.05 * v.float().std().clamp(min=1e-3)).to(v.dtype)
                  for k, v in load_file(file).items()}
         save_file(noisy, file, metadata={"format": "pt"})
-    return {"target": root / "target", "draft": root / "draft", "near": near}
+    return {"target": root / "target", "draft": root / "draft", "near": near, "near_cut": near}
+
+
+# The near draft again with its LM head cut to its first 128 ids and the contexts' (`models.vocab_head`).
+CUT_VOCABULARY = {"near_cut": 128}
 
 
 def drafting_runs() -> list[tuple[str, str | None]]:
     """(method, draft) for every registered method: those that run a draft model once with each draft."""
     return [(name, draft) for name, method in registry.METHODS.items()
-            for draft in (("draft", "near") if method.runs_draft_model else (None,))]
+            for draft in (("draft", "near", "near_cut") if method.runs_draft_model else (None,))]
 
 
 def generate(engine, requests: list[tuple[str, list[int], SamplingParams]]) -> dict[str, dict[str, Any]]:
@@ -279,7 +284,8 @@ def engine_checks(report: Report, device: torch.device, dtype: torch.dtype, mode
     """Part 2 in one dtype: the sampled calls on their own, then every drafting method against plain decoding, with
     greedy requests alone and in a batch with sampled ones."""
     label = str(dtype).removeprefix("torch.")
-    loaded = {role: prepare_model(path, dtype=label, device=str(device)) for role, path in models.items()}
+    loaded = {role: prepare_model(path, dtype=label, device=str(device), vocabulary=CUT_VOCABULARY.get(role, 0))
+              for role, path in models.items()}
     target = loaded["target"]
     out: dict[str, Any] = {"components": component_calls(report, label, loaded), "greedy": [], "mixed": []}
     prompts = {f"p{i}": target.tokenizer(text)["input_ids"] for i, text in enumerate(PROMPTS[:prompts_used])}

@@ -155,12 +155,21 @@ def _bucket(batch_size: int) -> int:
 
 @dataclass
 class CostModel:
-    """Measured seconds of a draft step and of a verify forward, per batch-size bucket and tokens per row."""
+    """Measured seconds of a draft step and of a verify forward, per batch-size bucket and tokens per row.
+
+    A cost is only ever measured where the policy chooses it, so one measured while the machine was briefly slow
+    (another process, a burst of prefills) would stand for as long as it keeps that option from being chosen.
+    Each bucket counts its rounds; an entry last measured more than `stale_after` rounds ago is stale: the policy
+    measures it again (`stale_k`), and that measurement replaces it rather than being averaged in."""
 
     smoothing: float = 0.2
+    stale_after: int = 256  # rounds of a bucket after which an entry not measured since is measured again
     draft: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> {k: seconds of a k-draft call}
     verify: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> {tokens per row: seconds}
     verify_samples: dict[int, dict[int, int]] = field(default_factory=dict)  # bucket -> {tokens per row: count}
+    rounds: dict[int, int] = field(default_factory=dict)  # bucket -> verifies measured (its rounds)
+    draft_seen: dict[int, dict[int, int]] = field(default_factory=dict)  # bucket -> {k: round last measured}
+    verify_seen: dict[int, dict[int, int]] = field(default_factory=dict)  # bucket -> {tokens per row: round}
     # Seconds per token for the drafter to read a context it has not seen (a draft model's prefill of a sequence
     # that never drafted, or that sat at k = 0 for a while). None until measured.
     catch_up: float | None = None
@@ -177,17 +186,34 @@ class CostModel:
 
     def observe_draft(self, batch_size: int, steps: int, seconds: float) -> None:
         if steps > 0:
-            self._ewma(self.draft.setdefault(_bucket(batch_size), {}), steps, seconds)
+            bucket = _bucket(batch_size)
+            self._ewma(self.draft.setdefault(bucket, {}), self.draft_seen.setdefault(bucket, {}), bucket, steps,
+                       seconds)
 
     def observe_verify(self, batch_size: int, tokens_per_row: int, seconds: float) -> None:
         bucket = _bucket(batch_size)
-        self._ewma(self.verify.setdefault(bucket, {}), tokens_per_row, seconds)
+        self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
+        self._ewma(self.verify.setdefault(bucket, {}), self.verify_seen.setdefault(bucket, {}), bucket,
+                   tokens_per_row, seconds)
         counts = self.verify_samples.setdefault(bucket, {})
         counts[tokens_per_row] = counts.get(tokens_per_row, 0) + 1
 
-    def _ewma(self, table: dict[int, float], key: int, value: float) -> None:
-        old = table.get(key)
-        table[key] = value if old is None else old + self.smoothing * (value - old)
+    def _ewma(self, table: dict[int, float], seen: dict[int, int], bucket: int, key: int, value: float) -> None:
+        old, now = table.get(key), self.rounds.get(bucket, 0)
+        fresh = old is not None and now - seen.get(key, now) <= self.stale_after
+        table[key] = old + self.smoothing * (value - old) if fresh else value
+        seen[key] = now
+
+    def stale_k(self, batch_size: int, up_to: int) -> int | None:
+        """The k in 1..up_to, among those measured, whose draft call (k steps) or verify (k + 1 tokens a row) was
+        last measured the longest ago, if more than `stale_after` rounds ago; None where none is stale."""
+        bucket = _bucket(batch_size)
+        now = self.rounds.get(bucket, 0)
+        drafts, verifies = self.draft_seen.get(bucket, {}), self.verify_seen.get(bucket, {})
+        ages = {k: now - min(drafts.get(k, now), verifies.get(k + 1, now)) for k in range(1, up_to + 1)
+                if k in drafts or k + 1 in verifies}
+        stale = [k for k, age in ages.items() if age > self.stale_after]
+        return max(stale, key=lambda k: (ages[k], -k)) if stale else None
 
     def verify_cost(self, batch_size: int, tokens_per_row: int) -> float | None:
         """Measured, or extrapolated from the nearest measured row count (cost grows mildly with tokens)."""
@@ -239,7 +265,7 @@ class CostModel:
         source = min(explored, key=lambda b: (abs(math.log2(b / bucket)), -b))
         factor = bucket // source if source < bucket else 1  # tokens a row there per token a row here
         scale = here / self.verify_cost(source, factor)
-        carried = CostModel(smoothing=self.smoothing)
+        carried = CostModel(smoothing=self.smoothing, stale_after=self.stale_after)
         carried.draft[bucket] = {k: c * here / self.verify[source][1] for k, c in self.draft[source].items()}
         carried.draft[bucket].update(self.draft.get(bucket, {}))  # what was measured here stands
         carried.verify[bucket] = {t: self.verify_cost(source, t * factor) * scale for t in range(1, up_to + 2)}
@@ -328,6 +354,12 @@ class AdaptivePolicy:
             return RoundChoice(explore, False)
         costs = judged
         best = self._best(rows, costs, batch_size, catch_up, free)
+        if best.k > 0 and judged is not None and explore is None:
+            # Speculation is on: a k whose cost has not been measured for a long while is measured again now, so
+            # that a cost measured in a slow moment cannot keep its k from ever being chosen.
+            stale = costs.stale_k(batch_size, self.max_k)
+            if stale is not None and stale != best.k:
+                return RoundChoice(stale, best.free)
         adaptive = [e for e, fixed in rows if fixed is None]
         if best == RoundChoice(0, False) and adaptive and all(e.rounds_at_zero >= self.probe_every << min(e.probes, 4) for e in adaptive):
             # One k serves the batch, so one row's probe costs every row (a draft call, a wider verify, and the

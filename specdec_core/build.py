@@ -17,6 +17,7 @@ from specdec_core import environment
 from specdec_core.hardware import DRAFT_QUANTIZATIONS, resolve_draft_quantization
 from specdec_core.kernels.cpu import cpu_flags, quantize_draft_int4, quantize_draft_int8, use_cpu_kernels
 from specdec_core.models.loader import LoadedModel, check_tokenizers_compatible, load_model, resolve_source
+from specdec_core.models.vocab_head import cut_vocabulary
 from specdec_core.parallel import shard_model
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
@@ -32,17 +33,23 @@ def prepare_model(
     device: str = "cpu",
     shard: tuple[int, int] | None = None,
     quantization: str = "none",
+    vocabulary: int = 0,
 ) -> LoadedModel:
     """A model ready to run, built in this order, the only order that works:
 
-    1. load: torch's own modules (`models.loader`);
+    1. load: torch's own modules (`models.loader`); a draft's head cut to its first `vocabulary` ids (> 0), the
+       special tokens and, per call, the contexts' ids (`models.vocab_head`);
     2. shard: keep rank r of `shard = (r, world_size)` (`parallel.shard_model`): it slices plain Linear weights;
     3. kernels: on the CPU in bf16, swap in the CPU kernels (`kernels.cpu`), which repack the (sharded) weights;
     4. quantization "int8" or "int4" (a draft: cheaper drafts, the same output; only acceptance can move);
        "auto": what this CPU runs best, else none (`hardware.resolve_draft_quantization`).
     """
     quantization = resolve_quantization(quantization, device=device, dtype=dtype)
+    if vocabulary < 0:
+        raise InvalidArgument("vocabulary", f"must be >= 0 (0: the whole vocabulary), got {vocabulary}")
     loaded = load_model(source, dtype=dtype, device=device)
+    if vocabulary and cut_vocabulary(loaded.model, vocabulary, _special_ids(loaded)):
+        log.debug("draft head: the first %d ids, the special tokens and the contexts'", loaded.model.lm_head.keep)
     if shard is not None:
         shard_model(loaded.model, *shard)
     param = next(loaded.model.parameters())
@@ -55,6 +62,14 @@ def prepare_model(
     return loaded
 
 
+def _special_ids(loaded: LoadedModel) -> set[int]:
+    """Ids a cut head always scores: end-of-turn and other special or added tokens, wherever they are numbered."""
+    tokenizer = loaded.tokenizer
+    ids = set(loaded.eos_token_ids) | set(getattr(tokenizer, "all_special_ids", ()))
+    added = getattr(tokenizer, "get_added_vocab", None)
+    return ids | set(added().values()) if added is not None else ids
+
+
 def resolve_quantization(setting: str, *, device: str, dtype: str) -> str:
     """`setting` ("none", "int8", "int4" or "auto") resolved for this machine; `InvalidArgument` for anything else."""
     if setting not in DRAFT_QUANTIZATIONS:
@@ -64,9 +79,9 @@ def resolve_quantization(setting: str, *, device: str, dtype: str) -> str:
 
 
 def prepare_draft(source: str | Path, target_tokenizer: Any, *, dtype: str = "bfloat16", device: str = "cpu",
-                  quantization: str = "auto") -> LoadedModel:
+                  quantization: str = "auto", vocabulary: int = 0) -> LoadedModel:
     """`prepare_model` for a draft, refused (`InvalidArgument`) when its tokenizer does not match the target's."""
-    draft = prepare_model(source, dtype=dtype, device=device, quantization=quantization)
+    draft = prepare_model(source, dtype=dtype, device=device, quantization=quantization, vocabulary=vocabulary)
     check_tokenizers_compatible(target_tokenizer, draft.tokenizer)
     return draft
 
@@ -78,6 +93,7 @@ def load_pair(
     dtype: str = "bfloat16",
     device: str = "cpu",
     draft_quantization: str = "auto",
+    draft_vocabulary: int = 0,
 ) -> tuple[LoadedModel, LoadedModel | None]:
     """Load the target and (optionally) the draft model; a tokenizer mismatch fails here, at load time."""
     if draft_quantization not in DRAFT_QUANTIZATIONS:
@@ -88,7 +104,7 @@ def load_pair(
     if draft_path is None:
         return target_model, None
     return target_model, prepare_draft(draft_path, target_model.tokenizer, dtype=dtype, device=device,
-                                       quantization=draft_quantization)
+                                       quantization=draft_quantization, vocabulary=draft_vocabulary)
 
 
 def build_engine(

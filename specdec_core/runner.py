@@ -133,12 +133,14 @@ class ModelRunner:
         slots: Sequence[int],
         token_lists: Sequence[Sequence[int]],
         all_logits: bool = False,
+        extra_vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append each row's tokens to its slot and return logits.
 
         Returns [B, T, V] float32 when `all_logits` (row b valid in its first len(token_lists[b]) positions),
         else [B, V]: the logits after each row's last token. Mutates the cache: lengths advance by the tokens
         appended (only once the forward has succeeded: a failed one leaves every slot's valid prefix as it was).
+        `extra_vocab`: ids a model with a cut head (`models.vocab_head`) scores besides its own; None for others.
         """
         counts = [len(t) for t in token_lists]
         starts = [self.cache.lengths[s] for s in slots]
@@ -159,6 +161,7 @@ class ModelRunner:
         index = None
         if not all_logits:
             index = torch.tensor(counts).sub(1).unsqueeze(1)  # [B, 1]: each row's last real token
+        extra = {} if extra_vocab is None else {"extra_vocab": extra_vocab}
         logits = self.model(
             tokens.to(self.device),
             positions.to(self.device),
@@ -167,6 +170,7 @@ class ModelRunner:
             num_keys,
             single,
             None if index is None else index.to(self.device),
+            **extra,
         )  # [B, T or 1, V]
         for slot, start, n, row in zip(slots, starts, counts, token_lists):
             self.cache.set_length(slot, start + n)

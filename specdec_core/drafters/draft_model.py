@@ -10,6 +10,7 @@ import torch
 from specdec_core.config import TokenShaping
 from specdec_core.drafters.base import DraftContext, DraftMethod, DraftRequest, Proposal
 from specdec_core.errors import InvalidArgument
+from specdec_core.models.vocab_head import VocabHead, context_ids
 from specdec_core.runner import ModelRunner
 from specdec_core.sampling import mask_logits, processed_probs, sample_from, token_probs
 from specdec_core.sparse_q import SparseQ
@@ -43,7 +44,8 @@ class DraftModelDrafter:
     at an eos: its q is the masked draft's, as exactness requires (`drafters/base.py`). With a
     `confidence_threshold` a row stops after a draft whose q (the plain softmax for greedy rows) is below it,
     as transformers' assisted generation does: a draft the draft model doubts is rarely followed by accepted
-    ones, so its later steps and verify rows are saved.
+    ones, so its later steps and verify rows are saved. A draft whose head is cut (`models.vocab_head`) scores its
+    kept ids plus those of the round's contexts.
     """
 
     name = "draft_model"
@@ -57,6 +59,8 @@ class DraftModelDrafter:
         self.q_support = q_support
         self.confidence_threshold = confidence_threshold
         self._slots: dict[str, int] = {}
+        head = getattr(runner.model, "lm_head", None)
+        self._keep = head.keep if isinstance(head, VocabHead) else None
 
     def start(self, seq_id: str, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
         return self.start_many([(seq_id, prompt_ids, cache_salt)])[0]
@@ -115,12 +119,15 @@ class DraftModelDrafter:
             slot = self._slots[requests[i].seq_id]
             feeds[i] = self._catch_up(slot, self._readable(requests[i].token_ids[self.runner.length(slot) :]))
         advanced = [0] * len(requests)  # drafts each row's grammar was moved along: moved back before returning
+        extra = None if self._keep is None or not rows else context_ids(
+            (requests[i].token_ids for i in rows), self._keep, self.runner.vocab_size)  # [E]
         try:
             step = 0
             while rows:
                 slots = [self._slots[requests[i].seq_id] for i in rows]
                 batch = [requests[i] for i in rows]
-                logits = _masked(self._align(self.runner.extend(slots, [feeds[i] for i in rows])), batch)  # [R, V]
+                logits = self.runner.extend(slots, [feeds[i] for i in rows], extra_vocab=extra)  # [R, Vd]
+                logits = _masked(self._align(logits), batch)  # [R, V]
                 picked, drawn = self._pick(logits, batch, step)
                 picked_probs = _picked_probs(logits, batch, picked, drawn, every_row=self.confidence_threshold > 0)
                 # Rows whose grammar ends with this draft (an eos: nothing after it is committed), and rows the

@@ -201,12 +201,14 @@ class Transformer(nn.Module):
         num_keys: int,  # S: key positions to read, max over rows of (position of last new token + 1)
         single: tuple[int, int] | None = None,  # (slot, first position) when B == 1: lets the cache use views
         logit_index: torch.Tensor | None = None,  # [B, N] which of the T positions need logits; None = all
+        extra_vocab: torch.Tensor | None = None,  # [E] ids a cut head (`vocab_head.VocabHead`) scores besides its own
     ) -> torch.Tensor:  # [B, N, V] float32
         ctx = self._context(tokens, positions, cache, slots, num_keys, single)
         x = self.run_layers(self.layers, self.embed_tokens(tokens), ctx)  # [B, T, D]
         if logit_index is not None:
             x = x.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, N, D]
-        return self.lm_head(self.norm(x)).float()  # [B, N, V]
+        x = self.norm(x)
+        return (self.lm_head(x) if extra_vocab is None else self.lm_head(x, extra_vocab)).float()  # [B, N, V]
 
     def _context(
         self,

@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                          help="int8 weights and activations for the draft (CPU with AVX-512 VNNI or AVX2): "
                               "cheaper drafts, same output; int4: 4-bit weights; auto (default): int8 on AVX-512 VNNI, "
                               "int4 on AVX2, else none")
+    offline.add_argument("--draft-vocabulary", type=int, default=0, metavar="N",
+                         help="the draft's LM head scores only the first N token ids, the special tokens and each "
+                              "request's context's ids; 0 (default): all")
     offline.add_argument("--json", required=True, type=Path, help="where to write the report")
     offline.set_defaults(func=_offline)
     loadgen.register(modes)
@@ -71,6 +74,7 @@ def _offline(args: argparse.Namespace) -> int:
         compare_hf=args.compare_hf,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         draft_quantization=args.draft_quantization,
+        draft_vocabulary=args.draft_vocabulary,
     )
     report = run_offline_bench(config)
     write_report(report, args.json)

@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
         target=args.target, draft=args.draft, max_new_tokens=args.max_new_tokens, prompts=args.prompts,
         sessions=args.sessions, limit=args.num_prompts or args.num_sessions, methods=args.methods,
         temperature=args.temperature, seed=args.seed, dtype=args.dtype, device=args.device,
-        draft_quantization=args.draft_quantization,
+        draft_quantization=args.draft_quantization, draft_vocabulary=args.draft_vocabulary,
         num_speculative_tokens=args.num_speculative_tokens, max_seq_len=args.max_seq_len,
         draft_confidence_thresholds=args.draft_confidence_threshold)
     report = run_methods_bench(config)

@@ -69,6 +69,7 @@ class MethodsBenchConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     draft_quantization: str = "auto"  # none, int8, int4, or auto: what this CPU runs best (`specdec_core.hardware`)
+    draft_vocabulary: int = 0  # the draft head's first N ids plus the contexts' (`models.vocab_head`); 0: all
     num_speculative_tokens: int | str = "auto"
     max_seq_len: int = 4096
     # draft_model and hybrid (`DraftSpec.confidence_threshold`): each such method runs once per value, the first
@@ -147,7 +148,8 @@ def run_methods_bench(config: MethodsBenchConfig) -> dict[str, Any]:
     items = read_workload(config)
     needs_draft = any(m != OFF and registry.resolve(m).runs_draft_model for m in asked)
     target, draft = load_pair(config.target, config.draft if needs_draft else None, dtype=config.dtype,
-                              device=config.device, draft_quantization=config.draft_quantization)
+                              device=config.device, draft_quantization=config.draft_quantization,
+                              draft_vocabulary=config.draft_vocabulary)
     workload = encode_workload(config, items, target.tokenizer)
     names = engine_names(asked, thresholds)
     methods = tuple(names)

@@ -48,6 +48,7 @@ class OfflineBenchConfig:
     prompt_lookup_num_tokens: int = 10
     max_seq_len: int = 4096
     draft_quantization: str = "auto"  # none, int8, int4, or auto: what this CPU runs best (`specdec_core.hardware`)
+    draft_vocabulary: int = 0  # the draft head's first N ids plus the contexts' (`models.vocab_head`); 0: all
 
 
 @dataclass
@@ -140,6 +141,7 @@ def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
     target, draft = load_pair(
         config.target, config.draft, dtype=config.dtype, device=config.device,
         draft_quantization=config.draft_quantization,
+        draft_vocabulary=config.draft_vocabulary,
     )
     prompts = [encode_prompt(target.tokenizer, text) for text in texts]
     params = [
@@ -211,6 +213,7 @@ def _report(config: OfflineBenchConfig, target: LoadedModel, prompts: list[list[
         "target": config.target,
         "draft": config.draft if config.draft is not None else config.method,
         "draft_quantization": config.draft_quantization,
+        "draft_vocabulary": config.draft_vocabulary,
         "dtype": config.dtype,
         "device": config.device,
         "temperature": config.temperature,

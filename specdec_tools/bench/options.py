@@ -10,7 +10,8 @@ from specdec_tools.loadgen.command import non_negative_float, non_negative_int, 
 
 
 def add_run_options(parser: argparse.ArgumentParser, seed_help: str) -> None:
-    """--temperature, --seed, --dtype, --device, --draft-quantization, --num-speculative-tokens, --max-seq-len,
+    """--temperature, --seed, --dtype, --device, --draft-quantization, --draft-vocabulary, --num-speculative-tokens,
+    --max-seq-len,
     --json."""
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=non_negative_int, default=0, help=seed_help)
@@ -20,6 +21,9 @@ def add_run_options(parser: argparse.ArgumentParser, seed_help: str) -> None:
                         help="int8 weights and activations for the draft (CPU with AVX-512 VNNI or AVX2); int4: "
                              "4-bit weights in groups of 32; auto (default, as the service): int8 on AVX-512 VNNI, "
                              "int4 on AVX2, else none")
+    parser.add_argument("--draft-vocabulary", type=non_negative_int, default=0, metavar="N",
+                        help="the draft's LM head scores only the first N token ids (a BPE vocabulary's most "
+                             "frequent), the special tokens and the ids of each request's context; 0 (default): all")
     parser.add_argument("--num-speculative-tokens", default="auto", help="k, or auto")
     parser.add_argument("--max-seq-len", type=positive(int), default=4096,
                         help="tokens per sequence (prompt and output) each engine holds")

@@ -180,6 +180,7 @@ def _offline(config: Any, prompts: Path, max_new_tokens: int, temperature: float
         device=config.target.device,
         num_speculative_tokens=draft.num_speculative_tokens,
         draft_quantization=draft.quantization,
+        draft_vocabulary=draft.vocabulary,
     ))
     return {
         "offline_target_only_tokens_per_s": offline["target_only_tokens_per_s"],

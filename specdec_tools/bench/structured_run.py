@@ -56,6 +56,7 @@ class StructuredBenchConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     draft_quantization: str = "auto"  # none, int8, int4, or auto: what this CPU runs best (`specdec_core.hardware`)
+    draft_vocabulary: int = 0  # the draft head's first N ids plus the contexts' (`models.vocab_head`); 0: all
     num_speculative_tokens: int | str = "auto"
     max_seq_len: int = 4096
     progress: bool = True
@@ -146,7 +147,8 @@ def run_structured_bench(config: StructuredBenchConfig) -> dict[str, Any]:
     items = read_workload(config)
     needs_draft = registry.resolve(config.method).runs_draft_model
     target, draft = load_pair(config.target, config.draft if needs_draft else None, dtype=config.dtype,
-                              device=config.device, draft_quantization=config.draft_quantization)
+                              device=config.device, draft_quantization=config.draft_quantization,
+                              draft_vocabulary=config.draft_vocabulary)
     requests = [encode(item, target.tokenizer) for item in items]
     engines = build_engines(config, target, draft)
     check_fits(requests, engines[CONSTRAINED_PLAIN].target.max_seq_len, config.max_new_tokens)

@@ -33,6 +33,7 @@ def test_unknown_keys_are_named():
         ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_max_depth": 1}}, "draft.suffix_max_depth"),
         ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_min_prob": 2}}, "draft.suffix_min_prob"),
         ({"target": {"model": "m"}, "draft": {"model": "d", "confidence_threshold": 1.0}}, "draft.confidence_threshold"),
+        ({"target": {"model": "m"}, "draft": {"model": "d", "vocabulary": -1}}, "draft.vocabulary"),
         ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_max_depth": 8, "suffix_min_match": 5}}, "suffix_min_match"),
         ({"target": {"model": "m"}, "internal_tls": False, "internal_tls_dir": "/etc/specdec/tls"}, "internal_tls_dir"),
         ({"target": {"model": "m"}, "internal_tls": "sometimes"}, "internal_tls"),

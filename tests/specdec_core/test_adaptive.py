@@ -416,3 +416,47 @@ def test_a_free_proposal_is_weighed_per_row():
     expected = est.expected_tokens(16)
     assert choice.k > 0 and choice.free
     assert policy.takes_free(expected, choice.k, offers[0]) and not policy.takes_free(expected, choice.k, offers[1])
+
+
+def _drive(policy: AdaptivePolicy, costs: CostModel, est: AcceptanceEstimate, rounds: int,
+           true_draft: float, true_verify: float) -> list[int]:
+    """`rounds` rounds at batch size 1: the k chosen each round, each round's costs observed at their true values
+    (a draft call of k steps k * true_draft; a verify of t tokens true_verify * (1 + 0.05 * (t - 1)))."""
+    chosen = []
+    for _ in range(rounds):
+        k = policy.choose_round([(est, None)], costs, 1).k
+        if k:
+            costs.observe_draft(1, k, true_draft * k)
+        costs.observe_verify(1, k + 1, true_verify * (1 + 0.05 * (k + 1 - 1)))
+        chosen.append(k)
+    return chosen
+
+
+def test_costs_measured_in_a_slow_moment_are_measured_again_and_k_recovers():
+    """Calibration ran while the machine was three times slower for k >= 2 (as when another process took the
+    cores): k = 1 looks best, and only k = 1 is measured from then on. Without a second look the larger k would
+    never be tried again; once their costs are stale they are measured again, replaced, and k goes back up."""
+    policy, costs, est = AdaptivePolicy(max_k=4), CostModel(stale_after=64), _estimate(0.9)
+    for _ in range(policy.explore_samples):
+        for k in range(1, 5):
+            slow = 1.0 if k == 1 else 3.0
+            costs.observe_draft(1, k, 0.02 * k * slow)
+            costs.observe_verify(1, k + 1, 0.1 * (1 + 0.05 * k) * slow)
+        costs.observe_verify(1, 1, 0.1)
+    chosen = _drive(policy, costs, est, 60, 0.02, 0.1)
+    assert set(chosen) == {1}  # fresh enough: judged by what was measured
+    chosen = _drive(policy, costs, est, 200, 0.02, 0.1)
+    assert {2, 3, 4} <= set(chosen[:20])  # each stale k measured once
+    assert chosen[-100:].count(4) > 90  # the true costs make k = 4 best; a refresh every 64 rounds per k
+
+
+def test_a_stale_cost_is_replaced_not_averaged():
+    costs = CostModel(stale_after=4)
+    costs.observe_draft(1, 2, 0.3)
+    costs.observe_draft(1, 2, 0.1)
+    assert costs.draft[1][2] == pytest.approx(0.3 + 0.2 * (0.1 - 0.3))  # fresh: averaged
+    for _ in range(5):
+        costs.observe_verify(1, 1, 0.1)
+    assert costs.stale_k(1, 4) == 2
+    costs.observe_draft(1, 2, 0.1)
+    assert costs.draft[1][2] == 0.1 and costs.stale_k(1, 4) is None

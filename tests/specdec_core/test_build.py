@@ -37,3 +37,10 @@ def test_a_method_that_runs_a_draft_model_refuses_to_build_without_one(tiny_targ
         build_engine(tiny_target, None, DraftSpec("draft_model"), runner_config=RUNNER)
     with pytest.raises(InvalidArgument, match="draft.method"):
         build_engine(tiny_target, None, DraftSpec("beam"), runner_config=RUNNER)
+
+
+def test_a_negative_draft_vocabulary_is_refused(tiny_dir):
+    from specdec_core.build import prepare_model
+
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        prepare_model(tiny_dir / "draft", dtype="float32", vocabulary=-1)

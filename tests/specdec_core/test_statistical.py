@@ -8,6 +8,7 @@ test run on deliberately broken samplers must reject them: that is what shows it
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -17,6 +18,7 @@ from scipy.stats import chisquare
 from specdec_core import target as target_module
 from specdec_core import rejection
 from specdec_core.config import SamplingParams
+from specdec_core.models.vocab_head import cut_vocabulary
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.sampling import processed_probs
 from tests.helpers import make_engine, perturbed
@@ -116,6 +118,16 @@ def test_sampling_with_drafts_stopped_by_the_drafts_confidence_matches_the_targe
     stopped = sum(n == 1 for n in lengths) / len(lengths)
     assert 0.1 < stopped < 0.9, stopped  # some proposals were cut to one draft, others ran to k = 2
     assert 0.2 < acceptance < 0.95, acceptance
+    assert _p_value(counts, law) > 1e-3
+
+
+def test_sampling_with_a_cut_draft_head_matches_the_target(tiny_target, draft, law):
+    """A draft head scoring only ids below 192 and the context's (`models.vocab_head`): its q is 0 on the
+    target's likeliest tokens until they appear in the output, so many drafts differ; the law is still p's."""
+    cut = copy.deepcopy(draft)
+    assert cut_vocabulary(cut, 192, ())
+    counts, acceptance = _sample(tiny_target, cut)
+    assert 0.1 < acceptance < 0.9, acceptance
     assert _p_value(counts, law) > 1e-3
 
 

@@ -189,3 +189,29 @@ def test_a_confidence_threshold_outside_0_1_is_refused(tiny_target):
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="confidence_threshold"):
             DraftModelDrafter(runner, runner.vocab_size, confidence_threshold=bad)
+
+
+def test_a_cut_head_drafts_from_its_kept_ids_and_the_contexts_only(tiny_target):
+    """A draft whose head keeps 64 ids (`models.vocab_head`) draws from a q over those, its special ids and the ids
+    of the round's contexts: q is 0 elsewhere, and the drafts come from it."""
+    import copy
+
+    from specdec_core.models.vocab_head import cut_vocabulary
+
+    model = copy.deepcopy(tiny_target.model)
+    vocab = model.vocab_size
+    assert cut_vocabulary(model, 64, [vocab - 1])
+    drafter = _drafter(model)
+    context = [5, 300, 6, 7, 250]
+    drafter.start("s", context)
+    uniform = torch.rand(4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    (proposal,) = drafter.propose([DraftRequest("s", context, 4, TokenShaping(temperature=1.0), uniform)])
+    dense = proposal.q.dense(vocab)  # [k, V]
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    allowed[:64] = True
+    allowed[[250, 300, vocab - 1]] = True
+    assert (dense[:, ~allowed] == 0).all() and (dense[:, [250, 300]] > 0).all()
+    assert all(dense[i, t] > 0 for i, t in enumerate(proposal.token_ids))
+    drafter.observe("s", len(context))  # none of those drafts committed
+    greedy = drafter.propose([_request("s", context, k=4)])[0].token_ids
+    assert all(allowed[t] for t in greedy)

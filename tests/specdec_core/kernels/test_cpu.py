@@ -441,17 +441,24 @@ def test_a_prefill_from_cached_positions_gives_a_full_prefills_logits_bit_for_bi
         assert torch.equal(runner.extend([slot], [rest], all_logits=True)[0], want)
 
 
+@pytest.mark.parametrize("vocabulary", [0, 128])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_greedy_speculation_with_a_quantized_draft_is_exact_in_bf16(tiny_dir, quantization):
+def test_greedy_speculation_with_a_quantized_draft_is_exact_in_bf16(tiny_dir, quantization, vocabulary):
+    """Also with the draft's head cut to its first 128 ids and the contexts' (`models.vocab_head`): the kept
+    rows go to the same kernel as every other linear layer."""
     from specdec_core.build import DraftSpec, build_engine, load_pair
     from specdec_core.config import SamplingParams
+    from specdec_core.models.vocab_head import VocabHead
     from tests.helpers import run_to_completion
 
     if quantization == "int8" and not cpu.load_library().specdec_has_int8():
         pytest.skip("AVX-512 kernels have the int8 draft kernel only with VNNI")
-    target, draft = load_pair(str(tiny_dir / "target"), str(tiny_dir / "target"), draft_quantization=quantization)
+    target, draft = load_pair(str(tiny_dir / "target"), str(tiny_dir / "target"), draft_quantization=quantization,
+                              draft_vocabulary=vocabulary)
     layer = {"int8": cpu.Int8CPULinear, "int4": cpu.Int4CPULinear}[quantization]
     assert any(isinstance(m, layer) for m in draft.model.modules())
+    head = draft.model.lm_head
+    assert (type(head) is VocabHead and type(head.head) is layer) == (vocabulary > 0)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompt = target.tokenizer("def add(a, b):")["input_ids"]
     plain = run_to_completion(build_engine(target, None, DraftSpec(method="none")), [("r", prompt, params, 0)])
