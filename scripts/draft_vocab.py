@@ -76,7 +76,7 @@ def teacher_forced(model: Any, requests: Sequence[Any]) -> tuple[torch.Tensor, t
 def agreements(report_path: Path, draft: str, keeps: Sequence[int], group: str | None) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "scripts"))
     import tree_verify_gain as replayed
-    from specdec_core.build import _special_ids
+    from specdec_core.build import special_ids
     from specdec_core.models.loader import load_model, load_tokenizer
 
     report = json.loads(report_path.read_text())
@@ -86,7 +86,7 @@ def agreements(report_path: Path, draft: str, keeps: Sequence[int], group: str |
     loaded = load_model(draft, dtype="float32")
     model = loaded.model.eval()
     hidden, targets, contexts = teacher_forced(model, requests)
-    weight, always = model.lm_head.weight.detach(), sorted(_special_ids(loaded))
+    weight, always = model.lm_head.weight.detach(), sorted(special_ids(loaded))
     rows: dict[str, Any] = {"whole head": agreement(hidden, weight, targets, contexts, None, always, False)}
     for keep in keeps:
         rows[f"{keep} + context"] = agreement(hidden, weight, targets, contexts, keep, always, True)

@@ -48,7 +48,7 @@ def prepare_model(
     if vocabulary < 0:
         raise InvalidArgument("vocabulary", f"must be >= 0 (0: the whole vocabulary), got {vocabulary}")
     loaded = load_model(source, dtype=dtype, device=device)
-    if vocabulary and cut_vocabulary(loaded.model, vocabulary, _special_ids(loaded)):
+    if vocabulary and cut_vocabulary(loaded.model, vocabulary, special_ids(loaded)):
         log.debug("draft head: the first %d ids, the special tokens and the contexts'", loaded.model.lm_head.keep)
     if shard is not None:
         shard_model(loaded.model, *shard)
@@ -62,7 +62,7 @@ def prepare_model(
     return loaded
 
 
-def _special_ids(loaded: LoadedModel) -> set[int]:
+def special_ids(loaded: LoadedModel) -> set[int]:
     """Ids a cut head always scores: end-of-turn and other special or added tokens, wherever they are numbered."""
     tokenizer = loaded.tokenizer
     ids = set(loaded.eos_token_ids) | set(getattr(tokenizer, "all_special_ids", ()))

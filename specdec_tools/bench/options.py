@@ -11,8 +11,7 @@ from specdec_tools.loadgen.command import non_negative_float, non_negative_int, 
 
 def add_run_options(parser: argparse.ArgumentParser, seed_help: str) -> None:
     """--temperature, --seed, --dtype, --device, --draft-quantization, --draft-vocabulary, --num-speculative-tokens,
-    --max-seq-len,
-    --json."""
+    --max-seq-len, --json."""
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=non_negative_int, default=0, help=seed_help)
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")

@@ -41,7 +41,8 @@ def main(args: argparse.Namespace) -> int:
         target=args.target, draft=args.draft, method=args.method, prompts=args.prompts,
         max_new_tokens=args.max_new_tokens, limit=args.num_prompts, temperature=args.temperature, seed=args.seed,
         dtype=args.dtype, device=args.device, draft_quantization=args.draft_quantization,
-        draft_vocabulary=args.draft_vocabulary,        num_speculative_tokens=args.num_speculative_tokens, max_seq_len=args.max_seq_len)
+        draft_vocabulary=args.draft_vocabulary, num_speculative_tokens=args.num_speculative_tokens,
+        max_seq_len=args.max_seq_len)
     report = run_structured_bench(config)
     write_report(report, args.json)
     print(format_table(report))

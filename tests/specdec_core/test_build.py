@@ -44,3 +44,15 @@ def test_a_negative_draft_vocabulary_is_refused(tiny_dir):
 
     with pytest.raises(InvalidArgument, match="vocabulary"):
         prepare_model(tiny_dir / "draft", dtype="float32", vocabulary=-1)
+
+
+def test_a_cut_draft_head_always_scores_the_special_tokens(tiny_dir):
+    from specdec_core.build import prepare_model, special_ids
+    from specdec_core.models.vocab_head import VocabHead
+
+    draft = prepare_model(tiny_dir / "draft", dtype="float32", vocabulary=64)
+    specials = special_ids(draft)
+    assert set(draft.eos_token_ids) | set(draft.tokenizer.all_special_ids) <= specials
+    head = draft.model.lm_head
+    assert type(head) is VocabHead and head.keep == 64
+    assert set(head.always.tolist()) == {i for i in specials if 64 <= i < head.vocab_size}
