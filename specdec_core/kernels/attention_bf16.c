@@ -10,8 +10,12 @@
  * so a token's attention output is bit for bit the same in plain decoding and in verification.
  *
  * The query rows that read the same KV head (the G heads of a group, for each of the T new tokens) are taken
- * up to ROWS at a time: each key and value vector is loaded and widened once for all of them instead of once
- * per row. That changes which rows share a load, never the operations a row's result goes through.
+ * together, up to TILE at a time: the keys and values are read in blocks of KB, each block widened to fp32 once
+ * into a small scratch that stays in L1, and then used by every row of the tile. A verify of T tokens thus reads
+ * and widens the cache once, as decoding does, instead of once per few rows. Each row takes KB keys at a time:
+ * KB independent dot products (no chain of dependent multiply-adds a key), summed across their lanes together
+ * (`sum_each`, one transposed reduction instead of one per key). Which rows share a tile changes only which loads
+ * they share, never the operations a row's result goes through.
  *
  * Layouts: q, out [B, T, H, D] bf16 contiguous; kc, vc [num_slots, Hkv, capacity, D] bf16. D % 16 == 0.
  * Vectors of `VEC` fp32 lanes (16 with AVX-512, 8 with AVX2: `bf16.h`).
@@ -22,34 +26,38 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 
 #define MAX_D 256
-#define ROWS 6  /* query rows per tile: their accumulators (ROWS x 2 vectors) stay in AVX2's 16 registers */
+#define KB 8     /* keys per block: one 8-lane vector of scores per row */
+#define TILE 32  /* query rows per tile at most: their scores (TILE x keys) stay in L2 */
 
-/* The values' pass for one chunk of NV vectors of d (at offset d) over all the tile's rows. */
-#define VALUES(NV)                                                                                      \
-    {                                                                                                   \
-        vec_t acc[ROWS][NV];                                                                            \
-        for (int r = 0; r < ROWS; r++)                                                                  \
-            for (int c = 0; c < NV; c++) acc[r][c] = vec_zero();                                        \
-        for (int64_t s = 0; s < most; s++) {                                                            \
-            vec_t vv[NV];                                                                               \
-            for (int c = 0; c < NV; c++) vv[c] = vec_load_bf16(v + s * D + d + c * VEC);                \
-            _Pragma("GCC unroll 8")                                                                     \
-            for (int r = 0; r < ROWS; r++)                                                              \
-                if (r < rows && s < n_keys[r]) {                                                        \
-                    vec_t p = vec_set1(scores[r * capacity + s]);                                       \
-                    for (int c = 0; c < NV; c++) acc[r][c] = vec_fmadd(p, vv[c], acc[r][c]);            \
-                }                                                                                       \
-        }                                                                                               \
-        float tmp[NV * VEC];                                                                            \
-        for (int r = 0; r < rows; r++) {                                                                \
-            for (int c = 0; c < NV; c++) vec_store(tmp + c * VEC, vec_div(acc[r][c], vec_set1(sums[r])));\
-            for (int i = 0; i < NV * VEC; i++) out[r][d + i] = float_to_bf16(tmp[i]);                   \
-        }                                                                                               \
+/* Lane j of the result: the sum of a[j]'s lanes, for j < 8, each by the same tree ((0+1)+(2+3))+((4+5)+(6+7))
+ * over 8 lanes (an AVX-512 accumulator first adds its upper 8 lanes onto its lower). */
+static inline __m256 sum_each(const vec_t a[KB]) {
+    __m256 h[KB];
+    for (int j = 0; j < KB; j++) {
+#ifdef SPECDEC_AVX512
+        h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
+#else
+        h[j] = a[j];
+#endif
     }
+    __m256 p01 = _mm256_hadd_ps(h[0], h[1]), p23 = _mm256_hadd_ps(h[2], h[3]);
+    __m256 p45 = _mm256_hadd_ps(h[4], h[5]), p67 = _mm256_hadd_ps(h[6], h[7]);
+    __m256 q03 = _mm256_hadd_ps(p01, p23), q47 = _mm256_hadd_ps(p45, p67); /* halves of a0..a3, a4..a7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(q03, q47, 0x20), _mm256_permute2f128_ps(q03, q47, 0x31));
+}
+
+/* Keys (or values) [s0, s0 + n) of one head, widened into f [KB, D]; rows n..KB-1 zero. */
+static void widen_block(const uint16_t *src, float *f, int64_t s0, int n, int64_t D) {
+    for (int j = 0; j < n; j++)
+        for (int64_t d = 0; d < D; d += VEC) vec_store(f + j * D + d, vec_load_bf16(src + (s0 + j) * D + d));
+    if (n < KB) memset(f + n * D, 0, sizeof(float) * (size_t)(KB - n) * (size_t)D);
+}
 
 /* row[s] = exp(row[s] - max) for s < n, in place; returns their sum. Vectorised (`vec_exp`): one expf per key
  * and row cost a verify of 17 tokens about as much as the score and value passes. The sum is taken lane-wise and
@@ -80,32 +88,71 @@ static float softmax_row(float *row, int64_t n) {
     return vec_sum(total);
 }
 
-/* One tile: `rows` query rows of one KV head, row r reading keys [0, n_keys[r]). qf [ROWS, D] fp32 (the rows'
- * queries, widened); scores [ROWS, capacity] scratch; out[r] the row's output. */
-static void attend_tile(const float *qf, const uint16_t *k, const uint16_t *v, uint16_t *const *out,
-                        const int64_t *n_keys, int rows, int64_t D, int64_t capacity, float scale, float *scores) {
+/* acc[d..] += sum_{j < m} p[j] * vf[j, d..] for NV vectors of d, key by key (a row's sum over s is in key order). */
+#define ADD_VALUES(NV)                                                                                  \
+    for (int64_t d = 0; d < D; d += (NV) * VEC) {                                                       \
+        vec_t a[NV];                                                                                    \
+        for (int c = 0; c < (NV); c++) a[c] = vec_load(acc + d + c * VEC);                              \
+        for (int j = 0; j < m; j++) {                                                                   \
+            vec_t pj = vec_set1(p[j]);                                                                  \
+            _Pragma("GCC unroll 8")                                                                     \
+            for (int c = 0; c < (NV); c++) a[c] = vec_fmadd(pj, vec_load(vf + j * D + d + c * VEC), a[c]); \
+        }                                                                                               \
+        for (int c = 0; c < (NV); c++) vec_store(acc + d + c * VEC, a[c]);                              \
+    }
+
+/* Per-thread scratch: the tile's queries qf [TILE, D], its output sums acc [TILE, D], its scores
+ * [TILE, stride], one block of widened keys or values [KB, D]. */
+typedef struct {
+    float *qf, *acc, *scores, *block;
+    int64_t stride;
+} scratch_t;
+
+/* One tile: `rows` query rows of one KV head, row r reading keys [0, n_keys[r]). */
+static void attend_tile(const scratch_t *w, const uint16_t *k, const uint16_t *v, uint16_t *const *out,
+                        const int64_t *n_keys, int rows, int64_t D, float scale) {
     int64_t most = 0;
     for (int r = 0; r < rows; r++) most = n_keys[r] > most ? n_keys[r] : most;
-    /* Scores: for each key, its vector widened once, then each row's dot product in d order. */
-    for (int64_t s = 0; s < most; s++) {
-        vec_t acc[ROWS];
-        for (int r = 0; r < ROWS; r++) acc[r] = vec_zero();
-        for (int64_t d = 0; d < D; d += VEC) {
-            vec_t kv = vec_load_bf16(k + s * D + d);
-            _Pragma("GCC unroll 8")
-            for (int r = 0; r < ROWS; r++)
-                if (r < rows) acc[r] = vec_fmadd(vec_load(qf + r * D + d), kv, acc[r]);
+    /* Scores, KB keys at a time for every row. Keys past a row's own count are scored and never read. */
+    for (int64_t s0 = 0; s0 < most; s0 += KB) {
+        widen_block(k, w->block, s0, most - s0 < KB ? (int)(most - s0) : KB, D);
+        for (int r = 0; r < rows; r++) {
+            vec_t a[KB];
+            for (int j = 0; j < KB; j++) a[j] = vec_zero();
+            for (int64_t d = 0; d < D; d += VEC) {
+                vec_t qv = vec_load(w->qf + r * D + d);
+                _Pragma("GCC unroll 8")
+                for (int j = 0; j < KB; j++) a[j] = vec_fmadd(qv, vec_load(w->block + j * D + d), a[j]);
+            }
+            _mm256_storeu_ps(w->scores + r * w->stride + s0, _mm256_mul_ps(sum_each(a), _mm256_set1_ps(scale)));
         }
-        for (int r = 0; r < rows; r++)
-            if (s < n_keys[r]) scores[r * capacity + s] = vec_sum(acc[r]) * scale;
     }
-    float sums[ROWS];
-    for (int r = 0; r < rows; r++) sums[r] = softmax_row(scores + r * capacity, n_keys[r]);
-    /* Values: NV vectors of d at a time, each value vector widened once for every row still reading it. */
-    if (D % (2 * VEC) == 0)
-        for (int64_t d = 0; d < D; d += 2 * VEC) VALUES(2)
-    else
-        for (int64_t d = 0; d < D; d += VEC) VALUES(1)
+    float sums[TILE];
+    for (int r = 0; r < rows; r++) sums[r] = softmax_row(w->scores + r * w->stride, n_keys[r]);
+    /* Values, KB keys at a time, added into each row's sums in key order. */
+    memset(w->acc, 0, sizeof(float) * (size_t)rows * (size_t)D);
+    for (int64_t s0 = 0; s0 < most; s0 += KB) {
+        const float *vf = w->block;
+        widen_block(v, w->block, s0, most - s0 < KB ? (int)(most - s0) : KB, D);
+        for (int r = 0; r < rows; r++) {
+            int64_t left = n_keys[r] - s0;
+            int m = left < KB ? (int)left : KB;
+            float *acc = w->acc + r * D;
+            const float *p = w->scores + r * w->stride + s0;
+            if (D % (8 * VEC) == 0) ADD_VALUES(8)
+            else if (D % (4 * VEC) == 0) ADD_VALUES(4)
+            else if (D % (2 * VEC) == 0) ADD_VALUES(2)
+            else ADD_VALUES(1)
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        vec_t total = vec_set1(sums[r]);
+        float tmp[VEC];
+        for (int64_t d = 0; d < D; d += VEC) {
+            vec_store(tmp, vec_div(vec_load(w->acc + r * D + d), total));
+            for (int i = 0; i < VEC; i++) out[r][d + i] = float_to_bf16(tmp[i]);
+        }
+    }
 }
 
 int specdec_attention_max_head_dim(void) { return MAX_D; }
@@ -114,11 +161,13 @@ int specdec_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t
                            const int64_t *starts, uint16_t *out, int64_t B, int64_t T, int64_t H, int64_t Hkv,
                            int64_t D, int64_t capacity, float scale, int nthreads) {
     if (D > MAX_D) return EINVAL; /* the caller checks `specdec_attention_max_head_dim` */
-    if ((uint64_t)capacity > SIZE_MAX / sizeof(float) / ROWS) return ENOMEM; /* the scratch size would wrap around */
+    /* Scores rows hold whole blocks of keys; a size that would wrap around is a failed allocation. */
+    if ((uint64_t)capacity > SIZE_MAX / sizeof(float) / TILE - KB) return ENOMEM;
+    int64_t stride = (capacity + KB - 1) / KB * KB;
     int64_t group = H / Hkv, per_head = T * group;
-    /* Tiles of at most ROWS rows, evenly filled, and enough of them to give every thread work (down to one row
+    /* Tiles of at most TILE rows, evenly filled, and enough of them to give every thread work (down to one row
      * a tile, as on a many-core CPU decoding one sequence). */
-    int64_t tiles = (per_head + ROWS - 1) / ROWS;
+    int64_t tiles = (per_head + TILE - 1) / TILE;
     while (B * Hkv * tiles < nthreads && tiles < per_head) tiles++;
     int64_t base = per_head / tiles, extra = per_head % tiles;
     int failed = 0;
@@ -126,9 +175,11 @@ int specdec_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t
     {
         /* Scratch per thread. A thread whose allocation fails still takes part in the work-sharing loop (every
          * thread of the team must reach it) but skips its tiles; the caller gets ENOMEM, never a NULL write. */
-        float *scores = malloc(sizeof(float) * ROWS * (size_t)(capacity > 0 ? capacity : 1));
-        float *qf = aligned_alloc(64, sizeof(float) * ROWS * MAX_D);
-        if (scores == NULL || qf == NULL) {
+        scratch_t w = {aligned_alloc(64, sizeof(float) * TILE * MAX_D), aligned_alloc(64, sizeof(float) * TILE * MAX_D),
+                       malloc(sizeof(float) * TILE * (size_t)stride), aligned_alloc(64, sizeof(float) * KB * MAX_D),
+                       stride};
+        int ok = w.qf != NULL && w.acc != NULL && w.scores != NULL && w.block != NULL;
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -136,23 +187,25 @@ int specdec_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t
         for (int64_t b = 0; b < B; b++)
             for (int64_t kvh = 0; kvh < Hkv; kvh++)
                 for (int64_t tile = 0; tile < tiles; tile++) {
-                    if (scores == NULL || qf == NULL) continue;
+                    if (!ok) continue;
                     /* rows j = t * group + g of this head: query head kvh * group + g of new token t */
                     int64_t rows = base + (tile < extra), first = tile * base + (tile < extra ? tile : extra);
-                    uint16_t *outs[ROWS];
-                    int64_t n_keys[ROWS];
+                    uint16_t *outs[TILE];
+                    int64_t n_keys[TILE];
                     for (int r = 0; r < rows; r++) {
                         int64_t t = (first + r) / group, h = kvh * group + (first + r) % group;
                         int64_t row = ((b * T + t) * H + h) * D;
-                        for (int64_t d = 0; d < D; d += VEC) vec_store(qf + r * D + d, vec_load_bf16(q + row + d));
+                        for (int64_t d = 0; d < D; d += VEC) vec_store(w.qf + r * D + d, vec_load_bf16(q + row + d));
                         outs[r] = out + row;
                         n_keys[r] = starts[b] + t + 1;
                     }
                     int64_t kv = (slots[b] * Hkv + kvh) * capacity * D;
-                    attend_tile(qf, kc + kv, vc + kv, outs, n_keys, (int)rows, D, capacity, scale, scores);
+                    attend_tile(&w, kc + kv, vc + kv, outs, n_keys, (int)rows, D, scale);
                 }
-        free(scores);
-        free(qf);
+        free(w.qf);
+        free(w.acc);
+        free(w.scores);
+        free(w.block);
     }
     return failed ? ENOMEM : 0;
 }

@@ -95,7 +95,7 @@ class QuantLayers:
             return self._fallback(layers, x, ctx)
         positions, slots, starts = self._attention.rows(ctx)
         keys, values, dims = self._cache_pointers(ctx.cache)
-        x = x.contiguous().clone()  # [B, T, D]: updated in place
+        x = x.clone(memory_format=torch.contiguous_format)  # [B, T, D], one dense copy: updated in place
         self._lib.specdec_layers_quant(
             ctypes.addressof(self._layers), ctypes.addressof(keys), ctypes.addressof(values), len(self._layers),
             ctypes.addressof(dims), x.data_ptr(), positions.data_ptr(), slots.data_ptr(), starts.data_ptr(), B, T,
