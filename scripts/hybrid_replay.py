@@ -30,10 +30,17 @@ The calibration rows put the replay's `draft_model` and `hybrid` beside the repo
 Sensitivity: the best `hybrid` rule again with every draft forward scaled by a factor, and with the verify's
 cost beyond one token scaled, to say which cost would have to fall, and by how much, for a target speedup.
 
+Limits (`--limits`, a `cpu_limits.py` report of the same machine): every rule again with both costs at what the
+CPU allows at most, each never above what was measured: a draft forward at the time its 4-bit weights take to
+read from memory (attention, norms and compute free), a verify's tokens past the first at the fp32 multiply-add
+peak (2 flops a weight a token, the LM head included). No kernel can beat these, so a rule that stays below a
+target here cannot reach it on this machine by faster kernels alone.
+
     PYTHONPATH=.:proto python scripts/kernel_costs.py --only target-kernels,draft-int4 \
         --target-widths 1,2,3,4,5,6,7,9,13,17 --draft-widths 1,2,3 --json COSTS
+    PYTHONPATH=.:proto python scripts/cpu_limits.py --json LIMITS
     PYTHONPATH=.:proto python scripts/hybrid_replay.py --report docs/bench/methods_sessions_avx2_int4_int8rows_2.json \
-        --costs COSTS --json docs/bench/hybrid_replay_sessions_avx2.json
+        --costs COSTS --limits LIMITS --json docs/bench/hybrid_replay_sessions_avx2.json
 """
 
 from __future__ import annotations
@@ -94,8 +101,9 @@ class Tally:
         return round(plain_ms * self.tokens / self.ms, 3)
 
 
-def teacher_forced(requests: Sequence[replayed.Replayed], quantization: str) -> list[Drafts]:
-    """The draft's top token and its probability at every output position, one forward per request."""
+def teacher_forced(requests: Sequence[replayed.Replayed], quantization: str) -> tuple[list[Drafts], int]:
+    """The draft's top token and its probability at every output position, one forward per request; and the bytes
+    of quantized weights a draft step reads (`step_bytes`)."""
     os.environ["SPECDEC_DISABLE_INT8_ROWS"] = "1"  # the 4-bit kernel, as single draft steps run (rows independent)
     import torch
 
@@ -116,7 +124,39 @@ def teacher_forced(requests: Sequence[replayed.Replayed], quantization: str) -> 
         top = logits.softmax(-1).max(-1)  # values, indices: [n] each
         right = (top.indices == torch.tensor(r.output[1:])).tolist()
         out.append(Drafts(right, top.values.tolist()))
-    return out
+    return out, step_bytes(draft)
+
+
+def step_bytes(model: Any) -> int:
+    """Bytes of quantized weights (and their biases) a step of `model` reads: every weight of its linear layers
+    once, the LM head included; the embedding gives one row a token, and second copies kept for calls of many rows
+    (`fbgemm_rows`) are not read by a step."""
+    from specdec_core.kernels.cpu import Int4CPULinear, Int8CPULinear
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (Int4CPULinear, Int8CPULinear)):
+            total += module.qweight.numel() * module.qweight.element_size()
+            total += 0 if module.bias is None else module.bias.numel() * module.bias.element_size()
+    return total
+
+
+def flops_per_token(args: Any) -> float:
+    """2 flops (a multiply and an add) per weight of the linear layers, the LM head included, for one token."""
+    attention = args.hidden_size * (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+    attention += args.num_heads * args.head_dim * args.hidden_size
+    mlp = 3 * args.hidden_size * args.intermediate_size
+    return 2.0 * (args.num_layers * (attention + mlp) + args.vocab_size * args.hidden_size)
+
+
+def limit_costs(costs: Costs, read_gbs: float, fma_gflops: float, draft_bytes: int, target_flops: float) -> Costs:
+    """`costs` at what the CPU allows: a draft forward at its weights' read time, a verify's tokens past the first
+    at the multiply-add peak; never above what was measured."""
+    draft_ms = draft_bytes / (read_gbs * 1e9) * 1e3
+    token_ms = target_flops / (fma_gflops * 1e9) * 1e3
+    one = costs.verify(1)
+    return replace(costs, draft=lambda w: min(costs.draft(w), draft_ms),
+                   verify=lambda w: min(costs.verify(w), one + token_ms * (w - 1)))
 
 
 def cost_curve(ms: dict[str, float]) -> Callable[[int], float]:
@@ -211,7 +251,36 @@ def format_table(result: dict[str, Any]) -> str:
               f"{r['ms_per_token']:.1f} ms/token" for name, r in result["rules"].items()]
     for what, row in result["sensitivity"].items():
         lines.append(f"  {result['best_hybrid']} with {what} x " + ", ".join(f"{f}: {s:.3f}x" for f, s in row.items()))
+    if "limits" in result:
+        limits = result["limits"]
+        lines.append(f"  at the CPU's limits ({limits['read_gbs']:.1f} GB/s read, {limits['fma_gflops']:.0f} GFLOP/s): "
+                     f"draft forward {limits['draft_forward_ms']:.1f} ms, verify of 1/2/5/9/17 "
+                     + "/".join(f"{ms:.0f}" for ms in limits["verify_ms"].values()) + " ms")
+        lines += [f"    {name:22s} {r['decode_speedup']:.3f}x  {r['tokens_per_round']:.2f} tok/round"
+                  for name, r in limits["rules"].items()]
+        lines.append(f"    {limits['best_hybrid']} with only one cost at its limit: " + ", ".join(
+            f"{what} {x:.3f}x" for what, x in limits["best_hybrid_one_limit"].items()))
     return "\n".join(lines)
+
+
+def at_limits(limits: dict[str, Any], drafts: Sequence[Drafts], offers: Sequence[list[list[int]]], costs: Costs,
+              plain_ms: float, draft_bytes: int) -> dict[str, Any]:
+    """Every rule with both costs at the CPU's limits (`limit_costs`); plain decoding keeps its measured cost."""
+    from specdec_core.models.families import args_from_hf_config
+    from specdec_core.models.loader import resolve_source
+
+    config = json.loads((resolve_source(replayed.TARGET) / "config.json").read_text())
+    flops = flops_per_token(args_from_hf_config(config))
+    limited = limit_costs(costs, limits["read_gbs"], limits["fma_gflops"], draft_bytes, flops)
+    rules = speedups(drafts, offers, limited, plain_ms)
+    best = max((n for n in rules if n.startswith("hybrid")), key=lambda n: rules[n]["decode_speedup"])
+    alone = {"draft_forward": replace(costs, draft=limited.draft), "verify": replace(costs, verify=limited.verify)}
+    return {"read_gbs": limits["read_gbs"], "fma_gflops": limits["fma_gflops"], "draft_bytes": draft_bytes,
+            "target_flops_per_token": flops, "draft_forward_ms": round(limited.draft(1), 2),
+            "verify_ms": {w: round(limited.verify(w), 1) for w in (1, 2, 5, 9, 17)}, "rules": rules,
+            "best_hybrid": best,
+            "best_hybrid_one_limit": {what: replay(drafts, offers, one, *RULES[best]).speedup(plain_ms)
+                                      for what, one in alone.items()}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -225,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the engine's own time per speculative round, besides the models' forwards")
     parser.add_argument("--plain-round-ms", type=float, default=5.0,
                         help="the engine's own time per plain round, besides the target's forward")
+    parser.add_argument("--limits", type=Path, help="a `cpu_limits.py` report of this machine: also replay every "
+                        "rule with the draft forward and the verify's extra tokens at the CPU's limits")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -241,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     requests = rebuild(report, load_tokenizer(replayed.TARGET).tokenizer)
     scored = [i for i, r in enumerate(requests) if group == "all" or r.group == group]
     offers = hybrid_ceiling.suffix_accepted(requests)  # in order: the global structure learns from every request
-    drafts = teacher_forced([requests[i] for i in scored], args.quantization)
+    drafts, draft_bytes = teacher_forced([requests[i] for i in scored], args.quantization)
     offers = [offers[i] for i in scored]
     plain_ms = costs.verify(1) + args.plain_round_ms
     rules = speedups(drafts, offers, costs, plain_ms)
@@ -251,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "draft_top1_rate": round(sum(sum(d.right) for d in drafts) / sum(len(d.right) for d in drafts), 4),
               "measured": measured(report, group), "rules": rules, "best_hybrid": best,
               "sensitivity": sensitivity(drafts, offers, costs, plain_ms, best), "target_speedup": TARGET_SPEEDUP}
+    if args.limits is not None:
+        result["limits"] = at_limits(json.loads(args.limits.read_text()), drafts, offers, costs, plain_ms, draft_bytes)
     print(format_table(result))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

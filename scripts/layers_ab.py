@@ -1,10 +1,14 @@
-"""A quantized draft's forward of w tokens with its layers in one C call against the layer-by-layer loop, side by side.
+"""A model's forward of w tokens with its layers in one C call against the layer-by-layer loop, side by side.
+
+A quantized draft (`--quantization int4` or `int8`) or a bf16 model (`none`: the target, `--draft` naming it).
 
 The two run in one process over one model and one KV cache, swapped every repeat (`Transformer.run_layers`), so
 the machine's drift (15-25% within minutes on a shared 2-core machine) moves both alike; the figure to read is the
 median of the paired ratios. First checks that both give bit-identical logits at every width.
 
     PYTHONPATH=.:proto python scripts/layers_ab.py --quantization int4 --json out/layers_int4_ab.json
+    PYTHONPATH=.:proto python scripts/layers_ab.py --draft qwen2.5-coder-1.5b-instruct --quantization none \
+        --widths 1,2,5,9,17 --repeats 10 --json out/layers_bf16_ab.json
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def run(model_source: str, quantization: str, widths: Sequence[int], context: in
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=DRAFT, help="model name or directory")
-    parser.add_argument("--quantization", default="int4", choices=("int4", "int8"))
+    parser.add_argument("--quantization", default="int4", choices=("int4", "int8", "none"))
     parser.add_argument("--widths", default="1,2,3", help="tokens a forward, comma-separated")
     parser.add_argument("--context", type=int, default=700)
     parser.add_argument("--repeats", type=int, default=40)

@@ -89,16 +89,33 @@ static float softmax_row(float *row, int64_t n) {
 }
 
 /* acc[d..] += sum_{j < m} p[j] * vf[j, d..] for NV vectors of d, key by key (a row's sum over s is in key order). */
-#define ADD_VALUES(NV)                                                                                  \
-    for (int64_t d = 0; d < D; d += (NV) * VEC) {                                                       \
-        vec_t a[NV];                                                                                    \
-        for (int c = 0; c < (NV); c++) a[c] = vec_load(acc + d + c * VEC);                              \
-        for (int j = 0; j < m; j++) {                                                                   \
-            vec_t pj = vec_set1(p[j]);                                                                  \
-            _Pragma("GCC unroll 8")                                                                     \
-            for (int c = 0; c < (NV); c++) a[c] = vec_fmadd(pj, vec_load(vf + j * D + d + c * VEC), a[c]); \
+#define DEFINE_ADD_VALUES(NV)                                                                           \
+    static void add_values_##NV(float *acc, const float *p, const float *vf, int m, int64_t D) {       \
+        for (int64_t d = 0; d < D; d += (NV) * VEC) {                                                   \
+            vec_t a[NV];                                                                                \
+            for (int c = 0; c < (NV); c++) a[c] = vec_load(acc + d + c * VEC);                          \
+            for (int j = 0; j < m; j++) {                                                               \
+                vec_t pj = vec_set1(p[j]);                                                              \
+                _Pragma("GCC unroll 8")                                                                 \
+                for (int c = 0; c < (NV); c++) a[c] = vec_fmadd(pj, vec_load(vf + j * D + d + c * VEC), a[c]); \
+            }                                                                                           \
+            for (int c = 0; c < (NV); c++) vec_store(acc + d + c * VEC, a[c]);                          \
         }                                                                                               \
-        for (int c = 0; c < (NV); c++) vec_store(acc + d + c * VEC, a[c]);                              \
+    }
+DEFINE_ADD_VALUES(8)
+DEFINE_ADD_VALUES(4)
+DEFINE_ADD_VALUES(2)
+DEFINE_ADD_VALUES(1)
+
+/* Keys in the block from s0: KB, or what is left of `n` below it. */
+static inline int block_keys(int64_t n, int64_t s0) { return n - s0 < KB ? (int)(n - s0) : KB; }
+
+/* The values pass of `attend_tile` with add_values_NV: KB keys at a time, added into each row's sums. */
+#define VALUES_PASS(NV)                                                                                 \
+    for (int64_t s0 = 0; s0 < most; s0 += KB) {                                                         \
+        widen_block(v, w->block, s0, block_keys(most, s0), D);                                          \
+        for (int r = 0; r < rows; r++)                                                                  \
+            add_values_##NV(w->acc + r * D, w->scores + r * w->stride + s0, w->block, block_keys(n_keys[r], s0), D); \
     }
 
 /* Per-thread scratch: the tile's queries qf [TILE, D], its output sums acc [TILE, D], its scores
@@ -115,7 +132,7 @@ static void attend_tile(const scratch_t *w, const uint16_t *k, const uint16_t *v
     for (int r = 0; r < rows; r++) most = n_keys[r] > most ? n_keys[r] : most;
     /* Scores, KB keys at a time for every row. Keys past a row's own count are scored and never read. */
     for (int64_t s0 = 0; s0 < most; s0 += KB) {
-        widen_block(k, w->block, s0, most - s0 < KB ? (int)(most - s0) : KB, D);
+        widen_block(k, w->block, s0, block_keys(most, s0), D);
         for (int r = 0; r < rows; r++) {
             vec_t a[KB];
             for (int j = 0; j < KB; j++) a[j] = vec_zero();
@@ -129,22 +146,12 @@ static void attend_tile(const scratch_t *w, const uint16_t *k, const uint16_t *v
     }
     float sums[TILE];
     for (int r = 0; r < rows; r++) sums[r] = softmax_row(w->scores + r * w->stride, n_keys[r]);
-    /* Values, KB keys at a time, added into each row's sums in key order. */
+    /* Values, in key order; the widest add_values that D allows (fewer passes over a row's sums). */
     memset(w->acc, 0, sizeof(float) * (size_t)rows * (size_t)D);
-    for (int64_t s0 = 0; s0 < most; s0 += KB) {
-        const float *vf = w->block;
-        widen_block(v, w->block, s0, most - s0 < KB ? (int)(most - s0) : KB, D);
-        for (int r = 0; r < rows; r++) {
-            int64_t left = n_keys[r] - s0;
-            int m = left < KB ? (int)left : KB;
-            float *acc = w->acc + r * D;
-            const float *p = w->scores + r * w->stride + s0;
-            if (D % (8 * VEC) == 0) ADD_VALUES(8)
-            else if (D % (4 * VEC) == 0) ADD_VALUES(4)
-            else if (D % (2 * VEC) == 0) ADD_VALUES(2)
-            else ADD_VALUES(1)
-        }
-    }
+    if (D % (8 * VEC) == 0) VALUES_PASS(8)
+    else if (D % (4 * VEC) == 0) VALUES_PASS(4)
+    else if (D % (2 * VEC) == 0) VALUES_PASS(2)
+    else VALUES_PASS(1)
     for (int r = 0; r < rows; r++) {
         vec_t total = vec_set1(sums[r]);
         float tmp[VEC];

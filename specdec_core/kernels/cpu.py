@@ -287,7 +287,7 @@ def quantize_draft_int8(model: nn.Module) -> int:
     if lib is None or not lib.specdec_has_int8():
         return 0
     swapped = _quantize_linears(model, lambda linear: Int8CPULinear(linear, lib), lib, _INT8_K_MULTIPLE)
-    _run_layers_in_one_call(model, lib, Int8CPULinear, 8)
+    _run_layers_in_one_call(model, lib)
     return swapped
 
 
@@ -299,15 +299,19 @@ def quantize_draft_int4(model: nn.Module) -> int:
     if lib is None:
         return 0
     swapped = _quantize_linears(model, lambda linear: Int4CPULinear(linear, lib), lib, _INT4_K_MULTIPLE)
-    _run_layers_in_one_call(model, lib, Int4CPULinear, 4)
+    _run_layers_in_one_call(model, lib)
     return swapped
 
 
-def _run_layers_in_one_call(model: nn.Module, lib: ctypes.CDLL, linear_type: type, bits: int) -> None:
+def _run_layers_in_one_call(model: nn.Module, lib: ctypes.CDLL) -> None:
     """Where every decoder layer is what `layers_quant.c` computes (the CPU norms and attention, q/k/v and gate/up
-    fused, every linear of `linear_type`, all with fbgemm rows or none), its steps of few rows run in one call."""
+    fused, every linear of one kind: bf16, 4-bit or int8, all with fbgemm rows or none), its forwards run in one
+    call. Called again after the linears change (a draft quantized after its bf16 kernels): a one call built over
+    the old ones is put back to the loop first."""
     from specdec_core.models.transformer import DecoderLayer, run_in_turn
 
+    if isinstance(getattr(model, "run_layers", None), layers_quant.QuantLayers):
+        model.run_layers = model.run_layers.fallback
     if not isinstance(getattr(model, "attention", None), CPUAttention) or model.run_layers is not run_in_turn:
         return
     linears = []
@@ -317,7 +321,9 @@ def _run_layers_in_one_call(model: nn.Module, lib: ctypes.CDLL, linear_type: typ
                 and type(layer.mlp) is FastMLP):
             return
         linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    if all(type(m) is linear_type for m in linears) and len({getattr(m, "int8_rows", False) for m in linears}) == 1:
+    kinds = {type(m) for m in linears}
+    bits = {FastCPULinear: 16, Int8CPULinear: 8, Int4CPULinear: 4}.get(kinds.pop()) if len(kinds) == 1 else None
+    if bits is not None and len({getattr(m, "int8_rows", False) for m in linears}) == 1:
         model.run_layers = layers_quant.QuantLayers(model, lib, model.attention, model.run_layers, bits)
 
 
@@ -401,6 +407,7 @@ def use_cpu_kernels(model: nn.Module) -> int:
     ):
         model.attention = CPUAttention(lib, model.inv_freq)
         _swap_layer_parts(model, lib)
+        _run_layers_in_one_call(model, lib)
     return swapped
 
 

@@ -1,13 +1,13 @@
 /*
- * A quantized draft's decoder layers in one call (4-bit weights, `gemm_int4.c`, or int8, `gemm_int8.c`), for its
- * steps of a few rows.
+ * A model's decoder layers in one call, on the CPU kernels: a quantized draft's (4-bit weights, `gemm_int4.c`, or
+ * int8, `gemm_int8.c`) or a bf16 model's (`gemm.c`: the target's plain decoding and verification).
  *
- * Why: a draft step is a hundred small kernel calls, and each went through torch's module dispatch, tensor
+ * Why: a forward is a hundred or more small kernel calls, and each went through torch's module dispatch, tensor
  * allocations, views and ctypes: on the 2-core AVX2 machine, of a 30 ms step of the 0.5B demo draft (700 tokens
  * of context) 20 ms were its matrix multiplies, 3 its other kernels and 7 that dispatch. Here the layers run the
- * same kernels in the same order with the same roundings (`gemm_int4.c` or `gemm_int8.c`, `elementwise_bf16.c`,
- * `attention_bf16.c`; residual adds in fp32 rounded to bf16, as torch adds bf16), so a row's result is bit for
- * bit the one the module-by-module forward gives.
+ * same kernels in the same order with the same roundings (`gemm.c`, `gemm_int4.c` or `gemm_int8.c`,
+ * `elementwise_bf16.c`, `attention_bf16.c`; residual adds in fp32 rounded to bf16, as torch adds bf16), so a
+ * row's result is bit for bit the one the module-by-module forward gives.
  *
  * Per layer, for the M = B * T rows of x [M, D] (updated in place), with W = (H + 2 Hkv) * hd:
  *   x += o(attention(rope(q), rope(k) and v written into the cache)), q | k | v = qkv(rms_norm(x));
@@ -23,6 +23,8 @@
 
 #include "bf16.h"
 
+int specdec_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, int64_t M, int64_t N,
+                      int64_t K, int nthreads);
 int specdec_gemm_w4a8(const uint16_t *x, const uint8_t *w4, const uint16_t *b, uint16_t *y, int64_t M, int64_t N,
                       int64_t K, int nthreads);
 int specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const int32_t *wsum, const uint16_t *b,
@@ -36,8 +38,9 @@ void specdec_rope_bf16(uint16_t *x, const int64_t *positions, const float *inv_f
                        int64_t head_dim);
 void specdec_silu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t rows, int64_t width, int nthreads);
 
-/* One quantized linear layer, bias [N] or NULL. bits 4: weight is the weights and scales packed [N, K / 64 * 36]
- * (`gemm_int4.c`); bits 8: weight is int8 [N, K], with its rows' scales [N] and sums [N] (`gemm_int8.c`). */
+/* One linear layer, bias [N] or NULL. bits 4: weight is the weights and scales packed [N, K / 64 * 36]
+ * (`gemm_int4.c`); bits 8: weight is int8 [N, K], with its rows' scales [N] and sums [N] (`gemm_int8.c`);
+ * bits 16: weight is bf16 [N, K] (`gemm.c`). */
 typedef struct {
     int64_t bits;
     const void *weight;
@@ -61,6 +64,7 @@ typedef struct {
 
 static int linear(const specdec_linear_q *w, const uint16_t *x, uint16_t *y, int64_t M, int64_t N, int64_t K,
                   int nthreads) {
+    if (w->bits == 16) return specdec_gemm_bf16(x, w->weight, w->bias, y, M, N, K, nthreads);
     if (w->bits == 8) return specdec_gemm_w8a8(x, w->weight, w->scale, w->row_sums, w->bias, y, M, N, K, nthreads);
     return specdec_gemm_w4a8(x, w->weight, w->bias, y, M, N, K, nthreads);
 }

@@ -1,12 +1,14 @@
-"""A quantized draft's decoder layers in one C call (`layers_quant.c`) for its steps of a few rows.
+"""A model's decoder layers in one C call (`layers_quant.c`): a quantized draft's steps, a bf16 target's forwards.
 
 Why: a draft step of the 0.5B demo draft on the 2-core AVX2 machine spent about 7 of its 30 ms dispatching its
-hundred kernel calls through torch modules and ctypes, not in them. `QuantLayers` replaces the model's loop over
+hundred kernel calls through torch modules and ctypes, not in them; a forward of the 1.5B target, whose 28 layers
+make about as many calls, about 18 of its 159 ms outside its kernels. `QuantLayers` replaces the model's loop over
 its layers (`Transformer.run_layers`) by one call that runs the same kernels in the same order, so the logits are
 bit for bit those of the module-by-module forward; calls the one-call path cannot take (a 4-bit draft's rows that
-go to fbgemm, `fbgemm_rows.FROM_ROWS` and more) take the loop. Installed by `quantize_draft_int4` and
-`quantize_draft_int8` where every layer has the shape the C code knows (fused q/k/v and gate/up, every linear
-4-bit or every one int8, the CPU norms and attention), else not at all.
+go to fbgemm, `fbgemm_rows.FROM_ROWS` and more) take the loop. Installed by `use_cpu_kernels` (bf16) and by
+`quantize_draft_int4` / `quantize_draft_int8` where every layer has the shape the C code knows (fused q/k/v and
+gate/up, every linear bf16, every one 4-bit or every one int8, the CPU norms and attention; not a tensor-parallel
+shard, whose row-parallel layers all-reduce), else not at all.
 """
 
 from __future__ import annotations
@@ -44,16 +46,19 @@ def declare(lib: ctypes.CDLL) -> None:
 
 
 def _linear(layer: Any, bits: int) -> Linear:
-    """An `Int4CPULinear` (bits 4: scales packed with the weights) or an `Int8CPULinear` (bits 8) as C reads it."""
+    """A `FastCPULinear` (bits 16: bf16 weights), an `Int4CPULinear` (bits 4: scales packed with the weights) or an
+    `Int8CPULinear` (bits 8) as C reads it."""
     bias = None if layer.bias is None else layer.bias.data_ptr()
+    if bits == 16:
+        return Linear(16, layer.weight.data_ptr(), None, None, bias)
     if bits == 8:
         return Linear(8, layer.qweight.data_ptr(), layer.scale.data_ptr(), layer.row_sums.data_ptr(), bias)
     return Linear(4, layer.qweight.data_ptr(), None, None, bias)
 
 
 class QuantLayers:
-    """`Transformer.run_layers` for a draft whose linears are all 4-bit (`bits` 4) or all int8 (8), on the CPU
-    kernels: (layers, x [B, T, D], ctx) -> [B, T, D]."""
+    """`Transformer.run_layers` for a model whose linears are all bf16 (`bits` 16), all 4-bit (4) or all int8 (8),
+    on the CPU kernels: (layers, x [B, T, D], ctx) -> [B, T, D]. `fallback`: the loop, for calls it cannot take."""
 
     def __init__(self, model: nn.Module, lib: ctypes.CDLL, attention: Any, fallback: Any, bits: int) -> None:
         self._lib, self._attention, self._fallback = lib, attention, fallback
@@ -67,6 +72,11 @@ class QuantLayers:
         # layers' own calls give them.
         self._max_rows = fbgemm_rows.FROM_ROWS - 1 if getattr(layers[0].mlp.down_proj, "int8_rows", False) else None
         self._cache: tuple[Any, Any, Any, Any] | None = None
+
+    @property
+    def fallback(self) -> Any:
+        """The loop this replaces (what to put back when the model's linears change)."""
+        return self._fallback
 
     @staticmethod
     def _layer(layer: nn.Module, bits: int) -> Layer:
@@ -90,9 +100,9 @@ class QuantLayers:
 
     def __call__(self, layers: nn.ModuleList, x: torch.Tensor, ctx: Any) -> torch.Tensor:  # [B, T, D]
         B, T, _ = x.shape
-        if ctx.attention is not self._attention or x.dtype != torch.bfloat16 or (
+        if ctx.attention is not self._attention or x.dtype != torch.bfloat16 or x.requires_grad or (
                 self._max_rows is not None and B * T > self._max_rows):
-            return self._fallback(layers, x, ctx)
+            return self._fallback(layers, x, ctx)  # autograd, like torch's own paths, goes through the modules
         positions, slots, starts = self._attention.rows(ctx)
         keys, values, dims = self._cache_pointers(ctx.cache)
         x = x.clone(memory_format=torch.contiguous_format)  # [B, T, D], one dense copy: updated in place

@@ -57,3 +57,24 @@ def test_hybrid_takes_suffix_from_three_tokens_and_plain_rounds_cost_less(replay
     short = [[[], [1, 2], [], [], [], []]]  # two tokens: below the rule's three, the draft model drafts
     tally = replay.replay([drafts], short, _costs(replay), limit=4, cumulative=False, suffix=True)
     assert tally.suffix_rounds == 0 and tally.rounds == 5
+
+
+def test_costs_at_the_cpus_limits_never_exceed_the_measured_ones(replay):
+    costs = _costs(replay)  # verify 100 + 10 (w - 1) ms, draft 20 + 5 (w - 1) ms
+    # 1 GB/s reads 5 MB in 5 ms; 1 GFLOP a token at 100 GFLOP/s is 10 ms: the verify's own slope.
+    limited = replay.limit_costs(costs, read_gbs=1.0, fma_gflops=100.0, draft_bytes=5_000_000, target_flops=1e9)
+    assert limited.draft(1) == pytest.approx(5.0) and limited.draft(2) == pytest.approx(5.0)
+    assert limited.verify(1) == 100.0 and limited.verify(9) == pytest.approx(180.0)
+    faster = replay.limit_costs(costs, read_gbs=1.0, fma_gflops=400.0, draft_bytes=50_000_000, target_flops=1e9)
+    assert faster.verify(9) == pytest.approx(100.0 + 8 * 2.5)  # the peak's 2.5 ms a token past the first
+    assert faster.draft(1) == 20.0 and faster.draft(2) == 25.0  # 50 ms at the read limit: what was measured stands
+    assert (faster.round_ms, faster.plain_round_ms) == (costs.round_ms, costs.plain_round_ms)
+
+
+def test_flops_per_token_count_every_linear_weight_twice(replay):
+    from specdec_core.models.transformer import ModelArgs
+
+    args = ModelArgs(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
+                     head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64)
+    qkv, o, mlp = 8 * (2 + 2 * 1) * 4, 2 * 4 * 8, 3 * 8 * 16
+    assert replay.flops_per_token(args) == 2.0 * (2 * (qkv + o + mlp) + 100 * 8)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(cpu.load_library() is None,
                                 reason="CPU kernels need AVX-512 or AVX2 with FMA, and a C compiler")
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
 def test_both_paths_give_the_same_logits_and_are_timed(tiny_dir, tmp_path, quantization):
     if quantization == "int8" and not cpu.load_library().specdec_has_int8():
         pytest.skip("AVX-512 kernels have the int8 draft kernel only with VNNI")

@@ -473,7 +473,7 @@ def test_the_kernel_path_is_named_and_batch_invariant_only_on_the_kernels(bf16_p
     native = "native bf16" if lib.specdec_has_native_bf16() else "fp32 widening"
     isa = "AVX-512" if lib.specdec_has_avx512() else "AVX2"
     assert isa == ("AVX-512" if {"avx512f", "avx512bw"} <= cpu.cpu_flags() else "AVX2")
-    assert cpu.kernel_path(fast.model) == f"bf16 {isa} ({native})"
+    assert cpu.kernel_path(fast.model) == f"bf16 {isa} ({native}), layers in one call"
     assert cpu.rows_batch_invariant(fast.model)
     assert cpu.kernel_path(plain.model).startswith("torch fallback (")  # loaded, never given the kernels
     assert not cpu.rows_batch_invariant(plain.model)
