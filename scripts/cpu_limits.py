@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -122,9 +121,13 @@ int main(int argc, char **argv) {
 """
 
 
-def measure(threads: int, repeats: int, compiler: str | None = None) -> dict[str, float]:
-    """Build the probe and run it: {"lanes", "fma_gflops", "read_gbs"}."""
-    cc = compiler or shutil.which(os.environ.get("CC", "gcc")) or "gcc"
+def measure(threads: int, repeats: int) -> dict[str, float]:
+    """Build the probe with the kernels' compiler and run it: {"lanes", "fma_gflops", "read_gbs"}."""
+    from specdec_core.kernels.cpu import kernel_compiler
+
+    cc = kernel_compiler()
+    if cc is None:
+        raise SystemExit("no C compiler: the probe, like the CPU kernels, needs one")
     with tempfile.TemporaryDirectory() as tmp:
         source, binary = Path(tmp) / "limits.c", Path(tmp) / "limits"
         source.write_text(PROBE)

@@ -73,12 +73,17 @@ def library_spec() -> library.LibrarySpec:
     )
 
 
+def kernel_compiler() -> str | None:
+    """The C compiler the kernels are built with (`$CC`, else cc, else gcc); None where there is none."""
+    return shutil.which(environment.c_compiler()) or shutil.which("gcc")
+
+
 @lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     """Compile (once per source, compiler and flags) and load the kernels; None when this machine cannot run them."""
     if environment.cpu_kernels_disabled() or not _cpu_runs_kernels():
         return None
-    compiler = shutil.which(environment.c_compiler()) or shutil.which("gcc")
+    compiler = kernel_compiler()
     if compiler is None:
         log.warning("no C compiler found: CPU bf16 kernels disabled (decoding works, slower)")
         return None
