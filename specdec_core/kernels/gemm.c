@@ -182,13 +182,13 @@ static const struct block blocks[MB + 1] = {
     {0, NB}, {block_8_1, 8}, {block_8_2, 8}, {block_8_3, 8}, {block_4_4, 4}, {block_4_5, 4}, {block_4_6, 4}};
 #else /* AVX2: at most 12 accumulators, beside the two halves of a widened weight vector */
 DEFINE_BLOCK(8, 1)
-DEFINE_BLOCK(4, 2)
-DEFINE_BLOCK(4, 3)
+DEFINE_BLOCK(2, 2)
+DEFINE_BLOCK(2, 3)
 DEFINE_BLOCK(2, 4)
 DEFINE_BLOCK(2, 5)
 DEFINE_BLOCK(2, 6)
 static const struct block blocks[MB + 1] = {
-    {0, NB}, {block_8_1, 8}, {block_4_2, 4}, {block_4_3, 4}, {block_2_4, 2}, {block_2_5, 2}, {block_2_6, 2}};
+    {0, NB}, {block_8_1, 8}, {block_2_2, 2}, {block_2_3, 2}, {block_2_4, 2}, {block_2_5, 2}, {block_2_6, 2}};
 #endif
 
 int specdec_block_rows(void) { return NB; }
