@@ -180,7 +180,10 @@ DEFINE_BLOCK(4, 5)
 DEFINE_BLOCK(4, 6)
 static const struct block blocks[MB + 1] = {
     {0, NB}, {block_8_1, 8}, {block_8_2, 8}, {block_8_3, 8}, {block_4_4, 4}, {block_4_5, 4}, {block_4_6, 4}};
-#else /* AVX2: at most 12 accumulators, beside the two halves of a widened weight vector */
+#else /* AVX2: at most 12 accumulators, beside the two halves of a widened weight vector. From 2 input rows up a
+       * block streams two weight rows: measured on a 2-core AMD EPYC (`scripts/kernel_ab.py`, the demo target, 16
+       * paired repeats, logits identical), a verify of 2 / 3 tokens took 0.93 / 0.885 of the time it took with four
+       * weight rows a block. */
 DEFINE_BLOCK(8, 1)
 DEFINE_BLOCK(2, 2)
 DEFINE_BLOCK(2, 3)
