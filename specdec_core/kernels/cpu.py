@@ -245,13 +245,17 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, 
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # [N, K] int8, [N, K/G] fp16 -> [N, K/64*36]
-    """`gemm_int4.c`'s layout: per pair of groups (64 weights) 36 bytes, the first 32 holding q[j] + 8 in byte j's
-    low nibble and q[32 + j] + 8 in its high one, then the two groups' fp16 scales."""
+    """`gemm_int4.c`'s layout: rows in panels of 8, a panel's 64 weights of k as a block of 288 bytes: 8 vectors of
+    32 bytes (vector j's byte 4r + t holds q[r, 4j + t] + 8 in its low nibble and q[r, 32 + 4j + t] + 8 in its high
+    one), then the 8 rows' fp16 scales of the first group and those of the second. Shaped [N, K/64*36] (the bytes
+    a row costs); the rows of a panel interleave."""
     N, K = q.shape
-    u = (q.to(torch.int16) + 8).to(torch.uint8).view(N, K // 64, 2, 32)  # [N, K/64, 2, 32]
-    nibbles = u[:, :, 0] | (u[:, :, 1] << 4)  # [N, K/64, 32]
-    scales = scale.contiguous().view(torch.uint8).view(N, K // 64, 4)  # [N, K/64, 4]: two fp16, little-endian
-    return torch.cat([nibbles, scales], dim=-1).reshape(N, K // 64 * 36).contiguous()
+    P, H = N // 8, K // 64
+    u = (q.to(torch.int16) + 8).to(torch.uint8).view(P, 8, H, 2, 8, 4)  # [panel, row, block, group, j, t]
+    nibbles = (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [P, H, j, row, t]
+    scales = scale.contiguous().view(P, 8, H, 2).permute(0, 2, 3, 1).contiguous()  # [P, H, group, row] fp16
+    blocks = torch.cat([nibbles.reshape(P, H, 256), scales.view(torch.uint8).reshape(P, H, 32)], dim=-1)
+    return blocks.reshape(N, H * 36).contiguous()
 
 
 def _check_shape(linear: nn.Linear, lib: ctypes.CDLL, k_multiple: int) -> None:

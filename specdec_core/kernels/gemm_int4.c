@@ -14,16 +14,22 @@
  * instead of two). Only ever used for drafting: the draft's precision moves the acceptance rate, never the
  * target's output.
  *
- * Layout: row n is K / 64 blocks of 36 bytes; block h holds groups 2h and 2h + 1: 32 bytes, byte j holding
- * wq[64h + j] + 8 in its low nibble and wq[64h + 32 + j] + 8 in its high one (one 256-bit load, a shift and two
- * masks give both groups' values in order), then the two groups' scales, fp16, little-endian. Scales sit in the
- * weight stream: a row is read as one sequential stream.
- * Products: the stored nibbles wq + 8 (unsigned, at most 15) times xq by `vpmaddubsw` (pairs at most
- * 2 * 15 * 127, no saturation), fours summed by `vpmaddwd`, less 8 * (those four xq summed), precomputed once a
- * call: each group's eight int32 lane sums are exactly those of wq times xq, without unpacking the nibbles to
- * signed values or moving xq's sign onto them (`gemm_int8.c`'s `vpsignb`), two fewer operations a group. Each is
- * scaled by the group's scale and added into fp32 lanes, in group order. A row's result goes through the same
- * operations whatever M is (the batch never changes a draft).
+ * Layout: output rows in panels of 8 (N a multiple of 8). A panel is K / 64 blocks of 288 bytes, block h covering
+ * k in [64h, 64h + 64) for its 8 rows: 256 bytes of nibbles, then 32 of scales (group 2h's eight fp16 scales, one a
+ * row, then group 2h + 1's). The nibbles are 8 vectors of 32 bytes; vector j's byte 4r + t holds wq[64h + 4j + t] + 8
+ * of the panel's row r in its low nibble and wq[64h + 32 + 4j + t] + 8 in its high one. A panel is one sequential
+ * stream.
+ * Products: a 32-bit lane of a weight vector holds four consecutive weights of one row, so `vpmaddubsw` against the
+ * four matching xq broadcast to every lane, then `vpmaddwd` by ones, leaves in lane r row r's sum over those four:
+ * eight rows advance together with one broadcast of x, and no lane sums are left to add across the vector at the
+ * end. The eight products of a group add up in int16 before widening (each pair at most 2 * 15 * 127, eight at most
+ * 30480: exact). The stored nibbles are wq + 8 (unsigned, at most 15); a group's sum less 8 * (its 32 xq summed),
+ * precomputed once a call, is exactly that of wq times xq. Each group's sum is scaled by its row's scale and added
+ * into fp32 lanes, in group order. A row's result goes through the same operations whatever M is (the batch never
+ * changes a draft).
+ * Why the panels: the kernel was bound by its instructions, not by memory. With one row a pass (the layout before)
+ * each group of 32 weights cost every input row five vector operations and a sum across the lanes at the end; here
+ * a group of 32 weights of 8 rows costs each input row about as many for all 8.
  *
  * Written with AVX2 instructions (and F16C's conversion where the CPU has it), which CPUs with AVX-512 also run
  * (measured on AVX2 only). K a multiple of 2 G (the caller checks).
@@ -38,10 +44,11 @@
 #include "bf16.h"
 #include "int8_rows.h" /* quantize_rows_sign_abs: x as xq and |xq| */
 
-#define G 32         /* weights per group (one scale) */
-#define BLOCK 36     /* bytes per two groups: 32 of nibbles, two fp16 scales */
-#define MB4 6        /* input rows per pass over a weight row */
-#define PREFETCH4 2048 /* bytes ahead in the weight stream (512 measured 4-7% slower over a draft step's GEMMs) */
+#define G 32             /* weights per group (one scale) */
+#define PANEL 8          /* output rows a pass */
+#define BLOCK (PANEL * 36) /* bytes per panel and two groups: 256 of nibbles, 16 fp16 scales */
+#define MB4 4            /* input rows per pass over a panel */
+#define PREFETCH4 2048   /* bytes ahead in the weight stream */
 
 #ifndef __F16C__
 static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> fp32, exactly */
@@ -53,79 +60,91 @@ static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> fp32, exactl
 }
 #endif
 
-/* The two fp16 scales at p, as the first two lanes of a vector. */
-static inline __m128 two_scales(const uint8_t *p) {
+/* The eight fp16 scales at p (one a row of the panel) as fp32 lanes. */
+static inline __m256 eight_scales(const uint8_t *p) {
 #ifdef __F16C__
-    int32_t bits;
-    memcpy(&bits, p, sizeof bits);
-    return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 #else
-    float f[4] = {half_to_float((uint16_t)(p[0] | p[1] << 8)), half_to_float((uint16_t)(p[2] | p[3] << 8)), 0, 0};
-    return _mm_loadu_ps(f);
+    float f[PANEL];
+    for (int r = 0; r < PANEL; r++) f[r] = half_to_float((uint16_t)(p[2 * r] | p[2 * r + 1] << 8));
+    return _mm256_loadu_ps(f);
 #endif
 }
 
-static inline float sum8(__m256 v) { /* the lanes' sum, always in the same order */
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+static inline __m256i broadcast4(const int8_t *p) { /* four int8 values into every 32-bit lane */
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
 }
 
-/* Weight row n against ROWS input rows; one weight row at a time, a single sequential stream (`gemm_int8.c`).
- * Each step reads 32 bytes, two groups: their low nibbles are the first group's 32 weights, the high ones the
- * second's. */
-#define DEFINE_BLOCK4(ROWS)                                                                             \
-    static void block4_##ROWS(const int8_t *xs, const int32_t *xc, const float *sx, const uint8_t *w4,  \
-                              const uint16_t *b, uint16_t *y, int64_t N, int64_t K, int64_t n) {        \
-        const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);                       \
-        __m256 acc[ROWS];                                                                               \
-        for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();                                    \
-        const uint8_t *block = w4 + n * (K / (2 * G)) * BLOCK;                                          \
-        for (int64_t k = 0; k < K; k += 2 * G, block += BLOCK) {                                        \
-            _mm_prefetch((const char *)block + PREFETCH4, _MM_HINT_T0);                                 \
-            __m256i packed = _mm256_loadu_si256((const __m256i *)block);                               \
-            __m256i group[2] = {_mm256_and_si256(packed, low),                                          \
-                                _mm256_and_si256(_mm256_srli_epi16(packed, 4), low)}; /* wq + 8 */     \
-            __m128 scales = two_scales(block + 32);                                                     \
-            __m256 scale2[2] = {_mm256_broadcastss_ps(scales), _mm256_broadcastss_ps(_mm_movehdup_ps(scales))}; \
-            _Pragma("GCC unroll 2")                                                                     \
-            for (int h = 0; h < 2; h++) {                                                               \
-                __m256 scale = scale2[h];                                                               \
-                _Pragma("GCC unroll 8") /* fully: the accumulators must live in registers */           \
-                for (int i = 0; i < ROWS; i++) {                                                        \
-                    const int64_t at = i * K + k + h * G;                                               \
-                    __m256i xsv = _mm256_loadu_si256((const __m256i *)(xs + at));                       \
-                    __m256i eights = _mm256_loadu_si256((const __m256i *)(xc + at / 4));                \
-                    __m256i sums = _mm256_sub_epi32(                                                    \
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(group[h], xsv), ones), eights);          \
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[i]);                  \
-                }                                                                                       \
+/* One group (half h of a block: the low nibbles for h = 0, the high ones for h = 1) of a panel against ROWS input
+ * rows, into acc. xg: the group's 32 xq of input row 0 (rows K apart); og: its offset 8 * sum(xq) (rows K / G
+ * apart). */
+#define GROUP4(ROWS, h)                                                                                 \
+    {                                                                                                   \
+        __m256i sums[ROWS];                                                                             \
+        _Pragma("GCC unroll 8")                                                                         \
+        for (int j = 0; j < 8; j++) {                                                                   \
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 32 * j));                     \
+            __m256i wv = _mm256_and_si256(h ? _mm256_srli_epi16(packed, 4) : packed, low); /* wq + 8 */ \
+            _Pragma("GCC unroll 4")                                                                     \
+            for (int i = 0; i < ROWS; i++) {                                                            \
+                __m256i p = _mm256_maddubs_epi16(wv, broadcast4(xs + i * K + k + h * G + 4 * j));       \
+                sums[i] = j ? _mm256_add_epi16(sums[i], p) : p;                                         \
             }                                                                                           \
         }                                                                                               \
+        __m256 scale = eight_scales(block + 8 * 32 + h * 2 * PANEL);                                    \
+        _Pragma("GCC unroll 4")                                                                         \
         for (int i = 0; i < ROWS; i++) {                                                                \
-            float sum = sum8(acc[i]) * sx[i];                                                           \
-            if (b) sum += bf16_to_float(b[n]);                                                          \
-            y[i * N + n] = float_to_bf16(sum);                                                          \
+            __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(sums[i], ones),                            \
+                                           _mm256_set1_epi32(xo[i * (K / G) + k / G + h]));             \
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i]);                           \
         }                                                                                               \
     }
 
-DEFINE_BLOCK4(1)
-DEFINE_BLOCK4(2)
-DEFINE_BLOCK4(3)
-DEFINE_BLOCK4(4)
-DEFINE_BLOCK4(5)
-DEFINE_BLOCK4(6)
+/* Panel p (output rows 8p .. 8p + 7) against ROWS input rows. */
+#define DEFINE_PANEL4(ROWS)                                                                             \
+    static void panel4_##ROWS(const int8_t *xs, const int32_t *xo, const float *sx, const uint8_t *w4,  \
+                              const uint16_t *b, uint16_t *y, int64_t N, int64_t K, int64_t p) {        \
+        const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);                       \
+        __m256 acc[ROWS];                                                                               \
+        for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();                                    \
+        const uint8_t *block = w4 + p * (K / (2 * G)) * BLOCK;                                          \
+        for (int64_t k = 0; k < K; k += 2 * G, block += BLOCK) {                                        \
+            for (int line = 0; line < BLOCK; line += 64)                                                \
+                _mm_prefetch((const char *)block + PREFETCH4 + line, _MM_HINT_T0);                      \
+            GROUP4(ROWS, 0)                                                                             \
+            GROUP4(ROWS, 1)                                                                             \
+        }                                                                                               \
+        for (int i = 0; i < ROWS; i++) {                                                                \
+            float lanes[PANEL];                                                                         \
+            _mm256_storeu_ps(lanes, acc[i]);                                                            \
+            for (int r = 0; r < PANEL; r++) {                                                           \
+                float sum = lanes[r] * sx[i];                                                           \
+                if (b) sum += bf16_to_float(b[PANEL * p + r]);                                          \
+                y[i * N + PANEL * p + r] = float_to_bf16(sum);                                          \
+            }                                                                                           \
+        }                                                                                               \
+    }
 
-typedef void (*block4_fn)(const int8_t *, const int32_t *, const float *, const uint8_t *, const uint16_t *,
+DEFINE_PANEL4(1)
+DEFINE_PANEL4(2)
+DEFINE_PANEL4(3)
+DEFINE_PANEL4(4)
+
+typedef void (*panel4_fn)(const int8_t *, const int32_t *, const float *, const uint8_t *, const uint16_t *,
                           uint16_t *, int64_t, int64_t, int64_t);
 
-/* xc [M, K / 4]: 8 * (xq[4j] + ... + xq[4j + 3]), what the unsigned nibbles' offset adds to each lane sum. */
+/* xo [M, K / G]: 8 * (the group's 32 xq summed), what the unsigned nibbles' offset adds to each group's sum. */
 static int32_t *nibble_offsets(const int8_t *xs, int64_t M, int64_t K) {
-    int32_t *xc = aligned_alloc(64, (size_t)M * (size_t)K); /* M * K / 4 int32; M * K a multiple of 64 */
-    if (xc == NULL) return NULL;
-    for (int64_t j = 0; j < M * K / 4; j++) xc[j] = 8 * (xs[4 * j] + xs[4 * j + 1] + xs[4 * j + 2] + xs[4 * j + 3]);
-    return xc;
+    int32_t *xo = malloc(sizeof(int32_t) * (size_t)(M * K / G > 0 ? M * K / G : 1));
+    if (xo == NULL) return NULL;
+    for (int64_t g = 0; g < M * K / G; g++) {
+        int32_t sum = 0;
+        for (int t = 0; t < G; t++) sum += xs[g * G + t];
+        xo[g] = 8 * sum;
+    }
+    return xo;
 }
 
 /* in_features must be a multiple of this: a step reads two groups. */
@@ -133,24 +152,24 @@ int specdec_int4_k_multiple(void) { return 2 * G; }
 
 int specdec_gemm_w4a8(const uint16_t *x, const uint8_t *w4, const uint16_t *b, uint16_t *y, int64_t M, int64_t N,
                       int64_t K, int nthreads) {
-    static const block4_fn blocks[MB4 + 1] = {0, block4_1, block4_2, block4_3, block4_4, block4_5, block4_6};
+    static const panel4_fn panels[MB4 + 1] = {0, panel4_1, panel4_2, panel4_3, panel4_4};
     if (M <= 0) return 0;
     int8_t *xs;
     float *sx;
     if (quantize_rows_sign_abs(x, M, K, &xs, &sx)) return ENOMEM; /* |xq| (after xq) unused here */
-    int32_t *xc = nibble_offsets(xs, M, K);
-    if (xc == NULL) {
+    int32_t *xo = nibble_offsets(xs, M, K);
+    if (xo == NULL) {
         free(xs);
         free(sx);
         return ENOMEM;
     }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++)
+    for (int64_t p = 0; p < N / PANEL; p++)
         for (int64_t m0 = 0; m0 < M; m0 += MB4) {
             int64_t rows = M - m0 < MB4 ? M - m0 : MB4;
-            blocks[rows](xs + m0 * K, xc + m0 * K / 4, sx + m0, w4, b, y + m0 * N, N, K, n);
+            panels[rows](xs + m0 * K, xo + m0 * (K / G), sx + m0, w4, b, y + m0 * N, N, K, p);
         }
-    free(xc);
+    free(xo);
     free(xs);
     free(sx);
     return 0;

@@ -93,12 +93,17 @@ def test_int4_quantization_is_within_half_a_step_and_packs_two_to_a_byte_with_th
     assert close[:, :64].all() and close[:5].all() and close[6:].all()
     packed = cpu.pack_int4(q, scale)  # [N, K/64 * 36]
     assert packed.shape == (24, 2 * 36) and packed.dtype == torch.uint8
-    for block in range(2):
-        nibbles = packed[:, 36 * block : 36 * block + 32]  # [N, 32]
-        assert torch.equal((nibbles & 15).to(torch.int8) - 8, q[:, 64 * block : 64 * block + 32])  # the first group
-        assert torch.equal((nibbles >> 4).to(torch.int8) - 8, q[:, 64 * block + 32 : 64 * block + 64])  # the second
-        scales = packed[:, 36 * block + 32 : 36 * (block + 1)].contiguous().view(torch.float16)  # [N, 2]
-        assert torch.equal(scales, scale[:, 2 * block : 2 * block + 2])
+    blocks = packed.reshape(3, 2, 288)  # [panel of 8 rows, block of 64 k, bytes]
+    for panel in range(3):
+        rows = slice(8 * panel, 8 * panel + 8)
+        for block in range(2):
+            nibbles = blocks[panel, block, :256].view(8, 8, 4)  # [j, row, t]: k = 64 block + 4 j + t
+            first = q[rows, 64 * block : 64 * block + 32].reshape(8, 8, 4).transpose(0, 1)  # [j, row, t]
+            second = q[rows, 64 * block + 32 : 64 * block + 64].reshape(8, 8, 4).transpose(0, 1)
+            assert torch.equal((nibbles & 15).to(torch.int8) - 8, first)
+            assert torch.equal((nibbles >> 4).to(torch.int8) - 8, second)
+            scales = blocks[panel, block, 256:].contiguous().view(torch.float16).view(2, 8)  # [group, row]
+            assert torch.equal(scales, scale[rows, 2 * block : 2 * block + 2].T)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13])
