@@ -97,6 +97,8 @@ def load_library() -> ctypes.CDLL | None:
         raise RuntimeError("gemm.c and cpu.py disagree on the K multiple")
     if lib.specdec_int4_k_multiple() != _INT4_K_MULTIPLE:
         raise RuntimeError("gemm_int4.c and cpu.py disagree on the K multiple")
+    if lib.specdec_block_rows() % lib.specdec_int4_row_multiple():  # `_check_shape` asks for whole blocks of rows
+        raise RuntimeError("gemm_int4.c's panels do not divide gemm.c's blocks of rows")
     return lib
 
 
@@ -121,7 +123,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                "specdec_rows_span", "specdec_rows_finish"):
         getattr(lib, fn).restype = None
     for fn in ("specdec_block_rows", "specdec_k_multiple", "specdec_has_vnni", "specdec_has_int8",
-               "specdec_int4_k_multiple",
+               "specdec_int4_k_multiple", "specdec_int4_row_multiple",
                "specdec_has_native_bf16", "specdec_has_avx512", "specdec_attention_max_head_dim"):
         getattr(lib, fn).restype = ctypes.c_int
 
