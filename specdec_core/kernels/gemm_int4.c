@@ -78,9 +78,8 @@ static inline __m256i broadcast4(const int8_t *p) { /* four int8 values into eve
     return _mm256_set1_epi32(v);
 }
 
-/* One group (half h of a block: the low nibbles for h = 0, the high ones for h = 1) of a panel against ROWS input
- * rows, into acc. xg: the group's 32 xq of input row 0 (rows K apart); og: its offset 8 * sum(xq) (rows K / G
- * apart). */
+/* One group (half h of the block at k: the low nibbles for h = 0, the high ones for h = 1) of a panel against ROWS
+ * input rows, into acc: xs holds the rows' xq (K apart), xo their groups' offsets 8 * sum(xq) (K / G apart). */
 #define GROUP4(ROWS, h)                                                                                 \
     {                                                                                                   \
         __m256i sums[ROWS];                                                                             \
