@@ -94,8 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         mine, theirs = median_of(rounds, "specdec", model), median_of(rounds, "llama.cpp", model)
         report[model] = {"specdec_ms": mine, "llama_cpp_ms": theirs,
                          "ratio": {w: round(mine[w] / theirs[w], 3) for w in mine if w in theirs}}
-        cells = "  ".join(f"w={w}: {mine[w]} vs {theirs[w]} ms ({report[model]['ratio'][w]}x)"
-                          for w in mine if w in theirs)
+        cells = "  ".join(f"w={w}: {mine[w]} vs {theirs[w]} ms ({r}x)" for w, r in report[model]["ratio"].items())
         print(f"{model:6} specdec vs llama.cpp: {cells}")
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0

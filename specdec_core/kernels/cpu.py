@@ -36,6 +36,7 @@ _K_MULTIPLE = 32  # gemm.c's KV: in_features must be a multiple (checked against
 _INT8_K_MULTIPLE = 64  # gemm_int8.c's KB
 _INT4_GROUP = 32  # gemm_int4.c's G: weights per scale
 _INT4_K_MULTIPLE = 64  # in_features: two groups a step
+_INT4_PANEL = 8  # gemm_int4.c's PANEL: output rows interleaved in one weight stream
 
 SOURCES = [
     Path(__file__).with_name(name)
@@ -97,8 +98,8 @@ def load_library() -> ctypes.CDLL | None:
         raise RuntimeError("gemm.c and cpu.py disagree on the K multiple")
     if lib.specdec_int4_k_multiple() != _INT4_K_MULTIPLE:
         raise RuntimeError("gemm_int4.c and cpu.py disagree on the K multiple")
-    if lib.specdec_block_rows() % lib.specdec_int4_row_multiple():  # `_check_shape` asks for whole blocks of rows
-        raise RuntimeError("gemm_int4.c's panels do not divide gemm.c's blocks of rows")
+    if lib.specdec_int4_row_multiple() != _INT4_PANEL or lib.specdec_block_rows() % _INT4_PANEL:
+        raise RuntimeError("gemm_int4.c's panels and cpu.py (or gemm.c's blocks of rows) disagree")
     return lib
 
 
@@ -252,11 +253,11 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # [N, K] i
     one), then the 8 rows' fp16 scales of the first group and those of the second. Shaped [N, K/64*36] (the bytes
     a row costs); the rows of a panel interleave."""
     N, K = q.shape
-    P, H = N // 8, K // 64
-    u = (q.to(torch.int16) + 8).to(torch.uint8).view(P, 8, H, 2, 8, 4)  # [panel, row, block, group, j, t]
+    P, H = N // _INT4_PANEL, K // 64
+    u = (q.to(torch.int16) + 8).to(torch.uint8).view(P, _INT4_PANEL, H, 2, 8, 4)  # [panel, row, block, group, j, t]
     nibbles = (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [P, H, j, row, t]
-    scales = scale.contiguous().view(P, 8, H, 2).permute(0, 2, 3, 1).contiguous()  # [P, H, group, row] fp16
-    blocks = torch.cat([nibbles.reshape(P, H, 256), scales.view(torch.uint8).reshape(P, H, 32)], dim=-1)
+    scales = scale.contiguous().view(P, _INT4_PANEL, H, 2).permute(0, 2, 3, 1).contiguous()  # [P, H, group, row]
+    blocks = torch.cat([nibbles.reshape(P, H, -1), scales.view(torch.uint8).reshape(P, H, -1)], dim=-1)
     return blocks.reshape(N, H * 36).contiguous()
 
 
