@@ -44,7 +44,7 @@ mkdir -p "$out"
 info=$("$python" - "$config" <<'EOF'
 import sys
 from pathlib import Path
-from deployments.config import load_config
+from deployments.serve_config import load_config
 from specdec_core.models import store
 config = load_config(sys.argv[1])
 model = Path(config.target.model).expanduser()
