@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 SPECDEC := $(VENV)/bin/specdec
 STAMP := $(VENV)/.installed
 
-.PHONY: setup promtool test test-cluster demo bench bench-guidellm clean proto image image-test image-clean
+.PHONY: setup promtool lint test test-fast test-cluster demo bench bench-guidellm clean proto image image-test \
+	image-clean
 
 setup: $(STAMP) promtool
 
@@ -23,10 +24,21 @@ $(STAMP): pyproject.toml tests/clients/node/package-lock.json
 	if command -v npm >/dev/null; then npm ci --prefix tests/clients/node --no-audit --no-fund --silent; fi
 	touch $(STAMP)
 
-# Dependencies run one way (pyproject.toml's [tool.importlinter]), then the suite.
-test: setup
+# Dependencies run one way (pyproject.toml's [tool.importlinter]); ruff's checks and format; mypy on the engine.
+lint: setup
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy specdec_core
+
+# The whole suite (what CI runs), after lint. Only the `cluster` tests run apart (test-cluster).
+test: lint
 	$(PY) -m pytest -q
+
+# The inner loop: the suite without the tests that start Ray or Ray Serve (`serve`: every test on the session's
+# cluster, tests/conftest.py), the long statistical checks (`slow`) and the multi-node tests (`cluster`). No lint.
+test-fast: setup
+	$(PY) -m pytest -q -m "not serve and not slow and not cluster"
 
 # The multi-node tests (tests/cluster): several Ray nodes on this machine, nodes lost under load. A pytest session of
 # their own: the suite keeps one Ray cluster per session (pyproject's addopts leave out the `cluster` mark).
@@ -66,7 +78,7 @@ bench-guidellm: setup $(GUIDELLM_VENV)/bin/guidellm
 	GUIDELLM=$(GUIDELLM_VENV)/bin/guidellm SPECDEC=$(SPECDEC) scripts/bench_guidellm.sh $(GUIDELLM_CONFIG) $(GUIDELLM_OUT)
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
 
 # Regenerate the checked-in gRPC stubs after editing proto/specdec/v1/*.proto (a test checks they match).
 proto: setup

@@ -8,7 +8,7 @@ Internal: the draft and target workers serve only over mutual TLS (`deployments.
 certificate from the application's CA, and the router checks the worker's), and only callers that also present
 the application's internal secret in `specdec-internal-token` metadata, every method alike (GetStats included).
 Both are made by the registry actor, once per application, and handed to routers, workers and tools through Ray
-(`deployments.registry.credentials`): a process that can get them is one that can already run code in the Ray
+(`deployments.worker_registry.credentials`): a process that can get them is one that can already run code in the Ray
 cluster, so they admit nothing that the cluster does not already trust. TLS keeps them, and every session's
 tokens, off the wire; the secret stays as a second check behind it (defence in depth: it still holds where TLS is
 switched off, `internal_tls: false`, or a mounted certificate is shared more widely than the application).

@@ -3,8 +3,8 @@
 Routers call the workers over gRPC, not through Serve handles, so Serve's own measure (requests ongoing at a
 replica) sees nothing of their load. Instead, with Ray Serve's custom metrics and policies:
 
-- every worker replica reports, through `record_autoscaling_stats` (`deployments.app`), the sessions it holds
-  (`SESSIONS`), its KV slots (`SLOTS`), and the sessions that want a slot of its kind and have none (`WAITING`):
+- every worker replica reports, through `record_autoscaling_stats` (`deployments.worker_deployments`), the sessions it
+  holds (`SESSIONS`), its KV slots (`SLOTS`), and the sessions that want a slot of its kind and have none (`WAITING`):
   requests a router holds back for want of a target slot, or sessions that draft without a draft replica. Routers
   report those to the registry (`deployments.discovery.WorkerFollower`); each replica reports their sum.
 - `SessionLoad`, the policy that Serve's controller runs for the deployment, wants
@@ -13,7 +13,7 @@ replica) sees nothing of their load. Instead, with Ray Serve's custom metrics an
   [min_replicas, max_replicas].
 
 A replica that Serve stops drains: it refuses new sessions (the router then places them elsewhere) and finishes
-those it holds, for up to `drain_timeout_s` (`deployments.app._Worker.__del__`).
+those it holds, for up to `drain_timeout_s` (`deployments.worker_deployments._Worker.__del__`).
 
 Serve pickles this module by value into its controller: it imports nothing from this project at run time.
 """
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext
 
-    from deployments.config import Placement
+    from deployments.serve_config import Placement
 
 SESSIONS = "specdec_sessions_held"
 SLOTS = "specdec_kv_slots"

@@ -1,5 +1,5 @@
-"""Finding the workers: the addresses their replicas registered (`deployments.registry`), waited for when a router
-starts and followed while it serves, for the router's replica pools (`deployments.remote.ReplicaPool`)."""
+"""Finding the workers: the addresses their replicas registered (`deployments.worker_registry`), waited for when a
+router starts and followed while it serves, for the router's replica pools (`deployments.replica_pool.ReplicaPool`)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ from typing import Callable, Sequence
 
 import ray
 
-from deployments import registry
-from deployments.remote import ReplicaPool, WorkerUnavailable
+from deployments import worker_registry
+from deployments.replica_pool import ReplicaPool
+from deployments.status import WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
 
 def wait_for_workers(app: str, kind: str, expected: int, timeout_s: float) -> list[str]:
     """Addresses of `kind` workers once `expected` replicas registered (fewer, at least one, at the timeout)."""
-    reg = registry.registry()
+    reg = worker_registry.registry()
     deadline = time.monotonic() + timeout_s
     while True:
         addresses = ray.get(reg.addresses.remote(app, kind))
@@ -56,7 +57,7 @@ class WorkerFollower:
         self._stop.set()
         if self.waiting is not None:
             try:  # this router's waiting sessions end with it
-                registry.registry().report_waiting.remote(self.app, self._id, {})
+                worker_registry.registry().report_waiting.remote(self.app, self._id, {})
             except Exception:  # the cluster may be going down
                 pass
 
@@ -72,7 +73,7 @@ class WorkerFollower:
             log.warning("could not report waiting sessions", exc_info=True)
 
     def _run(self) -> None:
-        reg = registry.registry()
+        reg = worker_registry.registry()
         while not self._stop.is_set():
             deadline = time.monotonic() + self.refresh_s
             while time.monotonic() < deadline and not any(p.failure.is_set() for p in self.pools):

@@ -12,9 +12,9 @@ from typing import Iterator
 import ray
 from ray import serve
 
-from deployments import registry
+from deployments import worker_registry
 from deployments.app import build_app, grpc_options, limit_public_messages
-from deployments.config import ServeConfig
+from deployments.serve_config import ServeConfig
 from specdec_core.environment import ray_address
 
 
@@ -47,7 +47,7 @@ def serving(config: ServeConfig, quiet: bool = False) -> Iterator[None]:
             serve.delete(config.app_name)
             if started_ray:
                 serve.shutdown()
-            registry.shutdown()
+            worker_registry.shutdown()
         finally:
             if started_ray:
                 ray.shutdown()

@@ -1,10 +1,11 @@
 """The router: the public GenerationService behind Ray Serve's gRPC proxy, and the draft -> verify rounds.
 
 Each router replica runs the engine (`SpecEngine`) over remote workers: the drafter and the target are gRPC
-clients of the worker deployments (`deployments.remote`), or the drafter of a method without a draft model (n-gram)
-runs in the router. The engine decides k, keeps the per-request randomness, stopping and text; the workers keep the
-caches and the models. The router is handed its engine (`RouterParts`); the wiring that needs Ray is
-`app.connect_router`.
+clients of the worker deployments (`deployments.remote_drafter`, `deployments.remote_target`), or the drafter of a
+method without a draft model (n-gram) runs in the router. The engine decides k, keeps the per-request randomness,
+stopping and text; the workers keep the caches and the models. The router is handed its engine (`RouterParts`);
+the wiring that needs Ray is `router_wiring.connect_router`. `Router` is a plain class: the builder
+(`deployments.app`) makes it the Serve deployment of both public APIs.
 """
 
 from __future__ import annotations
@@ -17,21 +18,19 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from ray import serve
-
-from deployments import codec, swap
+from deployments import generation_codec, swap
+from deployments.ab_variants import ABTest
 from deployments.auth import BearerAuth, Unauthenticated
-from deployments.config import ServeConfig
 from deployments.discovery import WorkerFollower
-from deployments.metrics import ServingMetrics
 from deployments.openai.http import build_http_app
 from deployments.openai.tools import ToolCallFormat
-from deployments.proposals import ProposalLog
-from deployments.remote import ReplicaPool
+from deployments.prometheus import ServingMetrics
+from deployments.proposal_log import ProposalLog
+from deployments.replica_pool import ReplicaPool
 from deployments.scheduler import Admission, Scheduler
+from deployments.serve_config import ServeConfig
 from deployments.status import WorkerUnavailable, grpc_status_of
 from deployments.telemetry import RequestTracer, context_from_metadata
-from deployments.variants import ABTest
 from specdec.v1 import generation_pb2 as pb
 from specdec_core.chat import encode_chat, encode_prompt
 from specdec_core.engine import RequestOutput, SpecEngine
@@ -39,7 +38,8 @@ from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.models.loader import LoadedTokenizer
 
 log = logging.getLogger(__name__)
-serve_log = logging.getLogger("ray.serve")  # into the replica's log, unlike module loggers (see `deployments.app`)
+# Into the replica's log, unlike module loggers (see `deployments.worker_deployments`).
+serve_log = logging.getLogger("ray.serve")
 
 
 class RequestFailed(Exception):
@@ -72,10 +72,10 @@ class RouterParts:
 class Router:
     """GenerationService: Generate, GenerateStream, GetModelInfo, over the parts that `make_parts` builds.
 
-    `build_app` binds `app.connect_router` with the config: the wiring that needs Ray (the registry, the workers'
-    addresses, calibration over them). A factory rather than the parts themselves: an engine over remote workers
-    holds gRPC channels and threads, so it is built in the router's replica, not where the application is built.
-    A test hands a factory of parts around an in-process engine, and needs no cluster."""
+    `build_app` binds `router_wiring.connect_router` with the config: the wiring that needs Ray (the registry, the
+    workers' addresses, calibration over them). A factory rather than the parts themselves: an engine over remote
+    workers holds gRPC channels and threads, so it is built in the router's replica, not where the application is
+    built. A test hands a factory of parts around an in-process engine, and needs no cluster."""
 
     def __init__(self, make_parts: Callable[[], RouterParts], *worker_handles: Any) -> None:
         # The worker handles are only bound so that Serve deploys the workers with the router.
@@ -152,12 +152,12 @@ class Router:
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
         request_id = request.request_id or uuid.uuid4().hex
         outputs = [output async for output in self._run(request, request_id, grpc_context)]
-        return codec.merge_chunks(request_id, outputs)
+        return generation_codec.merge_chunks(request_id, outputs)
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateStreamResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         async for output in self._run(request, request_id, grpc_context):
-            yield codec.encode_chunk(request_id, output)
+            yield generation_codec.encode_chunk(request_id, output)
 
     # -- one request ---------------------------------------------------------------------------------------------
 
@@ -165,7 +165,7 @@ class Router:
         """`generate` for a gRPC request: on a refusal or failure, set the gRPC status and raise."""
         try:
             self.authenticate(grpc_context.invocation_metadata() or ())
-            call = codec.decode_generate(request, self.config.router.default_max_tokens)
+            call = generation_codec.decode_generate(request, self.config.router.default_max_tokens)
         except Exception as exc:
             self.refused(exc)
             self._fail(grpc_context, exc)
@@ -175,7 +175,7 @@ class Router:
         except Exception as exc:
             self._fail(grpc_context, exc)
 
-    async def generate(self, call: codec.GenerateCall, request_id: str,
+    async def generate(self, call: generation_codec.GenerateCall, request_id: str,
                        metadata: Sequence[tuple[str, str]]) -> AsyncIterator[RequestOutput]:
         """One request through the engine, whichever API it came by (gRPC, HTTP): its outputs as rounds commit
         them; a refusal or failure raises its error. `metadata`: the call's metadata or headers (a client's
@@ -235,10 +235,10 @@ class Router:
             if self.proposals is not None:
                 self.proposals.discard(seq_id)
 
-    async def _admissible_prompt(self, call: codec.GenerateCall) -> list[int]:
+    async def _admissible_prompt(self, call: generation_codec.GenerateCall) -> list[int]:
         """The prompt's token ids, once every check the router makes before the engine has passed. Cheap ones come
-        first: a prompt's size is checked before it is tokenized (tokenizing a megabyte costs the router about half
-        a second of CPU), its length in tokens after."""
+        first: a prompt's size is checked before it is tokenized (tokenizing costs CPU in proportion to the text), its
+        length in tokens after."""
         self._check_size(call.prompt)
         if self.scheduler.num_active >= self.config.router.max_ongoing_requests:
             raise ResourceExhausted("requests", "the router is at max_ongoing_requests; retry later")
@@ -246,8 +246,8 @@ class Router:
         prompt_ids = await asyncio.to_thread(self._prompt_ids, call.prompt)
         self._check_limits(prompt_ids, call.params.max_tokens)
         if call.params.constraint is not None:
-            # Off the engine thread: the first constrained request builds the tokenizer's tables (seconds at 152k ids)
-            # and a new schema takes a millisecond or more to compile, which every round would otherwise wait for.
+            # Off the engine thread: the first constrained request builds the tokenizer's tables (slow for a large
+            # vocabulary) and every new schema must compile, which every round would otherwise wait for.
             # The engine then finds it compiled; one that does not compile is refused here.
             await asyncio.to_thread(self.scheduler.engine.compile, call.params.constraint)
         return prompt_ids
@@ -265,7 +265,7 @@ class Router:
             if pool is not None:
                 self.metrics.slots_in_use(pool.kind, sum(len(r.sessions) for r in pool.replicas))
 
-    def _prompt_ids(self, prompt: codec.Prompt) -> list[int]:
+    def _prompt_ids(self, prompt: generation_codec.Prompt) -> list[int]:
         if prompt.token_ids is not None:
             vocab = len(self.tokenizer.tokenizer)
             bad = next((t for t in prompt.token_ids if t >= vocab), None)
@@ -276,7 +276,7 @@ class Router:
             return encode_chat(self.tokenizer.tokenizer, prompt.messages, prompt.tools)
         return encode_prompt(self.tokenizer.tokenizer, prompt.text, raw=prompt.raw)
 
-    def _check_size(self, prompt: codec.Prompt) -> None:
+    def _check_size(self, prompt: generation_codec.Prompt) -> None:
         """Refuse a prompt too long before any work on it: token ids by their count, text by its UTF-8 bytes (a chat
         request's: every string its template renders, the tools' definitions included)."""
         if prompt.token_ids is not None:
@@ -373,7 +373,3 @@ class Router:
     def __del__(self) -> None:
         self.close()
 
-
-# One deployment for both public APIs: gRPC reaches the servicer methods through Serve's gRPC proxy, HTTP reaches
-# the ASGI app of `__serve_build_asgi_app__` through Serve's HTTP proxy.
-RouterDeployment = serve.deployment(serve.ingress()(Router), name="Router")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from deployments.auth import Unauthenticated
-from deployments.codec import in_request_terms
+from deployments.generation_codec import in_request_terms
 from deployments.scheduler import DeadlineExceeded
 from specdec_core.errors import InvalidArgument, ResourceExhausted, Unavailable
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deployments.config import DEFAULT_VARIANT, ServeConfig, parse_config
+from deployments.serve_config import DEFAULT_VARIANT, ServeConfig, parse_config
 from specdec_core.errors import InvalidArgument
 
 # What the init args say in place of a draft model: the config still validates, and a path used by mistake names

@@ -4,8 +4,8 @@ issues, made with `cryptography` when the application is deployed, and the gRPC 
 A worker serves only callers whose certificate its application's CA signed, and a router talks only to workers
 whose certificate that CA signed: a process that never got the material (another application, anything else on
 the network) cannot complete a handshake in either direction, and nothing crosses the network in clear. The
-registry actor (`deployments.registry`) makes the CA on first ask and issues every certificate; the CA's key never
-leaves that actor.
+registry actor (`deployments.worker_registry`) makes the CA on first ask and issues every certificate; the CA's key
+never leaves that actor.
 
 Names: workers are dialled at "ip:port" addresses that change with every replica, so a server certificate cannot
 name them. It names SERVER_NAME instead, and clients check a worker's certificate against that name
@@ -33,7 +33,7 @@ from specdec_core.errors import InvalidArgument
 
 SERVER_NAME = "workers.specdec.internal"  # the DNS name in every made worker certificate
 # The material lives only in the registry actor's memory, with no rotation: a validity shorter than a cluster's life
-# would stop the service the day it ran out. A new registry (a new cluster, `registry.shutdown`) makes a new CA.
+# would stop the service the day it ran out. A new registry (a new cluster, `worker_registry.shutdown`) makes a new CA.
 VALIDITY = datetime.timedelta(days=3650)
 CLOCK_SKEW = datetime.timedelta(minutes=5)  # nodes' clocks disagree a little: a fresh certificate must be valid on all
 DIR_FILES = ("ca.crt", "tls.crt", "tls.key")  # a Kubernetes TLS Secret's keys, plus the CA that cert-manager adds

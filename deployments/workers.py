@@ -4,7 +4,7 @@ A worker owns one model and the per-session state on it (KV caches). It serves b
 one Propose or Verify per round for all of a router's sessions on this worker. Model calls are serialised by
 one lock: a worker runs one forward at a time, batching is the router's job.
 
-These servicers are plain gRPC: the Serve deployments in `deployments.app` host them, and tests run them
+These servicers are plain gRPC: the Serve deployments in `deployments.worker_deployments` host them, and tests run them
 alone. A failed call releases the sessions it touched, so an error never leaks a cache; sessions that stop
 being used (a router that died) are released after `idle_timeout_s`. With prefix caching on the worker's runner, a
 released session's cache stays as a prefix-cache entry, in the same slots (`specdec_core.prefix_cache`).
@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 import grpc
 from opentelemetry.trace import SpanKind
 
-from deployments import codec
+from deployments import worker_codec
 from deployments.auth import InternalAuthInterceptor, InternalCredentials
 from deployments.status import UnknownSession, WorkerDraining, grpc_status_of
 from deployments.telemetry import context_from_metadata, tracer
@@ -182,7 +182,7 @@ class _SessionWorker:
         """Sessions the worker can hold at once (its KV cache's slots)."""
         return self.runner.cache.num_slots
 
-    # Subclasses: what GetStats reports (and the worker exports as metrics, `deployments.app`).
+    # Subclasses: what GetStats reports (and the worker exports as metrics, `deployments.worker_deployments`).
     def stats(self) -> wpb.WorkerStats:
         raise NotImplementedError
 
@@ -232,7 +232,7 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
     @rpc
     def Prefill(self, request: wpb.PrefillRequest) -> wpb.PrefillResponse:
         self._refuse_if_draining()
-        items = codec.decode_prefill(request, self.target.vocab_size)
+        items = worker_codec.decode_prefill(request, self.target.vocab_size)
         for item in items:
             if not item.prompt_ids or max(item.prompt_ids) >= self.target.vocab_size:
                 raise InvalidArgument("prompt_token_ids", "empty, or a token id outside the vocabulary")
@@ -240,13 +240,13 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
                 raise ResourceExhausted("prompt_token_ids", f"{len(item.prompt_ids)} tokens do not fit the context")
         results = self.target.prefill(items)
         self._started(item.seq_id for item in items)
-        return codec.encode_prefilled(results)
+        return worker_codec.encode_prefilled(results)
 
     @rpc
     def Verify(self, request: wpb.VerifyRequest) -> wpb.VerifyResponse:
         self._touch(item.seq_id for item in request.items)
-        items = codec.decode_verify(request, self.target.vocab_size)
-        return codec.encode_outcomes(self.target.verify(items))
+        items = worker_codec.decode_verify(request, self.target.vocab_size)
+        return worker_codec.encode_outcomes(self.target.verify(items))
 
     def stats(self) -> wpb.WorkerStats:
         return self._stats(self.target.free_slots, self.runner.cache.num_slots, self.target.vocab_size,
@@ -255,7 +255,7 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
     def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
         if not getattr(self.target, "healthy", True):
             # A tensor-parallel rank failed, and Serve replaces this replica: a router that probes it must not take
-            # it back (`remote.ReplicaPool.update`), or new sessions would start here only to fail.
+            # it back (`replica_pool.ReplicaPool.update`), or new sessions would start here only to fail.
             context.abort(grpc.StatusCode.UNAVAILABLE, "a tensor-parallel rank failed; the replica is being replaced")
         return self.stats()
 
@@ -312,7 +312,7 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
     def Start(self, request: wpb.StartRequest) -> wpb.StartResponse:
         self._refuse_if_draining()
         runner = self.runner
-        items = codec.decode_start(request)
+        items = worker_codec.decode_start(request)
         if len(items) > runner.cache.free_slots:
             raise ResourceExhausted("sessions", f"{len(items)} new sessions, {runner.cache.free_slots} free")
         for item in items:
@@ -340,9 +340,9 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
                     "num_committed", f"session {item.seq_id!r} has {len(tokens)} tokens, router says {item.num_committed}"
                 )
             self._drafter_of[item.seq_id].observe(item.seq_id, len(tokens))
-            requests.append(codec.decode_propose_item(item, tokens, self._grammar(item, tokens)))
+            requests.append(worker_codec.decode_propose_item(item, tokens, self._grammar(item, tokens)))
         proposals = self._propose(request.items, requests)
-        return wpb.ProposeResponse(proposals=[codec.encode_proposal(p) for p in proposals])
+        return wpb.ProposeResponse(proposals=[worker_codec.encode_proposal(p) for p in proposals])
 
     def _propose(self, items: Any, requests: list[Any]) -> list[Any]:
         """Each drafter proposes for its own sessions (one batch each: more than one only during a swap), in the
@@ -361,7 +361,7 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
         """The session's grammar after its committed tokens: the one the item brings, moved along the output so
         far, or the one it holds, moved along the item's new tokens. Committed tokens the grammar refuses mean the
         router and this worker disagree: refused (the router then drops the session here)."""
-        brought = codec.decode_grammar(item)
+        brought = worker_codec.decode_grammar(item)
         if brought is not None:
             constraint, start = brought
             if self.grammars is None:

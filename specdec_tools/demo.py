@@ -43,7 +43,7 @@ def register(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from deployments.config import load_config
+    from deployments.serve_config import load_config
     from deployments.launch import serving
 
     config = load_config(args.config)

@@ -32,6 +32,7 @@ from specdec_core.distill.train import TrainConfig, TrainResult, checkpoint_step
 from specdec_core.errors import InvalidArgument
 from specdec_core.models.loader import LoadedModel, load_model, resolve_source
 from specdec_tools import distill_stages as stages
+from specdec_tools.bench.options import add_draft_quantization
 from specdec_tools.proposals import read_records
 from specdec_tools.reports import write_report
 from specdec_tools.requests import read_prompt_texts
@@ -95,8 +96,8 @@ def register(sub: Any) -> None:
     p.add_argument("--device", default=DistillConfig.device, help="cpu or cuda")
     p.add_argument("--eval-k", type=int, default=DistillConfig.eval_k,
                    help="speculative tokens per round when measuring acceptance")
-    p.add_argument("--draft-quantization", choices=["none", "int8", "int4", "auto"], default=DistillConfig.draft_quantization,
-                   help="of the measured drafts, as in `bench offline`")
+    add_draft_quantization(p, help="of the measured drafts, as in `bench offline`",
+                           default=DistillConfig.draft_quantization)
     p.set_defaults(func=_main)
 
 

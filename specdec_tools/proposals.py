@@ -1,5 +1,5 @@
 """`specdec proposals stats FILE...`: acceptance by draft position and the mismatch rate over time, read from the
-proposal log that the router writes (`deployments.proposals`, config `proposal_log`); with q and p in the records,
+proposal log that the router writes (`deployments.proposal_log`, config `proposal_log`); with q and p in the records,
 their means over accepted and rejected proposals."""
 
 from __future__ import annotations

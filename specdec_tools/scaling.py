@@ -137,7 +137,7 @@ class ScalingTimeline:
         self._t0 = time.monotonic()
 
     def start(self) -> "ScalingTimeline":
-        from deployments import registry
+        from deployments import worker_registry as registry
         from deployments.tls import Role
 
         self._registry = registry.registry()

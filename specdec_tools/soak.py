@@ -238,7 +238,7 @@ def find_workers(app_name: str) -> tuple[WorkerProcess, ...]:
     the registry, paired by the port each process listens on."""
     import ray
 
-    from deployments import registry
+    from deployments import worker_registry as registry
 
     node_id = ray.get_runtime_context().get_node_id()
     workers = []
@@ -297,7 +297,7 @@ def read_rss(pid: int | None) -> int | None:
 def worker_credentials(app_name: str) -> InternalCredentials:
     """What the soak presents to the workers' GetStats: a client's credentials, from the registry as a router gets
     them (`deployments.auth.InternalCredentials`)."""
-    from deployments import registry
+    from deployments import worker_registry as registry
     from deployments.tls import Role
 
     return registry.credentials(app_name, Role.CLIENT)
@@ -528,7 +528,7 @@ def stack_config(path: str | None) -> Iterator[Any]:
     (removed afterwards), on free ports so as not to meet another server on this machine."""
     import yaml
 
-    from deployments.config import load_config, parse_config
+    from deployments.serve_config import load_config, parse_config
     from specdec_core.models.tiny import build_tiny_pair
 
     if path is not None:

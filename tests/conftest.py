@@ -13,6 +13,16 @@ from safetensors.torch import load_file, save_file
 from specdec_core.models.loader import LoadedModel, load_model
 from specdec_core.models.tiny import build_tiny_model, build_tiny_tokenizer
 
+# Fixtures that start the session's Ray cluster (`served` and every application fixture stand on `ray_cluster`):
+# a test that needs one, directly or through another fixture, is marked `serve`, which `make test-fast` leaves out.
+RAY_FIXTURES = frozenset({"ray_cluster"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.serve)
+
 
 def free_port() -> int:
     from deployments.ports import free_port as find
@@ -69,7 +79,7 @@ def pair(tiny_dir, near_draft_dir):
 def ray_cluster():
     """The one local Ray cluster of the test session."""
     ray = pytest.importorskip("ray")
-    from deployments import registry
+    from deployments import worker_registry as registry
     from deployments.app import limit_public_messages
 
     limit_public_messages()  # as `specdec serve` does: the proxies started below inherit it
@@ -93,7 +103,7 @@ def served(ray_cluster, tiny_dir, near_draft_dir):
     from ray import serve
 
     from deployments.app import build_app, grpc_options
-    from deployments.config import parse_config
+    from deployments.serve_config import parse_config
 
     config = parse_config({
         "grpc_port": free_port(),

@@ -1,8 +1,12 @@
-"""Helpers shared by tests: model variants that make a draft agree always, sometimes or never."""
+"""Helpers shared by tests: model variants that make a draft agree always, sometimes or never; engines, workers and
+the served stack's state; the chi-square test of sampled outputs against an exact law; an in-process ASGI client."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import json
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -130,7 +134,7 @@ def operator_tls_dir(directory, name="specdec.example.internal", usages=None, ke
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "operator CA")])
 
     def builder(subject, public_key):
@@ -159,7 +163,7 @@ def worker_stats(served, kind):
     """GetStats of every `kind` ("target" or "draft") worker replica of the `served` stack."""
     import ray
 
-    from deployments import registry
+    from deployments import worker_registry as registry
     from deployments.auth import dial
     from deployments.tls import Role
     from specdec.v1 import worker_pb2 as wpb
@@ -265,3 +269,52 @@ def build_taught_target(tiny_dir, out, steps=400):
     train(model, examples, TrainConfig(steps=steps, batch_size=8, learning_rate=3e-3), draft_rows=vocab,
           shared_vocab=vocab)
     return write_draft(model, source, out)
+
+
+def chi_square_p_value(counts: Mapping[tuple[int, ...], int], law: Mapping[tuple[int, ...], float],
+                       samples: int) -> float:
+    """Pearson's chi-square test of `counts` (each output's count over `samples` draws) against the exact `law`
+    (each output's probability): its p-value. Cells expected fewer than 5 times are pooled into one, as the test's
+    approximation needs; 0.0 where an output the law gives no mass was sampled."""
+    from scipy.stats import chisquare
+
+    if not set(counts) <= set(law):
+        return 0.0
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for cell in sorted(law, key=law.__getitem__, reverse=True):
+        e = law[cell] * samples
+        if e >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(e)
+        else:
+            rest_o, rest_e = rest_o + counts.get(cell, 0), rest_e + e
+    if rest_e > 0:
+        observed.append(rest_o)
+        expected.append(rest_e)
+    return float(chisquare(observed, expected).pvalue)
+
+
+async def asgi_post(app, path: str, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()) -> tuple[int, dict, int]:
+    """One JSON POST through an ASGI `app` in process, as Serve's HTTP proxy makes it (content-type
+    application/json, then `headers`): (status, the JSON body, how many times the app read the request). The
+    client never goes away: a read past the body waits forever."""
+    sent: list[dict] = []
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    reads = 0
+
+    async def receive() -> dict:
+        nonlocal reads
+        reads += 1
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), *headers],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:])), reads

@@ -1,5 +1,6 @@
 """Between the OpenAI-compatible API's JSON and the engine: request bodies to the `GenerateCall` that the gRPC codec
-also produces (so both APIs reach the router by one path), engine outputs to response bodies and stream chunks.
+(`deployments.generation_codec`) also produces (so both APIs reach the router by one path), engine outputs to
+response bodies and stream chunks.
 A chat request with tools has its output read for calls (`tool_parser`), in its unary answer and its stream alike."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from deployments.codec import GenerateCall, Prompt
+from deployments.generation_codec import GenerateCall, Prompt
 from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, Message, ResponseFormat
 from deployments.openai.tool_parser import ParsedCall, ToolCallParser
 from deployments.openai.tools import ToolCallFormat, ToolPlan, forced_constraint, prompt_tools, tool_plan

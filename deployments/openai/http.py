@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from deployments.codec import GenerateCall
+from deployments.generation_codec import GenerateCall
 from deployments.openai import codec
 from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from deployments.openai.tool_parser import ToolCallParser

@@ -45,7 +45,7 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "min_tokens": (0,),
 }
 
-MAX_SALT_LENGTH = 256  # as the gRPC API's (deployments.codec.MAX_CACHE_SALT)
+MAX_SALT_LENGTH = 256  # as the gRPC API's (deployments.generation_codec.MAX_CACHE_SALT)
 MAX_TOOLS = 128  # OpenAI's limit
 
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from specdec_tools.bench import methods, sessions, stack, structured
+from specdec_tools.bench.options import add_draft_quantization, add_draft_vocabulary
 from specdec_tools.loadgen import cli as loadgen
 
 
@@ -24,8 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     drafting = offline.add_mutually_exclusive_group(required=True)
     drafting.add_argument("--draft", help="draft model: path, .gguf file or `specdec models` name")
     drafting.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup instead of a model")
-    drafting.add_argument("--suffix", action="store_true",
-                          help="draft by SuffixDecoding (this request's and earlier requests' tokens) instead of a model")
+    drafting.add_argument("--suffix", action="store_true", help="draft by SuffixDecoding (this request's and "
+                                                                "earlier requests' tokens) instead of a model")
     offline.add_argument("--prompts", required=True, type=Path, help='JSONL, one {"prompt": "..."} per line')
     offline.add_argument("--max-new-tokens", required=True, type=int)
     offline.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -37,13 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                          help="also time transformers' generate and its assisted generation / prompt lookup")
     offline.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
                          help="transformers' prompt lookup length (with --compare-hf --ngram or --suffix)")
-    offline.add_argument("--draft-quantization", choices=["none", "int8", "int4", "auto"], default="auto",
-                         help="int8 weights and activations for the draft (CPU with AVX-512 VNNI or AVX2): "
-                              "cheaper drafts, same output; int4: 4-bit weights; auto (default): int8 on AVX-512 VNNI, "
-                              "int4 on AVX2, else none")
-    offline.add_argument("--draft-vocabulary", type=int, default=0, metavar="N",
-                         help="the draft's LM head scores only the first N token ids, the special tokens and each "
-                              "request's context's ids; 0 (default): all")
+    add_draft_quantization(offline)
+    add_draft_vocabulary(offline)
     offline.add_argument("--json", required=True, type=Path, help="where to write the report")
     offline.set_defaults(func=_offline)
     loadgen.register(modes)

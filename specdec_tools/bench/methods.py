@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec_core.errors import InvalidArgument
-from specdec_tools.bench.options import add_run_options
+from specdec_tools.bench.options import add_run_options, run_options
 from specdec_tools.loadgen.command import positive
 
 
@@ -53,10 +53,7 @@ def main(args: argparse.Namespace) -> int:
     config = MethodsBenchConfig(
         target=args.target, draft=args.draft, max_new_tokens=args.max_new_tokens, prompts=args.prompts,
         sessions=args.sessions, limit=args.num_prompts or args.num_sessions, methods=args.methods,
-        temperature=args.temperature, seed=args.seed, dtype=args.dtype, device=args.device,
-        draft_quantization=args.draft_quantization, draft_vocabulary=args.draft_vocabulary,
-        num_speculative_tokens=args.num_speculative_tokens, max_seq_len=args.max_seq_len,
-        draft_confidence_thresholds=args.draft_confidence_threshold)
+        draft_confidence_thresholds=args.draft_confidence_threshold, **run_options(args))
     report = run_methods_bench(config)
     write_report(report, args.json)
     print(format_table(report))

@@ -14,9 +14,10 @@ temperature 0 every method must give plain decoding's tokens: the report counts 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -29,9 +30,16 @@ from specdec_core.errors import InvalidArgument
 from specdec_core.runner import RunnerConfig
 from specdec_tools.bench.figures import run_settings
 from specdec_tools.bench.methods_report import OFF, Record, hybrid_comparison, request_rows, results
-from specdec_tools.bench.methods_workloads import (PromptsWorkload, Runner, SessionsWorkload, Workload, check_fits,
-                                                   run_request)
+from specdec_tools.bench.methods_workloads import (
+    PromptsWorkload,
+    Runner,
+    SessionsWorkload,
+    Workload,
+    check_fits,
+    run_request,
+)
 from specdec_tools.bench.offline import machine_info
+from specdec_tools.bench.options import RunOptions
 from specdec_tools.requests import read_prompt_texts, read_sessions
 
 MAX_K = 16  # the largest k `auto` may choose, or a fixed k may ask for
@@ -56,7 +64,9 @@ def method_names(asked: Sequence[str] | None) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class MethodsBenchConfig:
+class MethodsBenchConfig(RunOptions):
+    """The workload and the methods; sampling and how the models run: `RunOptions` (keyword-only)."""
+
     target: str
     draft: str  # the draft model of the methods that run one (loaded only if one of those is asked for)
     max_new_tokens: int  # per request (per turn)
@@ -64,18 +74,9 @@ class MethodsBenchConfig:
     sessions: Path | None = None
     limit: int | None = None  # the first N prompts or sessions
     methods: tuple[str, ...] | None = None  # None: all (`method_names`)
-    temperature: float = 0.0
-    seed: int = 0
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    draft_quantization: str = "auto"  # none, int8, int4, or auto: what this CPU runs best (`specdec_core.hardware`)
-    draft_vocabulary: int = 0  # the draft head's first N ids plus the contexts' (`models.vocab_head`); 0: all
-    num_speculative_tokens: int | str = "auto"
-    max_seq_len: int = 4096
     # draft_model and hybrid (`DraftSpec.confidence_threshold`): each such method runs once per value, the first
     # under its own name, the others as NAME@VALUE (`engine_names`), side by side in the one run.
     draft_confidence_thresholds: tuple[float, ...] = (0.0,)
-    progress: bool = True
 
 
 def _first(items: Sequence, limit: int | None, flag: str, path: Path) -> tuple:

@@ -68,7 +68,7 @@ def _main(args: argparse.Namespace) -> int:
 def run_serve_bench(config_path: Path, prompts_path: Path, max_new_tokens: int, temperature: float, seed: int,
                     compare_offline: bool) -> dict[str, Any]:
     from deployments.launch import serving
-    from deployments.config import load_config
+    from deployments.serve_config import load_config
     from specdec_tools.requests import read_prompt_texts
 
     config = load_config(config_path)
@@ -115,7 +115,7 @@ def _timed(stub: Any, request: pb.GenerateRequest, mode: Mode) -> None:
 
 
 def _worker_stubs(config: Any) -> list[Any]:
-    from deployments import registry
+    from deployments import worker_registry as registry
     from deployments.auth import dial
     from deployments.tls import Role
 
@@ -362,7 +362,7 @@ def run_tracing_bench(config_path: Path, prompts_path: Path, max_new_tokens: int
     import secrets
 
     from deployments.launch import serving
-    from deployments.config import load_config
+    from deployments.serve_config import load_config
     from specdec_tools.requests import read_prompt_texts
 
     config = load_config(config_path)

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from specdec_tools.bench.options import add_run_options
+from specdec_tools.bench.options import add_run_options, run_options
 from specdec_tools.loadgen.command import positive
 
 
@@ -39,10 +39,7 @@ def main(args: argparse.Namespace) -> int:
 
     config = StructuredBenchConfig(
         target=args.target, draft=args.draft, method=args.method, prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens, limit=args.num_prompts, temperature=args.temperature, seed=args.seed,
-        dtype=args.dtype, device=args.device, draft_quantization=args.draft_quantization,
-        draft_vocabulary=args.draft_vocabulary, num_speculative_tokens=args.num_speculative_tokens,
-        max_seq_len=args.max_seq_len)
+        max_new_tokens=args.max_new_tokens, limit=args.num_prompts, **run_options(args))
     report = run_structured_bench(config)
     write_report(report, args.json)
     print(format_table(report))

@@ -14,9 +14,10 @@ token ids, which the report counts. Figures: `structured_report.py`; timing: `st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -29,8 +30,18 @@ from specdec_core.runner import RunnerConfig
 from specdec_tools.bench.figures import run_settings
 from specdec_tools.bench.methods_workloads import rotated
 from specdec_tools.bench.offline import machine_info
-from specdec_tools.bench.structured_report import (ALL, COMPLETE, CONSTRAINED_PLAIN, MODES, UNCONSTRAINED_SPEC, Record,
-                                                   headline, request_rows, results)
+from specdec_tools.bench.options import RunOptions
+from specdec_tools.bench.structured_report import (
+    ALL,
+    COMPLETE,
+    CONSTRAINED_PLAIN,
+    MODES,
+    UNCONSTRAINED_SPEC,
+    Record,
+    headline,
+    request_rows,
+    results,
+)
 from specdec_tools.bench.structured_timing import GrammarClock, grammar_clock, run_request
 from specdec_tools.bench.structured_workload import SCHEMA, TOOL, StructuredRequest, encode, read_structured
 
@@ -44,22 +55,15 @@ def drafting_methods() -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class StructuredBenchConfig:
+class StructuredBenchConfig(RunOptions):
+    """The workload and the drafting method; sampling and how the models run: `RunOptions` (keyword-only)."""
+
     target: str
     prompts: Path  # the workload (`structured_workload.py`)
     max_new_tokens: int  # per request: a constrained output usually ends before it
     draft: str | None = None  # the draft model, for a method that runs one
     method: str = DEFAULT_METHOD  # the drafting method of both speculative modes
     limit: int | None = None  # the first N requests
-    temperature: float = 0.0
-    seed: int = 0
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    draft_quantization: str = "auto"  # none, int8, int4, or auto: what this CPU runs best (`specdec_core.hardware`)
-    draft_vocabulary: int = 0  # the draft head's first N ids plus the contexts' (`models.vocab_head`); 0: all
-    num_speculative_tokens: int | str = "auto"
-    max_seq_len: int = 4096
-    progress: bool = True
 
 
 def check_config(config: StructuredBenchConfig) -> int | str:

@@ -69,9 +69,9 @@ def stack(tiny_dir, near_draft_dir):
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from deployments import registry
+    from deployments import worker_registry as registry
     from deployments.app import build_app, limit_public_messages
-    from deployments.config import parse_config
+    from deployments.serve_config import parse_config
     from deployments.launch import start_serve
     from tests.conftest import free_port
 

@@ -80,7 +80,7 @@ def until(what: str, check, timeout_s: float = REPLACED_S):
 
 def sessions_held(config) -> dict[str, int]:
     """Active sessions of every worker replica that answers GetStats (registered replicas on lost nodes do not)."""
-    from deployments import registry
+    from deployments import worker_registry as registry
     from deployments.auth import dial
     from deployments.tls import Role
 

@@ -9,7 +9,7 @@ import pytest
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from deployments.autoscaling import SESSIONS, SLOTS, WAITING, desired_replicas, serve_options
-from deployments.config import parse_config
+from deployments.serve_config import parse_config
 from specdec_core.errors import InvalidArgument
 
 

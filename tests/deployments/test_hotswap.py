@@ -10,8 +10,10 @@ import grpc
 import pytest
 
 from deployments import swap
-from deployments.config import parse_config
-from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool
+from deployments.remote_drafter import RemoteDrafter
+from deployments.remote_target import RemoteTarget
+from deployments.replica_pool import ReplicaPool
+from deployments.serve_config import parse_config
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.config import SamplingParams
 from specdec_core.drafters.draft_model import DraftModelDrafter

@@ -40,7 +40,7 @@ def rel(served, tiny_dir, tmp_path_factory):
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.config import parse_config
+    from deployments.serve_config import parse_config
 
     address, base = served
     token_file = tmp_path_factory.mktemp("auth") / "token"
@@ -93,15 +93,15 @@ def test_the_public_api_wants_the_bearer_token(rel):
 def test_the_internal_services_refuse_calls_from_outside(rel):
     """The served workers speak mutual TLS only (the default): a plaintext caller fails its handshake, a caller
     with the application's client certificate but not its secret is UNAUTHENTICATED, for GetStats too."""
-    from deployments import registry
+    from deployments import worker_registry
     from deployments.auth import InternalCredentials, dial
     from deployments.tls import Role
     from specdec.v1 import worker_pb2 as wpb
     from specdec.v1 import worker_pb2_grpc as wpb_grpc
 
-    address = ray.get(registry.registry().addresses.remote(APP, "target"))[0]
+    address = ray.get(worker_registry.registry().addresses.remote(APP, "target"))[0]
     item = wpb.PrefillRequest.Item(seq_id="intruder", prompt_token_ids=[5, 6, 7])
-    issued = registry.credentials(APP, Role.CLIENT)
+    issued = worker_registry.credentials(APP, Role.CLIENT)
     assert issued.tls is not None
     for credentials, refused in ((None, grpc.StatusCode.UNAVAILABLE),
                                  (InternalCredentials("guessed", issued.tls), grpc.StatusCode.UNAUTHENTICATED)):

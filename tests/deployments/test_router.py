@@ -19,10 +19,10 @@ import grpc
 import pytest
 
 from deployments.auth import BearerAuth
-from deployments.config import parse_config
-from deployments.metrics import ServingMetrics
-from deployments.proposals import ProposalLog
+from deployments.prometheus import ServingMetrics
+from deployments.proposal_log import ProposalLog
 from deployments.router import RequestFailed, Router, RouterParts
+from deployments.serve_config import parse_config
 from deployments.telemetry import RequestTracer
 from specdec.v1 import generation_pb2 as pb
 from specdec_core.config import SamplingParams
@@ -33,7 +33,7 @@ from specdec_core.grammar.constraint import Constraint
 from specdec_core.models.loader import load_tokenizer
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
-from tests.helpers import SERVED_SCHEMA, make_engine, run_to_completion, satisfies_served_schema
+from tests.helpers import SERVED_SCHEMA, asgi_post, make_engine, run_to_completion, satisfies_served_schema
 
 TOKEN = "router-test-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -309,23 +309,9 @@ def test_a_lenient_schema_drops_what_cannot_be_enforced(make_router):
 
 async def _post(app, path: str, body: dict) -> tuple[int, dict]:
     """One HTTP request through the router's ASGI app, in process (Serve's HTTP proxy does no more)."""
-    sent: list[dict] = []
-    request = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
-
-    async def receive() -> dict:
-        if request:
-            return request.pop()
-        await asyncio.Event().wait()  # the client never goes away
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"authorization", f"Bearer {TOKEN}".encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-    await app(scope, receive, send)
-    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    status, reply, _ = await asgi_post(app, path, json.dumps(body).encode(),
+                                       [(b"authorization", f"Bearer {TOKEN}".encode())])
+    return status, reply
 
 
 def test_http_response_format_is_the_grpc_constraint(make_router):

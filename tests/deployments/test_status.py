@@ -7,7 +7,7 @@ import pytest
 
 from deployments import status
 from deployments.auth import Unauthenticated
-from deployments.remote import WorkerUnavailable as RemoteWorkerUnavailable
+from deployments.replica_pool import WorkerUnavailable as RemoteWorkerUnavailable
 from deployments.scheduler import DeadlineExceeded
 from deployments.status import UnknownModel, UnknownSession, WorkerUnavailable
 from deployments.workers import UnknownSession as WorkersUnknownSession

@@ -13,7 +13,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool
+from deployments.remote_drafter import RemoteDrafter
+from deployments.remote_target import RemoteTarget
+from deployments.replica_pool import ReplicaPool
 from deployments.telemetry import RequestTracer, context_from_metadata
 from deployments.workers import DraftServicer, TargetServicer, start_server
 from specdec.v1 import worker_pb2_grpc as wpb_grpc

@@ -114,7 +114,7 @@ def served_tp(served, tiny_dir, near_draft_dir):
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.config import parse_config
+    from deployments.serve_config import parse_config
 
     address, base = served
     config = parse_config({

@@ -13,7 +13,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from deployments import tls
 from deployments.auth import INTERNAL_KEY, InternalCredentials, dial
-from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool, WorkerUnavailable
+from deployments.remote_drafter import RemoteDrafter
+from deployments.remote_target import RemoteTarget
+from deployments.replica_pool import ReplicaPool
+from deployments.status import WorkerUnavailable
 from deployments.tls import Role
 from deployments.workers import start_server
 from specdec.v1 import worker_pb2 as wpb

@@ -10,7 +10,10 @@ import json
 import grpc
 import pytest
 
-from deployments.remote import RemoteDrafter, RemoteTarget, ReplicaPool, WorkerUnavailable
+from deployments.remote_drafter import RemoteDrafter
+from deployments.remote_target import RemoteTarget
+from deployments.replica_pool import ReplicaPool
+from deployments.status import WorkerUnavailable
 from deployments.workers import TargetServicer, start_server
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.config import parse_config
+from deployments.serve_config import parse_config
 from tests.k8s.manifests import OVERLAYS, ROOT, env, one, pod_templates, render, volume_at
 from tests.k8s.shapes import SHAPES
 

@@ -9,20 +9,19 @@ test run on deliberately broken samplers must reject them: that is what shows it
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from specdec_core import target as target_module
 from specdec_core import rejection
+from specdec_core import target as target_module
 from specdec_core.config import SamplingParams
 from specdec_core.models.vocab_head import cut_vocabulary
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.sampling import processed_probs
-from tests.helpers import make_engine, perturbed
+from tests.helpers import chi_square_p_value, make_engine, perturbed
 
+pytestmark = pytest.mark.slow  # thousands of seeded requests a test: `make test` runs them, `make test-fast` not
 NUM_TOKENS = 4  # prefill token, then one round with k = 2 (accept, residual, bonus), then whatever is left
 SAMPLES = 6000
 PARAMS = dict(temperature=1.0, top_k=4, top_p=0.9, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -77,23 +76,6 @@ def _sample(loaded, draft, hybrid: bool = False, mixed: list[int] | None = None,
     return counts, accepted / proposed if proposed else 0.0
 
 
-def _p_value(counts: dict[tuple[int, ...], int], law: dict[tuple[int, ...], float]) -> float:
-    if not set(counts) <= set(law):
-        return 0.0  # a sequence the target can never produce was sampled
-    cells = sorted(law, key=law.get, reverse=True)
-    observed, expected, rest_o, rest_e = [], [], 0, 0.0
-    for cell in cells:  # cells expected fewer than 5 times are pooled into one
-        e = law[cell] * SAMPLES
-        if e >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(e)
-        else:
-            rest_o, rest_e = rest_o + counts.get(cell, 0), rest_e + e
-    observed.append(rest_o)
-    expected.append(rest_e)
-    return float(chisquare(observed, expected).pvalue)
-
-
 @pytest.fixture(scope="module")
 def law(tiny_target):
     return _exact_law(tiny_target)
@@ -107,7 +89,7 @@ def draft(tiny_target):
 def test_speculative_sampling_matches_the_target(tiny_target, draft, law):
     counts, acceptance = _sample(tiny_target, draft)
     assert 0.2 < acceptance < 0.9, acceptance  # drafts are neither always nor never right
-    assert _p_value(counts, law) > 1e-3
+    assert chi_square_p_value(counts, law, SAMPLES) > 1e-3
 
 
 def test_sampling_with_drafts_stopped_by_the_drafts_confidence_matches_the_target(tiny_target, draft, law):
@@ -118,7 +100,7 @@ def test_sampling_with_drafts_stopped_by_the_drafts_confidence_matches_the_targe
     stopped = sum(n == 1 for n in lengths) / len(lengths)
     assert 0.1 < stopped < 0.9, stopped  # some proposals were cut to one draft, others ran to k = 2
     assert 0.2 < acceptance < 0.95, acceptance
-    assert _p_value(counts, law) > 1e-3
+    assert chi_square_p_value(counts, law, SAMPLES) > 1e-3
 
 
 def test_sampling_with_a_cut_draft_head_matches_the_target(tiny_target, draft, law):
@@ -128,7 +110,7 @@ def test_sampling_with_a_cut_draft_head_matches_the_target(tiny_target, draft, l
     assert cut_vocabulary(cut, 192, ())
     counts, acceptance = _sample(tiny_target, cut)
     assert 0.1 < acceptance < 0.9, acceptance
-    assert _p_value(counts, law) > 1e-3
+    assert chi_square_p_value(counts, law, SAMPLES) > 1e-3
 
 
 def test_suffix_sampling_matches_the_target(tiny_target, law):
@@ -136,7 +118,7 @@ def test_suffix_sampling_matches_the_target(tiny_target, law):
     continuations, so later ones are drafted, and accepted only sometimes."""
     counts, acceptance = _sample(tiny_target, "suffix")
     assert 0.05 < acceptance < 0.95, acceptance
-    assert _p_value(counts, law) > 1e-3
+    assert chi_square_p_value(counts, law, SAMPLES) > 1e-3
 
 
 def test_hybrid_sampling_matches_the_target(tiny_target, draft, law):
@@ -145,7 +127,7 @@ def test_hybrid_sampling_matches_the_target(tiny_target, draft, law):
     counts, acceptance = _sample(tiny_target, draft, hybrid=True, mixed=mixed)
     assert sum(mixed) >= len(mixed) // 2, mixed  # most steps verified both kinds of row together
     assert 0.05 < acceptance < 0.95, acceptance
-    assert _p_value(counts, law) > 1e-3
+    assert chi_square_p_value(counts, law, SAMPLES) > 1e-3
 
 
 def _zero_q_for_point_masses(items, K, p):
@@ -164,12 +146,12 @@ _real_dense_q = target_module._dense_q
 def test_zero_q_for_point_masses_in_a_mixed_batch_fails_the_same_test(tiny_target, draft, law, monkeypatch):
     monkeypatch.setattr(target_module, "_dense_q", _zero_q_for_point_masses)
     counts, _ = _sample(tiny_target, draft, hybrid=True)
-    assert _p_value(counts, law) < 1e-6
+    assert chi_square_p_value(counts, law, SAMPLES) < 1e-6
 
 
 def test_plain_sampling_matches_the_target(tiny_target, law):
     counts, _ = _sample(tiny_target, None)
-    assert _p_value(counts, law) > 1e-3
+    assert chi_square_p_value(counts, law, SAMPLES) > 1e-3
 
 
 def _no_residual(p_n, q, draft, rows, n, K):
@@ -191,4 +173,4 @@ def test_a_wrong_sampler_fails_the_same_test(tiny_target, draft, law, monkeypatc
     else:
         monkeypatch.setattr(target_module, "rejection_sample", _bonus_from_last_draft_position)
     counts, _ = _sample(tiny_target, draft)
-    assert _p_value(counts, law) < 1e-6
+    assert chi_square_p_value(counts, law, SAMPLES) < 1e-6

@@ -23,7 +23,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdec_core.config import SamplingParams
 from specdec_core.drafters.draft_model import DraftModelDrafter
@@ -34,8 +33,9 @@ from specdec_core.grammar.masks import draft_masks
 from specdec_core.grammar.state import GrammarState
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.sampling import processed_probs
-from tests.helpers import logits_after, make_engine, one_torch_thread, perturbed
+from tests.helpers import chi_square_p_value, logits_after, make_engine, one_torch_thread, perturbed
 
+pytestmark = pytest.mark.slow  # thousands of seeded requests a test: `make test` runs them, `make test-fast` not
 PROMPT = [17, 230, 41, 9, 100]
 SAMPLES = 3000
 TOP_K = 4
@@ -103,23 +103,6 @@ def _sample(loaded, draft, regex: str, max_tokens: int, hybrid: bool = False):
     return counts, methods
 
 
-def _p_value(counts: dict[tuple[int, ...], int], law: dict[tuple[int, ...], float]) -> float:
-    if not set(counts) <= set(law):
-        return 0.0  # an output the masked target can never produce was sampled
-    observed, expected, rest_o, rest_e = [], [], 0, 0.0
-    for cell in sorted(law, key=law.get, reverse=True):  # cells expected fewer than 5 times are pooled into one
-        e = law[cell] * SAMPLES
-        if e >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(e)
-        else:
-            rest_o, rest_e = rest_o + counts.get(cell, 0), rest_e + e
-    if rest_e > 0:
-        observed.append(rest_o)
-        expected.append(rest_e)
-    return float(chisquare(observed, expected).pvalue)
-
-
 @pytest.fixture(scope="module")
 def draft(tiny_target):
     return perturbed(tiny_target.model, 0.05, seed=4)
@@ -147,13 +130,13 @@ def test_constrained_speculative_sampling_matches_the_masked_target(tiny_target,
     assert methods.get("draft_model", 0) > SAMPLES // 4, methods
     if name == "forcing":
         assert methods.get(FORCED, 0) > SAMPLES // 2, methods
-    assert _p_value(counts, law) > 1e-3
+    assert chi_square_p_value(counts, law, SAMPLES) > 1e-3
 
 
 def test_plain_constrained_sampling_matches_the_masked_target(tiny_target, grammar):
     _, regex, max_tokens, law = grammar
     counts, _ = _sample(tiny_target, None, regex, max_tokens)
-    assert _p_value(counts, law) > 1e-3
+    assert chi_square_p_value(counts, law, SAMPLES) > 1e-3
 
 
 def _drafting_unmasked(monkeypatch):
@@ -175,7 +158,7 @@ def test_unmasked_drafts_cut_at_the_grammar_fail_the_same_test(tiny_target, draf
     _drafting_unmasked(monkeypatch)
     monkeypatch.setattr(SpecEngine, "_cut", staticmethod(_cut_everything))
     counts, _ = _sample(tiny_target, draft, regex, max_tokens)
-    assert _p_value(counts, _exact_law(tiny_target, regex, max_tokens)) < 1e-6
+    assert chi_square_p_value(counts, _exact_law(tiny_target, regex, max_tokens), SAMPLES) < 1e-6
 
 
 def test_unmasked_drafts_verified_whole_pass(tiny_target, draft, monkeypatch):
@@ -184,4 +167,4 @@ def test_unmasked_drafts_verified_whole_pass(tiny_target, draft, monkeypatch):
     regex, max_tokens = GRAMMARS["forbidding"]
     _drafting_unmasked(monkeypatch)
     counts, _ = _sample(tiny_target, draft, regex, max_tokens)
-    assert _p_value(counts, _exact_law(tiny_target, regex, max_tokens)) > 1e-3
+    assert chi_square_p_value(counts, _exact_law(tiny_target, regex, max_tokens), SAMPLES) > 1e-3

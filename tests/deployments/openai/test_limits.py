@@ -12,36 +12,13 @@ import pytest
 from deployments.openai.http import MAX_BODY_BYTES
 from tests.deployments.test_router import (  # noqa: F401 (make_router is a fixture)
     BIG, TOKEN, count_tokenizer, make_router, record_requests)
+from tests.helpers import asgi_post
 
 AUTH = [(b"authorization", f"Bearer {TOKEN}".encode())]
 
 
-async def _send(app, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> tuple[int, dict, int]:
-    """One POST through the router's ASGI app, as Serve's HTTP proxy makes it: (status, body, body messages read)."""
-    sent: list[dict] = []
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-    reads = 0
-
-    async def receive() -> dict:
-        nonlocal reads
-        reads += 1
-        if pending:
-            return pending.pop()
-        await asyncio.Event().wait()  # the client never goes away
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), *headers],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-    await app(scope, receive, send)
-    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:])), reads
-
-
 def _post(app, path: str, body: dict, headers=AUTH) -> tuple[int, dict]:
-    status, reply, _ = asyncio.run(_send(app, path, json.dumps(body, ensure_ascii=False).encode(), headers))
+    status, reply, _ = asyncio.run(asgi_post(app, path, json.dumps(body, ensure_ascii=False).encode(), headers))
     return status, reply
 
 
@@ -84,13 +61,13 @@ def test_a_body_over_the_limit_is_refused_unread_and_counted(make_router):
     recorded = record_requests(router)
     app = router.__serve_build_asgi_app__()
     declared = [(b"content-length", str(MAX_BODY_BYTES + 1).encode())]
-    status, error, reads = asyncio.run(_send(app, "/v1/completions", b"{}", AUTH + declared))
+    status, error, reads = asyncio.run(asgi_post(app, "/v1/completions", b"{}", AUTH + declared))
     assert status == 400 and error["error"]["param"] == "body" and reads == 0
-    status, error, _ = asyncio.run(_send(app, "/v1/completions", b"x" * (MAX_BODY_BYTES + 1), AUTH))
+    status, error, _ = asyncio.run(asgi_post(app, "/v1/completions", b"x" * (MAX_BODY_BYTES + 1), AUTH))
     assert status == 400 and error["error"]["param"] == "body"
-    status, error, _ = asyncio.run(_send(app, "/v1/completions", b"{}", []))  # no token
+    status, error, _ = asyncio.run(asgi_post(app, "/v1/completions", b"{}", []))  # no token
     assert status == 401
     assert recorded.by(finish_reason="refused", code="invalid_argument") == 2
     assert recorded.by(finish_reason="refused", code="unauthenticated") == 1
-    status, error, _ = asyncio.run(_send(app, "/v1/completions", b"{}", [(b"content-length", b"2"), *AUTH]))
+    status, error, _ = asyncio.run(asgi_post(app, "/v1/completions", b"{}", [(b"content-length", b"2"), *AUTH]))
     assert status == 400 and error["error"]["param"] != "body" and not engine.has_work  # read: {} lacks a model

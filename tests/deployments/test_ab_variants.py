@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from deployments.config import Demotion, DraftVariant
-from deployments.variants import Demoter, VariantTable, judge
+from deployments.ab_variants import Demoter, VariantTable, judge
+from deployments.serve_config import Demotion, DraftVariant
 from specdec_core.errors import InvalidArgument
 from specdec_core.watch import AcceptanceWatch, RoundSample
 from tests.helpers import perturbed_checkpoint, worker_stats
@@ -126,7 +126,7 @@ def served_ab(served, tmp_path_factory):
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.config import parse_config
+    from deployments.serve_config import parse_config
 
     address, base = served
     directory = tmp_path_factory.mktemp("ab-proposals")
@@ -147,9 +147,9 @@ def test_served_variants_each_draft_and_are_named_in_responses_and_the_log(serve
     import grpc
     from ray import serve
 
-    from specdec_tools.proposals import read_records
     from specdec.v1 import generation_pb2 as pb
     from specdec.v1 import generation_pb2_grpc as pb_grpc
+    from specdec_tools.proposals import read_records
 
     address, directory, _ = served_ab
     assert "DraftWorker-model" in serve.status().applications[APP].deployments
@@ -190,7 +190,7 @@ def test_served_weights_and_models_change_by_a_config_update_without_restarting_
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.config import parse_config
+    from deployments.serve_config import parse_config
     from specdec.v1 import generation_pb2 as pb
     from specdec.v1 import generation_pb2_grpc as pb_grpc
 

@@ -2,8 +2,9 @@
 
 Latency histograms are named after OpenTelemetry's gen_ai.server.* metrics; what is particular to speculative
 decoding is under specdec_*. Every series carries the model pair (`target`, `draft`) so that pairs compare.
-The draft and verify latencies are observed by the remote drafter and target (`deployments.remote`), once per
-batched call, with the same measurement the round spans carry as draft_ms / verify_ms.
+The draft and verify latencies are observed by the remote drafter and target (`deployments.remote_drafter`,
+`deployments.remote_target`), once per batched call, with the same measurement the round spans carry as draft_ms /
+verify_ms.
 
 The workers export their prefix caches' counters (`WorkerMetrics`), read from their runners every few seconds.
 The router exports its online watch of each draft variant (`WatchMetrics`): the alert rules in

@@ -304,7 +304,8 @@ class RouterConfig(_Strict):
     max_queued_requests: int = Field(64, ge=0)
     queue_timeout_s: float = Field(60.0, gt=0)
     # A prompt's text (gRPC `prompt`; chat messages and tools: every string the chat template renders) longer than
-    # this in UTF-8 is INVALID_ARGUMENT before it is tokenized: tokenizing costs the router about 0.5 s of CPU a MiB.
+    # this in UTF-8 is INVALID_ARGUMENT before it is tokenized: tokenizing costs the router CPU in proportion to the
+    # text's size.
     # A 32k-token context is ~130 KiB of English or code (~4 bytes a token) and less of CJK (~2): 1 MiB holds it 8
     # times over (32 bytes a token: whitespace-heavy text packs many bytes into one), a 128k-token one 2 times.
     max_prompt_bytes: int = Field(1024 * 1024, ge=1)

@@ -15,9 +15,9 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from deployments.config import DEFAULT_VARIANT, Demotion, DraftVariant, ServeConfig
-from deployments.metrics import WatchMetrics
-from deployments.remote import ReplicaPool
+from deployments.prometheus import WatchMetrics
+from deployments.replica_pool import ReplicaPool
+from deployments.serve_config import DEFAULT_VARIANT, Demotion, DraftVariant, ServeConfig
 from specdec_core.drafters.variants import VariantDrafter
 from specdec_core.engine import RoundInfo, SpecEngine
 from specdec_core.errors import InvalidArgument

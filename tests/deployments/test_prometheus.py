@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.metrics import ServingMetrics, WatchMetrics
+from deployments.prometheus import ServingMetrics, WatchMetrics
 from specdec_core.watch import WindowSnapshot
 
 RULES = Path(__file__).resolve().parents[2] / "k8s" / "monitoring" / "specdec-alerts.yaml"

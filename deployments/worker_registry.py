@@ -2,13 +2,13 @@
 
 Routers talk to workers over gRPC, not through Serve handles, so they need addresses. Each worker replica
 registers (app, kind, replica id) -> "ip:port" when it starts and unregisters when it stops; routers read the
-addresses and refresh them. Routers also report the sessions that wait for a worker's slot, which the worker replicas
-read back for Serve's autoscaling (`deployments.autoscaling`). It also hands out each application's internal credentials (`credentials`): the
-secret (`deployments.auth`), and the certificates of mutual TLS, which it issues from the application's CA
-(`deployments.tls`), made on first ask; the CA's key never leaves the actor. Detached, so it outlives whichever
-replica created it; `shutdown` removes it. It lives on the head node, whichever process asks first: on a node that
-may be lost it would take the addresses and the CA with it, and the next ask would make another CA, whose
-certificates the running routers and workers refuse.
+addresses and refresh them. Routers also report the sessions that wait for a worker's slot, which the worker
+replicas read back for Serve's autoscaling (`deployments.autoscaling`). It also hands out each application's
+internal credentials (`credentials`): the secret (`deployments.auth`), and the certificates of mutual TLS, which it
+issues from the application's CA (`deployments.tls`), made on first ask; the CA's key never leaves the actor.
+Detached, so it outlives whichever replica created it; `shutdown` removes it. It lives on the head node, whichever
+process asks first: on a node that may be lost it would take the addresses and the CA with it, and the next ask
+would make another CA, whose certificates the running routers and workers refuse.
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ NAMESPACE = "specdec"
 # The resource only the head node has (Serve pins its controller with it too); a sliver of it pins an actor there.
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 WAITING_TTL_S = 5.0  # a router's report of waiting sessions counts this long (it reports every second or so)
+
+
+def draft_kind(variant: str | None) -> str:
+    """The registry's name for the draft workers of `variant` (None: the single `draft`)."""
+    return "draft" if variant is None else f"draft-{variant}"
 
 
 @ray.remote(num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001})

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from deployments.proposals import ProposalLog
+from deployments.proposal_log import ProposalLog
 from specdec_tools.proposals import format_summary, read_records, summarize
 from specdec_core.config import SamplingParams
 from specdec_core.models.loader import load_model
@@ -71,7 +71,7 @@ def served_logging(served, tmp_path_factory):
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.config import parse_config
+    from deployments.serve_config import parse_config
 
     address, base = served
     directory = tmp_path_factory.mktemp("proposals")

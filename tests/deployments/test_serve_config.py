@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.config import load_config, parse_config
+from deployments.serve_config import load_config, parse_config
 from specdec_core.errors import InvalidArgument
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deployments" / "configs"
@@ -120,7 +120,7 @@ def test_the_builder_makes_an_application_without_a_cluster():
 
 @pytest.mark.parametrize("given, expected", [({}, True), ({"prefix_caching": False}, False)])
 def test_prefix_caching_is_on_by_default_and_reaches_both_workers_runners(given, expected):
-    from deployments.app import _runner_config
+    from deployments.worker_deployments import _runner_config
 
     config = parse_config({"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d"}, **given})
     assert config.prefix_caching is expected
