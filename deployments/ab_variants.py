@@ -12,15 +12,16 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 from deployments.prometheus import WatchMetrics
 from deployments.replica_pool import ReplicaPool
 from deployments.serve_config import DEFAULT_VARIANT, Demotion, DraftVariant, ServeConfig
 from specdec_core.drafters.variants import VariantDrafter
-from specdec_core.engine import RoundInfo, SpecEngine
+from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
+from specdec_core.outputs import RoundInfo
 from specdec_core.watch import AcceptanceWatch, RoundSample, WindowSnapshot
 
 log = logging.getLogger("ray.serve")
@@ -46,7 +47,9 @@ class VariantTable:
         weight. An unknown name is INVALID_ARGUMENT naming `draft_variant` and the choices."""
         if pinned:
             if pinned not in self._weights:
-                raise InvalidArgument("draft_variant", f"no draft variant {pinned!r}; choose one of {', '.join(self.names)}")
+                raise InvalidArgument(
+                    "draft_variant", f"no draft variant {pinned!r}; choose one of {', '.join(self.names)}"
+                )
             return pinned
         with self._lock:
             names = [n for n in self.names if self._weights[n] > 0]
@@ -118,8 +121,13 @@ class Demoter:
                 continue  # too few rounds: neither a strike nor a pardon
             strikes = self._strikes[name] = self._strikes.get(name, 0) + 1 if verdict.worse else 0
             if strikes >= self.rule.consecutive_checks and self.table.demote(name):
-                log.warning("draft variant %s demoted (weight 0) after %d checks below the control %s: %s", name,
-                            strikes, self.table.control, verdict.why)
+                log.warning(
+                    "draft variant %s demoted (weight 0) after %d checks below the control %s: %s",
+                    name,
+                    strikes,
+                    self.table.control,
+                    verdict.why,
+                )
                 self._strikes.pop(name, None)
                 demoted.append(name)
         return demoted
@@ -161,8 +169,9 @@ class ABTest:
         """The variant a new request drafts with: `pinned` (checked), else one by weight."""
         if self.single:
             if pinned and pinned != DEFAULT_VARIANT:
-                raise InvalidArgument("draft_variant", f"no draft variant {pinned!r}: this server runs one draft, "
-                                                       f"{DEFAULT_VARIANT!r}")
+                raise InvalidArgument(
+                    "draft_variant", f"no draft variant {pinned!r}: this server runs one draft, {DEFAULT_VARIANT!r}"
+                )
             return DEFAULT_VARIANT
         return self.table.assign(pinned)
 
@@ -178,16 +187,32 @@ class ABTest:
     def observe(self, variant: str, info: RoundInfo, committed: int) -> None:
         """On the engine thread, for every round's output: never raises (the output must reach its request)."""
         try:
-            self.watch.record(RoundSample(variant=variant, k=info.k, proposed=len(info.proposed_token_ids),
-                                          accepted=info.num_accepted, committed=committed, seconds=info.seconds))
+            self.watch.record(
+                RoundSample(
+                    variant=variant,
+                    k=info.k,
+                    proposed=len(info.proposed_token_ids),
+                    accepted=info.num_accepted,
+                    committed=committed,
+                    seconds=info.seconds,
+                )
+            )
         except Exception:
             log.warning("a round could not be recorded in the watch", exc_info=True)
 
     def describe(self) -> list[dict]:
         """The variants, for GetModelInfo."""
         weights = self.table.weights()
-        return [{"name": v.name, "method": v.method, "model": (v.model or "") if v.runs_draft_model else "",
-                 "weight": weights[v.name], "control": v.name == self.table.control} for v in self.variants.values()]
+        return [
+            {
+                "name": v.name,
+                "method": v.method,
+                "model": (v.model or "") if v.runs_draft_model else "",
+                "weight": weights[v.name],
+                "control": v.name == self.table.control,
+            }
+            for v in self.variants.values()
+        ]
 
     # -- the watch (a thread of its own) ----------------------------------------------------------------------
 
@@ -198,7 +223,9 @@ class ABTest:
         for name, snapshot in snapshots.items():
             pool = self._pools.get(name)
             if snapshot is not None:
-                self.metrics.export(snapshot, None if pool is None else sum(r.usable for r in pool.replicas), weights[name])
+                self.metrics.export(
+                    snapshot, None if pool is None else sum(r.usable for r in pool.replicas), weights[name]
+                )
         demoted = self.demoter.check(snapshots) if self.demoter is not None else []
         for name in demoted:
             self.metrics.demoted(name)

@@ -10,8 +10,8 @@ approximate by design: a worker may have evicted the entry; then the placement c
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -47,8 +47,9 @@ def grpc_options(config: ServeConfig) -> gRPCOptions:
     return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS)
 
 
-def _actor_options(num_cpus: float, num_gpus: float = 0.0, resources: dict[str, float] | None = None,
-                   env: dict[str, str] | None = None) -> dict[str, Any]:
+def _actor_options(
+    num_cpus: float, num_gpus: float = 0.0, resources: dict[str, float] | None = None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Resources, and this process's OTEL_* settings so that every deployment exports its spans alike."""
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
     if resources:
@@ -59,14 +60,16 @@ def _actor_options(num_cpus: float, num_gpus: float = 0.0, resources: dict[str, 
     return options
 
 
-def _deployment(cls: type, name: str, placement: Placement, group: dict[str, Any] | None = None,
-                env: dict[str, str] | None = None) -> Any:
+def _deployment(
+    cls: type, name: str, placement: Placement, group: dict[str, Any] | None = None, env: dict[str, str] | None = None
+) -> Any:
     """A worker deployment: each replica reserves `placement`'s num_cpus, num_gpus and resources; `group`: Serve's
     placement-group options (`rank_group`) for a replica of several ranks."""
     resources = _actor_options(placement.num_cpus, placement.num_gpus, placement.resources, env)
     options: dict[str, Any] = autoscaling.serve_options(placement)  # replicas: fixed or autoscaled; draining
-    return serve.deployment(cls, name=name).options(ray_actor_options=resources, max_ongoing_requests=1000,
-                                                    **options, **(group or {}))
+    return serve.deployment(cls, name=name).options(
+        ray_actor_options=resources, max_ongoing_requests=1000, **options, **(group or {})
+    )
 
 
 def rank_group(target: TargetConfig) -> dict[str, Any]:
@@ -74,8 +77,10 @@ def rank_group(target: TargetConfig) -> dict[str, Any]:
     what the replica reserves for itself (it is rank 0, in bundle 0; `tensor_parallel.TargetRank` r in bundle r),
     placed by `target.rank_strategy`."""
     bundle = {"CPU": target.num_cpus, **({"GPU": target.num_gpus} if target.num_gpus else {}), **target.resources}
-    return {"placement_group_bundles": [dict(bundle) for _ in range(target.tensor_parallel_size)],
-            "placement_group_strategy": target.rank_strategy}
+    return {
+        "placement_group_bundles": [dict(bundle) for _ in range(target.tensor_parallel_size)],
+        "placement_group_strategy": target.rank_strategy,
+    }
 
 
 def build_app(config: ServeConfig | dict[str, Any]) -> serve.Application:
@@ -93,16 +98,21 @@ def _worker_deployments(cfg: ServeConfig, parts: swap.Split) -> list[serve.Appli
     args = parts.args
     t = cfg.target
     group = rank_group(t) if t.tensor_parallel_size > 1 else None
-    workers = [_deployment(TargetWorker, "TargetWorker", t, group, t.rank_environment)
-               .options(**_versioned("TargetWorker", args)).bind(args)]
+    workers = [
+        _deployment(TargetWorker, "TargetWorker", t, group, t.rank_environment)
+        .options(**_versioned("TargetWorker", args))
+        .bind(args)
+    ]
     # A draft deployment for a single draft that runs a model, or one per such variant of an A/B (each scaled on
     # its own); each takes its model in its user_config.
     for name, user_config in parts.workers.items():
         variant = name.removeprefix("DraftWorker-") if cfg.drafts is not None else None
         placement = cfg.draft if variant is None else cfg.variant(variant)
-        workers.append(_deployment(DraftWorker, name, placement)
-                       .options(user_config=user_config, **_versioned(name, args))
-                       .bind(args, *([variant] if variant else [])))
+        workers.append(
+            _deployment(DraftWorker, name, placement)
+            .options(user_config=user_config, **_versioned(name, args))
+            .bind(args, *([variant] if variant else []))
+        )
     return workers
 
 
@@ -120,8 +130,7 @@ def _router_deployment(cfg: ServeConfig, parts: swap.Split) -> serve.Deployment:
     if parts.router is not None:  # the variants' models (what it reports and labels with) and weights
         options["user_config"] = parts.router
     return serve.deployment(_RouterIngress, name="Router").options(
-        ray_actor_options=_actor_options(cfg.router.num_cpus, resources=cfg.router.resources,
-                                         env=_auth_environment()),
+        ray_actor_options=_actor_options(cfg.router.num_cpus, resources=cfg.router.resources, env=_auth_environment()),
         max_ongoing_requests=cfg.router.max_ongoing_requests,
         **options,
         **_versioned("Router", parts.args),
@@ -153,13 +162,17 @@ def _check_tensor_parallel(target: TargetConfig) -> None:
 
     path = resolve_source(target.model)
     if path.is_dir():
-        check_shardable(args_from_hf_config(json.loads((path / "config.json").read_text())), target.tensor_parallel_size)
+        check_shardable(
+            args_from_hf_config(json.loads((path / "config.json").read_text())), target.tensor_parallel_size
+        )
 
 
 def build(args: dict[str, Any]) -> serve.Application:
     """Serve's application builder: `import_path: deployments.app:build` with the specdec config as `args`."""
     config = parse_config(args)
     if config.proxy_location is not None:
-        log.warning("proxy_location in the application's args has no effect here: Serve was started already, by "
-                    "the Serve config, whose top-level proxy_location says where its proxies run")
+        log.warning(
+            "proxy_location in the application's args has no effect here: Serve was started already, by "
+            "the Serve config, whose top-level proxy_location says where its proxies run"
+        )
     return build_app(config)

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -92,7 +93,9 @@ class InternalAuthInterceptor(grpc.ServerInterceptor):
         self._digest = _digest(secret)
 
         def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "internal service: missing or invalid specdec-internal-token")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "internal service: missing or invalid specdec-internal-token"
+            )
 
         self._refusal = grpc.unary_unary_rpc_method_handler(refuse)
 
@@ -114,8 +117,9 @@ class _AddSecret(grpc.UnaryUnaryClientInterceptor):
         return continuation(details._replace(metadata=metadata), request)
 
 
-def dial(address: str, credentials: InternalCredentials | None,
-         options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+def dial(
+    address: str, credentials: InternalCredentials | None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.Channel:
     """A channel to the worker at `address` presenting `credentials`: mutual TLS with its certificate (when it has
     TLS material), every call carrying the secret. None: plaintext and no secret, for a worker served without
     credentials (tests of the services alone)."""
@@ -125,6 +129,7 @@ def dial(address: str, credentials: InternalCredentials | None,
         channel = grpc.insecure_channel(address, options=list(options))
     else:
         bundle = credentials.tls
-        channel = grpc.secure_channel(address, channel_credentials(bundle),
-                                      options=[*options, *channel_options(bundle)])
+        channel = grpc.secure_channel(
+            address, channel_credentials(bundle), options=[*options, *channel_options(bundle)]
+        )
     return grpc.intercept_channel(channel, _AddSecret(credentials.secret))

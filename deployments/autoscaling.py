@@ -21,7 +21,8 @@ Serve pickles this module by value into its controller: it imports nothing from 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext
@@ -44,8 +45,9 @@ def load_report(held: int, slots: int, waiting: int) -> dict[str, float]:
     return {SESSIONS: float(held), SLOTS: float(slots), WAITING: float(waiting)}
 
 
-def desired_replicas(held: list[float], slots: list[float], waiting: float,
-                     target_sessions_per_replica: float | None) -> float:
+def desired_replicas(
+    held: list[float], slots: list[float], waiting: float, target_sessions_per_replica: float | None
+) -> float:
     """Replicas for the load: the sessions held (one figure per replica) and those waiting for a slot (one figure for
     the deployment), at `target_sessions_per_replica` each (None: `DEFAULT_UTILIZATION` of a replica's slots)."""
     target = target_sessions_per_replica
@@ -68,8 +70,9 @@ class SessionLoad:
             return ctx.target_num_replicas, {}
         # Every replica reports the routers' one sum (each sampled at its own times): the largest, not their total.
         waiting = max(metrics.get(WAITING, {}).values(), default=0.0)
-        desired = desired_replicas(list(held.values()), list(metrics.get(SLOTS, {}).values()), waiting,
-                                   self.target_sessions_per_replica)
+        desired = desired_replicas(
+            list(held.values()), list(metrics.get(SLOTS, {}).values()), waiting, self.target_sessions_per_replica
+        )
         # Rounded up here, past the float noise of time-weighted means: 2 sessions of 2 per replica is 1 replica
         # even where the means sum to 2.0000000000000004.
         return math.ceil(desired - 1e-6), {}
@@ -78,8 +81,10 @@ class SessionLoad:
 def serve_options(placement: Placement) -> dict[str, Any]:
     """A worker deployment's Serve options for its replica count (fixed, or autoscaled by `SessionLoad`) and for
     stopping a replica (Serve kills it once the drain and the margin are past)."""
-    options: dict[str, Any] = {"graceful_shutdown_timeout_s": placement.drain_timeout_s + STOP_MARGIN_S,
-                               "graceful_shutdown_wait_loop_s": SERVE_WAIT_LOOP_S}
+    options: dict[str, Any] = {
+        "graceful_shutdown_timeout_s": placement.drain_timeout_s + STOP_MARGIN_S,
+        "graceful_shutdown_wait_loop_s": SERVE_WAIT_LOOP_S,
+    }
     scaling = placement.autoscaling
     if scaling is None:
         return {**options, "num_replicas": placement.num_replicas}
@@ -90,8 +95,10 @@ def serve_options(placement: Placement) -> dict[str, Any]:
         "upscale_delay_s": scaling.upscale_delay_s,
         "downscale_delay_s": scaling.downscale_delay_s,
         "look_back_period_s": scaling.look_back_period_s,
-        "policy": {"policy_function": f"{__name__}:SessionLoad",
-                   "policy_kwargs": {"target_sessions_per_replica": scaling.target_sessions_per_replica}},
+        "policy": {
+            "policy_function": f"{__name__}:SessionLoad",
+            "policy_kwargs": {"target_sessions_per_replica": scaling.target_sessions_per_replica},
+        },
     }
     if scaling.metrics_interval_s is not None:
         config["metrics_interval_s"] = scaling.metrics_interval_s

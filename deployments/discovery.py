@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import ray
 
@@ -41,8 +41,13 @@ class WorkerFollower:
     every `REPORT_S`, for the workers' autoscaling (`deployments.autoscaling`). Runs on a thread of its own from
     construction until `stop`."""
 
-    def __init__(self, app: str, pools: Sequence[ReplicaPool], refresh_s: float,
-                 waiting: Callable[[], dict[str, int]] | None = None) -> None:
+    def __init__(
+        self,
+        app: str,
+        pools: Sequence[ReplicaPool],
+        refresh_s: float,
+        waiting: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
         self.app = app
         self.pools = list(pools)
         self.refresh_s = refresh_s
@@ -61,7 +66,7 @@ class WorkerFollower:
             except Exception:  # the cluster may be going down
                 pass
 
-    def _report(self, reg: "ray.actor.ActorHandle") -> None:
+    def _report(self, reg: ray.actor.ActorHandle) -> None:
         """`waiting` reads counters that the engine's thread writes, without a lock: a count a round stale is good
         enough for a decision averaged over seconds."""
         if self.waiting is None or time.monotonic() < self._next_report:

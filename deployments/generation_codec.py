@@ -8,15 +8,17 @@ codec (`deployments.worker_codec`), and the OpenAI-compatible API decodes to the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from specdec.v1 import generation_pb2 as pb
 from specdec_core.chat import ChatMessage, Tool
 from specdec_core.config import AUTO, SamplingParams
-from specdec_core.engine import RequestOutput, SpecStats
 from specdec_core.errors import InvalidArgument
 from specdec_core.grammar.constraint import Constraint
+from specdec_core.outputs import RequestOutput, SpecStats
+from specdec_core.request import Request
 from specdec_core.stopping import FinishReason
 
 T = TypeVar("T")
@@ -43,21 +45,25 @@ class Prompt:
 
 @dataclass(frozen=True)
 class GenerateCall:
-    """A decoded GenerateRequest."""
+    """A decoded GenerateRequest (or OpenAI body): the engine's `Request` as the client asked it, whose `seq_id` and
+    `prompt_ids` the router fills once it has tokenized `prompt`, and what only the service reads."""
 
     request_id: str
     prompt: Prompt
-    params: SamplingParams
-    num_speculative_tokens: int | str | None  # None: the server's default
-    cache_salt: str | None = None  # prefix caching: share cached prefixes only within this salt
-    speculation_method: str | None = None  # None: any method the server runs ("auto"); the engine checks the name
+    request: Request
     draft_variant: str | None = None  # None: assigned by weight; the router checks the name
 
 
 def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> GenerateCall:
-    given = [name for name, present in (("prompt", bool(request.prompt)),
-                                        ("prompt_token_ids", len(request.prompt_token_ids) > 0),
-                                        ("messages", len(request.messages) > 0)) if present]
+    given = [
+        name
+        for name, present in (
+            ("prompt", bool(request.prompt)),
+            ("prompt_token_ids", len(request.prompt_token_ids) > 0),
+            ("messages", len(request.messages) > 0),
+        )
+        if present
+    ]
     if len(given) > 1:
         raise InvalidArgument(given[0], f"set one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
     if not given:
@@ -73,10 +79,14 @@ def decode_generate(request: pb.GenerateRequest, default_max_tokens: int) -> Gen
     return GenerateCall(
         request_id=request.request_id,
         prompt=prompt,
-        params=decode_sampling(request.sampling, default_max_tokens, decode_structured(request)),
-        num_speculative_tokens=decode_speculation(request.speculation),
-        cache_salt=decode_cache_salt(request.cache_salt),
-        speculation_method=request.speculation_method or None,
+        request=Request(
+            seq_id="",
+            prompt_ids=(),
+            params=decode_sampling(request.sampling, default_max_tokens, decode_structured(request)),
+            num_speculative_tokens=decode_speculation(request.speculation),
+            speculation_method=request.speculation_method or None,
+            cache_salt=decode_cache_salt(request.cache_salt),
+        ),
         draft_variant=request.draft_variant or None,
     )
 
@@ -105,9 +115,15 @@ def validated_sampling(kind: type[T], **values: Any) -> T:
 
 # Errors the engine raises name its own fields; a client knows the request's, which nest some of them. A constraint
 # that does not compile is named by its kind (the engine compiles it when the request joins).
-_REQUEST_FIELDS = {"max_tokens": "sampling.max_tokens", "num_speculative_tokens": "speculation.num_speculative_tokens",
-                   "json_schema": "structured.json_schema", "json_object": "structured.json_object",
-                   "regex": "structured.regex", "grammar": "structured.grammar", "constraint": "structured"}
+_REQUEST_FIELDS = {
+    "max_tokens": "sampling.max_tokens",
+    "num_speculative_tokens": "speculation.num_speculative_tokens",
+    "json_schema": "structured.json_schema",
+    "json_object": "structured.json_object",
+    "regex": "structured.regex",
+    "grammar": "structured.grammar",
+    "constraint": "structured",
+}
 
 
 def in_request_terms(error: InvalidArgument) -> InvalidArgument:
@@ -116,8 +132,9 @@ def in_request_terms(error: InvalidArgument) -> InvalidArgument:
     return error if field is None else InvalidArgument(field, error.message)
 
 
-def decode_sampling(sampling: pb.SamplingParams, default_max_tokens: int,
-                    constraint: Constraint | None = None) -> SamplingParams:
+def decode_sampling(
+    sampling: pb.SamplingParams, default_max_tokens: int, constraint: Constraint | None = None
+) -> SamplingParams:
     return validated_sampling(
         SamplingParams,
         temperature=float(sampling.temperature),
@@ -149,8 +166,12 @@ def decode_structured(request: pb.GenerateRequest) -> Constraint | None:
     if structured.lenient_schema and kind != "json_schema":
         raise InvalidArgument("structured.lenient_schema", f"applies to json_schema only, not {kind}")
     try:
-        return Constraint(kind, "" if kind == "json_object" else getattr(structured, kind),
-                          strict=not structured.lenient_schema, compact=kind in JSON_KINDS)
+        return Constraint(
+            kind,
+            "" if kind == "json_object" else getattr(structured, kind),
+            strict=not structured.lenient_schema,
+            compact=kind in JSON_KINDS,
+        )
     except InvalidArgument as exc:
         raise InvalidArgument(f"structured.{kind}", exc.message) from None
 
@@ -159,8 +180,9 @@ def encode_structured(constraint: Constraint) -> pb.StructuredOutput:
     """The wire form of a constraint (clients, tests): `decode_structured`'s inverse for what it produces."""
     if constraint.kind == "json_object":
         return pb.StructuredOutput(json_object=True)
-    return pb.StructuredOutput(lenient_schema=constraint.kind == "json_schema" and not constraint.strict,
-                               **{constraint.kind: constraint.value})
+    return pb.StructuredOutput(
+        lenient_schema=constraint.kind == "json_schema" and not constraint.strict, **{constraint.kind: constraint.value}
+    )
 
 
 def decode_speculation(options: pb.SpeculationOptions) -> int | str | None:
@@ -172,26 +194,30 @@ def decode_speculation(options: pb.SpeculationOptions) -> int | str | None:
     return None
 
 
-def encode_stats(stats: SpecStats) -> pb.SpeculationStats:
-    return pb.SpeculationStats(rounds=stats.rounds, proposed=stats.proposed, accepted=stats.accepted,
-                               draft_variant=stats.draft_variant)
+def encode_stats(stats: SpecStats, draft_variant: str) -> pb.SpeculationStats:
+    return pb.SpeculationStats(
+        rounds=stats.rounds, proposed=stats.proposed, accepted=stats.accepted, draft_variant=draft_variant
+    )
 
 
 def encode_usage(output: RequestOutput) -> pb.Usage:
-    return pb.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
-                    cached_tokens=output.num_cached_tokens)
+    return pb.Usage(
+        prompt_tokens=output.num_prompt_tokens,
+        completion_tokens=output.num_output_tokens,
+        cached_tokens=output.num_cached_tokens,
+    )
 
 
-def encode_chunk(request_id: str, output: RequestOutput) -> pb.GenerateStreamResponse:
+def encode_chunk(request_id: str, output: RequestOutput, draft_variant: str) -> pb.GenerateStreamResponse:
     chunk = pb.GenerateStreamResponse(request_id=request_id, text=output.new_text, token_ids=output.new_token_ids)
     if output.finished:
         chunk.finish_reason = FINISH_REASONS[output.finish_reason]
         chunk.usage.CopyFrom(encode_usage(output))
-        chunk.speculation.CopyFrom(encode_stats(output.stats))
+        chunk.speculation.CopyFrom(encode_stats(output.stats, draft_variant))
     return chunk
 
 
-def merge_chunks(request_id: str, outputs: Sequence[RequestOutput]) -> pb.GenerateResponse:
+def merge_chunks(request_id: str, outputs: Sequence[RequestOutput], draft_variant: str) -> pb.GenerateResponse:
     """The unary response: every chunk's text and tokens, the last one's reason, usage and stats."""
     last = outputs[-1]
     return pb.GenerateResponse(
@@ -200,5 +226,5 @@ def merge_chunks(request_id: str, outputs: Sequence[RequestOutput]) -> pb.Genera
         token_ids=[t for o in outputs for t in o.new_token_ids],
         finish_reason=FINISH_REASONS[last.finish_reason] if last.finished else pb.FINISH_REASON_UNSPECIFIED,
         usage=encode_usage(last),
-        speculation=encode_stats(last.stats),
+        speculation=encode_stats(last.stats, draft_variant),
     )

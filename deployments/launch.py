@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import ray
 from ray import serve
@@ -32,8 +32,12 @@ def serving(config: ServeConfig, quiet: bool = False) -> Iterator[None]:
         import os
 
         needed = cpus_needed(config)
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False,
-                 log_to_driver=not quiet, logging_level=logging.WARNING if quiet else logging.INFO)
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
+            include_dashboard=False,
+            log_to_driver=not quiet,
+            logging_level=logging.WARNING if quiet else logging.INFO,
+        )
     else:
         ray.init(address=address, log_to_driver=not quiet)
     if quiet:
@@ -57,8 +61,11 @@ def start_serve(config: ServeConfig, host: str = "0.0.0.0") -> None:
     """Start Serve on the connected cluster with `config`'s proxies: where they run (`proxy_location`), their HTTP
     port on `host` and their gRPC port, which serves the public GenerationService. Serve's settings are the
     cluster's and fixed once it runs: a Serve already started keeps its own."""
-    serve.start(proxy_location=config.proxy_location, http_options={"host": host, "port": config.http_port},
-                grpc_options=grpc_options(config))
+    serve.start(
+        proxy_location=config.proxy_location,
+        http_options={"host": host, "port": config.http_port},
+        grpc_options=grpc_options(config),
+    )
 
 
 def cpus_needed(config: ServeConfig) -> float:

@@ -41,40 +41,94 @@ class ServingMetrics:
         # Every request once, when it ends: `finish_reason` the engine's (length, eos, stop, cancelled, error), or
         # "refused" for one refused before the engine took it (a limit, admission, bad input, authentication) and
         # "error" for one a raised error ended later (a deadline); `code`, the status its client got, says why.
-        self.requests = Counter("specdec_requests", "Requests by finish reason and status code.",
-                                tag_keys=(*_PAIR, "variant", "finish_reason", "code"))
-        self.ttft = Histogram("gen_ai_server_time_to_first_token", "Seconds to the first output token.",
-                              boundaries=_LATENCY_S, tag_keys=_PAIR)
-        self.tpot = Histogram("gen_ai_server_time_per_output_token", "Seconds per output token after the first.",
-                              boundaries=_PER_TOKEN_S, tag_keys=_PAIR)
-        self.duration = Histogram("gen_ai_server_request_duration", "Seconds per request.", boundaries=_LATENCY_S,
-                                  tag_keys=_PAIR)
-        self.acceptance = Histogram("specdec_acceptance_rate", "Accepted / proposed draft tokens per request.",
-                                    boundaries=_RATE, tag_keys=(*_PAIR, "variant"))
-        self.accepted_per_round = Histogram("specdec_accepted_tokens_per_round", "Draft tokens accepted per round.",
-                                            boundaries=[0.5, *_TOKENS], tag_keys=(*_PAIR, "variant", "method"))
+        self.requests = Counter(
+            "specdec_requests",
+            "Requests by finish reason and status code.",
+            tag_keys=(*_PAIR, "variant", "finish_reason", "code"),
+        )
+        self.ttft = Histogram(
+            "gen_ai_server_time_to_first_token",
+            "Seconds to the first output token.",
+            boundaries=_LATENCY_S,
+            tag_keys=_PAIR,
+        )
+        self.tpot = Histogram(
+            "gen_ai_server_time_per_output_token",
+            "Seconds per output token after the first.",
+            boundaries=_PER_TOKEN_S,
+            tag_keys=_PAIR,
+        )
+        self.duration = Histogram(
+            "gen_ai_server_request_duration", "Seconds per request.", boundaries=_LATENCY_S, tag_keys=_PAIR
+        )
+        self.acceptance = Histogram(
+            "specdec_acceptance_rate",
+            "Accepted / proposed draft tokens per request.",
+            boundaries=_RATE,
+            tag_keys=(*_PAIR, "variant"),
+        )
+        self.accepted_per_round = Histogram(
+            "specdec_accepted_tokens_per_round",
+            "Draft tokens accepted per round.",
+            boundaries=[0.5, *_TOKENS],
+            tag_keys=(*_PAIR, "variant", "method"),
+        )
         # By the method that proposed (hybrid drafting switches per request and round): acceptance per method is
         # accepted / proposed of these counters.
-        self.proposed = Counter("specdec_proposed_tokens", "Draft tokens proposed, by drafting method.",
-                                tag_keys=(*_PAIR, "variant", "method"))
-        self.accepted = Counter("specdec_accepted_tokens", "Draft tokens accepted, by drafting method.",
-                                tag_keys=(*_PAIR, "variant", "method"))
-        self.k = Histogram("specdec_speculation_length", "k chosen per round.", boundaries=[0.5, *_TOKENS],
-                           tag_keys=(*_PAIR, "variant"))
-        self.draft_latency = Histogram("specdec_draft_latency_seconds",
-                                       "Seconds per batched draft call (all k steps) of a round.",
-                                       boundaries=_CALL_S, tag_keys=_PAIR)
-        self.verify_latency = Histogram("specdec_verify_latency_seconds", "Seconds per batched verify call of a round.",
-                                        boundaries=_CALL_S, tag_keys=_PAIR)
-        self.fallbacks = Counter("specdec_target_only_rounds",
-                                 "Rounds that asked for drafts (k > 0) and got none (no draft replica held the "
-                                 "session, or the drafter failed).",
-                                 tag_keys=(*_PAIR, "variant"))
-        self.slots = Gauge("specdec_kv_slots_in_use", "Sessions this router holds in the workers' KV caches.",
-                           tag_keys=(*_PAIR, "worker"))
-        self._metrics = (self.requests, self.ttft, self.tpot, self.duration, self.acceptance, self.accepted_per_round,
-                         self.proposed, self.accepted, self.k, self.draft_latency, self.verify_latency, self.fallbacks,
-                         self.slots)
+        self.proposed = Counter(
+            "specdec_proposed_tokens",
+            "Draft tokens proposed, by drafting method.",
+            tag_keys=(*_PAIR, "variant", "method"),
+        )
+        self.accepted = Counter(
+            "specdec_accepted_tokens",
+            "Draft tokens accepted, by drafting method.",
+            tag_keys=(*_PAIR, "variant", "method"),
+        )
+        self.k = Histogram(
+            "specdec_speculation_length",
+            "k chosen per round.",
+            boundaries=[0.5, *_TOKENS],
+            tag_keys=(*_PAIR, "variant"),
+        )
+        self.draft_latency = Histogram(
+            "specdec_draft_latency_seconds",
+            "Seconds per batched draft call (all k steps) of a round.",
+            boundaries=_CALL_S,
+            tag_keys=_PAIR,
+        )
+        self.verify_latency = Histogram(
+            "specdec_verify_latency_seconds",
+            "Seconds per batched verify call of a round.",
+            boundaries=_CALL_S,
+            tag_keys=_PAIR,
+        )
+        self.fallbacks = Counter(
+            "specdec_target_only_rounds",
+            "Rounds that asked for drafts (k > 0) and got none (no draft replica held the "
+            "session, or the drafter failed).",
+            tag_keys=(*_PAIR, "variant"),
+        )
+        self.slots = Gauge(
+            "specdec_kv_slots_in_use",
+            "Sessions this router holds in the workers' KV caches.",
+            tag_keys=(*_PAIR, "worker"),
+        )
+        self._metrics = (
+            self.requests,
+            self.ttft,
+            self.tpot,
+            self.duration,
+            self.acceptance,
+            self.accepted_per_round,
+            self.proposed,
+            self.accepted,
+            self.k,
+            self.draft_latency,
+            self.verify_latency,
+            self.fallbacks,
+            self.slots,
+        )
         self._set_tags()
 
     def set_draft(self, draft: str) -> None:
@@ -86,8 +140,7 @@ class ServingMetrics:
         for metric in self._metrics:  # each takes the tags it has keys for (`variant`: the request's own metrics)
             metric.set_default_tags({key: value for key, value in self._tags.items() if key in metric._tag_keys})
 
-    def round(self, k: int, proposed: int, accepted: int, method: str | None = None,
-              variant: str = NO_VARIANT) -> None:
+    def round(self, k: int, proposed: int, accepted: int, method: str | None = None, variant: str = NO_VARIANT) -> None:
         """`k` chosen, `proposed` drafts made by `method` (none for k > 0: a fallback, where no draft replica held
         the session; k = 0 is plain decoding, chosen by the request or by `auto`, not a fallback), for a request
         drafting with `variant`."""
@@ -103,8 +156,9 @@ class ServingMetrics:
 
     def finished(self, output: Any, start: float, first_token: float | None, variant: str = NO_VARIANT) -> None:
         now = time.monotonic()
-        self.requests.inc(tags={"finish_reason": output.finish_reason.value, "code": _code_of_output(output),
-                                "variant": variant})
+        self.requests.inc(
+            tags={"finish_reason": output.finish_reason.value, "code": _code_of_output(output), "variant": variant}
+        )
         self.duration.observe(now - start)
         if first_token is not None:
             self.ttft.observe(first_token - start)
@@ -142,17 +196,27 @@ class WorkerMetrics:
 
     def __init__(self, worker: str, model: str) -> None:
         tags = ("worker", "model")
-        self.queried = Counter("specdec_prefix_cache_queried_tokens",
-                               "Prompt tokens looked up in the prefix cache (all a cache could have supplied).",
-                               tag_keys=tags)
-        self.hits = Counter("specdec_prefix_cache_hit_tokens",
-                            "Prompt tokens found in the prefix cache: reused, not computed.", tag_keys=tags)
-        self.evictions = Counter("specdec_prefix_cache_evictions",
-                                 "Prefix-cache entries evicted to make room for new sequences.", tag_keys=tags)
-        self.bytes = Gauge("specdec_prefix_cache_bytes", "KV bytes held by prefix-cache entries (ended sequences).",
-                           tag_keys=tags)
-        self.entries = Gauge("specdec_prefix_cache_entries", "Prefix-cache entries held (ended sequences).",
-                             tag_keys=tags)
+        self.queried = Counter(
+            "specdec_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache (all a cache could have supplied).",
+            tag_keys=tags,
+        )
+        self.hits = Counter(
+            "specdec_prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache: reused, not computed.",
+            tag_keys=tags,
+        )
+        self.evictions = Counter(
+            "specdec_prefix_cache_evictions",
+            "Prefix-cache entries evicted to make room for new sequences.",
+            tag_keys=tags,
+        )
+        self.bytes = Gauge(
+            "specdec_prefix_cache_bytes", "KV bytes held by prefix-cache entries (ended sequences).", tag_keys=tags
+        )
+        self.entries = Gauge(
+            "specdec_prefix_cache_entries", "Prefix-cache entries held (ended sequences).", tag_keys=tags
+        )
         self.worker = worker
         self.serve_model(model)
 
@@ -184,38 +248,63 @@ class WatchMetrics:
 
     def __init__(self, target: str, draft: str) -> None:
         tags = (*_PAIR, "variant")
-        self.acceptance = Gauge("specdec_draft_window_acceptance_rate",
-                                "Accepted / proposed draft tokens over the variant's window of rounds.", tag_keys=tags)
+        self.acceptance = Gauge(
+            "specdec_draft_window_acceptance_rate",
+            "Accepted / proposed draft tokens over the variant's window of rounds.",
+            tag_keys=tags,
+        )
         self.position_acceptance = Gauge(
             "specdec_draft_window_position_acceptance_rate",
             "Acceptance at a draft position, given the drafts before it were accepted, over the variant's window.",
-            tag_keys=(*tags, "position"))
-        self.tokens_per_round = Gauge("specdec_draft_window_tokens_per_round",
-                                      "Tokens committed per speculative round (k > 0) over the variant's window.",
-                                      tag_keys=tags)
-        self.speculative_rate = Gauge("specdec_draft_window_speculative_tokens_per_second",
-                                      "Tokens per second per sequence in speculative rounds over the variant's window.",
-                                      tag_keys=tags)
-        self.plain_rate = Gauge("specdec_draft_window_plain_tokens_per_second",
-                                "Tokens per second per sequence of plain decoding (k = 0), measured or estimated.",
-                                tag_keys=tags)
-        self.replicas = Gauge("specdec_draft_replicas", "Draft replicas this router can reach for the variant.",
-                              tag_keys=tags)
+            tag_keys=(*tags, "position"),
+        )
+        self.tokens_per_round = Gauge(
+            "specdec_draft_window_tokens_per_round",
+            "Tokens committed per speculative round (k > 0) over the variant's window.",
+            tag_keys=tags,
+        )
+        self.speculative_rate = Gauge(
+            "specdec_draft_window_speculative_tokens_per_second",
+            "Tokens per second per sequence in speculative rounds over the variant's window.",
+            tag_keys=tags,
+        )
+        self.plain_rate = Gauge(
+            "specdec_draft_window_plain_tokens_per_second",
+            "Tokens per second per sequence of plain decoding (k = 0), measured or estimated.",
+            tag_keys=tags,
+        )
+        self.replicas = Gauge(
+            "specdec_draft_replicas", "Draft replicas this router can reach for the variant.", tag_keys=tags
+        )
         self.weight = Gauge("specdec_draft_variant_weight", "The variant's share of new requests.", tag_keys=tags)
-        self.demotions = Counter("specdec_draft_variant_demotions",
-                                 "Times the variant was demoted (its weight cut for doing worse than the others).",
-                                 tag_keys=tags)
-        for metric in (self.acceptance, self.position_acceptance, self.tokens_per_round, self.speculative_rate,
-                       self.plain_rate, self.replicas, self.weight, self.demotions):
+        self.demotions = Counter(
+            "specdec_draft_variant_demotions",
+            "Times the variant was demoted (its weight cut for doing worse than the others).",
+            tag_keys=tags,
+        )
+        for metric in (
+            self.acceptance,
+            self.position_acceptance,
+            self.tokens_per_round,
+            self.speculative_rate,
+            self.plain_rate,
+            self.replicas,
+            self.weight,
+            self.demotions,
+        ):
             metric.set_default_tags({"target": target, "draft": draft})
 
     def export(self, snapshot: WindowSnapshot, replicas: int | None, weight: float) -> None:
         """Sets the variant's gauges from `snapshot`; `replicas` None for a variant that needs no draft model."""
         variant = {"variant": snapshot.variant}
-        for gauge, value in ((self.acceptance, snapshot.acceptance_rate), (self.tokens_per_round,
-                             snapshot.tokens_per_round), (self.speculative_rate, snapshot.speculative_tokens_per_s),
-                             (self.plain_rate, snapshot.plain_tokens_per_s), (self.replicas, replicas),
-                             (self.weight, weight)):
+        for gauge, value in (
+            (self.acceptance, snapshot.acceptance_rate),
+            (self.tokens_per_round, snapshot.tokens_per_round),
+            (self.speculative_rate, snapshot.speculative_tokens_per_s),
+            (self.plain_rate, snapshot.plain_tokens_per_s),
+            (self.replicas, replicas),
+            (self.weight, weight),
+        ):
             if value is not None:
                 gauge.set(value, tags=variant)
         for position, rate in enumerate(snapshot.position_acceptance, start=1):

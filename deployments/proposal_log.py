@@ -31,11 +31,11 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
-from specdec_core.engine import RequestOutput
+from specdec_core.outputs import RequestOutput
 
 
 @dataclass
@@ -49,17 +49,26 @@ class _Sampled:
 
 
 class ProposalLog:
-    def __init__(self, directory: str | Path, sample_rate: float, target: str, draft: str,
-                 max_bytes: int = 64 * 1024 * 1024, backup_count: int = 5, include_probs: bool = False,
-                 include_context_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        sample_rate: float,
+        target: str,
+        draft: str,
+        max_bytes: int = 64 * 1024 * 1024,
+        backup_count: int = 5,
+        include_probs: bool = False,
+        include_context_tokens: int = 0,
+    ) -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         self.sample_rate = sample_rate
         self.include_probs = include_probs
         self.include_context_tokens = include_context_tokens
         self._models = {"target": target, "draft": draft}
-        handler = logging.handlers.RotatingFileHandler(path / "proposals.jsonl", maxBytes=max_bytes,
-                                                       backupCount=backup_count, encoding="utf-8")
+        handler = logging.handlers.RotatingFileHandler(
+            path / "proposals.jsonl", maxBytes=max_bytes, backupCount=backup_count, encoding="utf-8"
+        )
         handler.setFormatter(logging.Formatter("%(message)s"))
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._listener = logging.handlers.QueueListener(self._queue, handler)
@@ -76,8 +85,9 @@ class ProposalLog:
         """Name `draft` in the records written from now on (a hot swap of the draft model)."""
         self._models = {**self._models, "draft": draft}  # one assignment: a record has the old pair or the new
 
-    def start(self, seq_id: str, request_id: str, prompt_ids: Sequence[int] = (),
-              draft_variant: str | None = None) -> bool:
+    def start(
+        self, seq_id: str, request_id: str, prompt_ids: Sequence[int] = (), draft_variant: str | None = None
+    ) -> bool:
         """Sample a new request. True when its rounds must carry probabilities (sampled, and include_probs). The
         caller must `discard` it when it ends, however it ends. `prompt_ids`: the start of its context (only its
         last include_context_tokens are kept, and only then). `draft_variant`: the draft variant it drafts with,
@@ -86,8 +96,9 @@ class ProposalLog:
             return False
         n = self.include_context_tokens
         with self._lock:
-            self._sampled[seq_id] = _Sampled(request_id, context=deque(prompt_ids[-n:] if n else (), maxlen=n),
-                                             draft_variant=draft_variant)
+            self._sampled[seq_id] = _Sampled(
+                request_id, context=deque(prompt_ids[-n:] if n else (), maxlen=n), draft_variant=draft_variant
+            )
         return self.include_probs
 
     def discard(self, seq_id: str) -> None:

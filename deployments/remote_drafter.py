@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from deployments import worker_codec
 from deployments.replica_pool import ReplicaPool, group_by_replica, item_sizes, trace_metadata
@@ -59,8 +60,14 @@ class RemoteDrafter:
 
     name = "draft_model"
 
-    def __init__(self, pool: ReplicaPool, tracer: RequestTracer | None = None,
-                 metrics: ServingMetrics | None = None, timeout_s: float | None = None, retry_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        tracer: RequestTracer | None = None,
+        metrics: ServingMetrics | None = None,
+        timeout_s: float | None = None,
+        retry_s: float = 1.0,
+    ) -> None:
         self.pool = pool
         self.tracer = tracer
         self.metrics = metrics
@@ -94,8 +101,9 @@ class RemoteDrafter:
             metadata = {}
             if self.tracer is not None:
                 metadata = {replica.address: carrier_metadata(self.tracer.spans([seq_id], rounds=False))}
-            responses, failures = self.pool.fan_out({replica.address: (replica, request)}, "Start", metadata,
-                                                    self.timeout_s)
+            responses, failures = self.pool.fan_out(
+                {replica.address: (replica, request)}, "Start", metadata, self.timeout_s
+            )
             if not failures:
                 session.placed(token_ids)
                 session.constrained = False  # a new session: its grammar goes with its first Propose
@@ -143,17 +151,23 @@ class RemoteDrafter:
         for i in idx:
             r = requests[i]
             session = self._sessions[r.seq_id]
-            message.items.append(worker_codec.encode_propose_item(r, r.token_ids[session.sent :],
-                                                                  send_grammar=not session.constrained))
+            message.items.append(
+                worker_codec.encode_propose_item(r, r.token_ids[session.sent :], send_grammar=not session.constrained)
+            )
         return self.pool.replica_of(requests[idx[0]].seq_id), message
 
-    def _send(self, requests: Sequence[DraftRequest], groups: dict[str, list[int]],
-              messages: dict[str, tuple[object, wpb.ProposeRequest]]) -> tuple[dict[str, object], dict[str, Exception]]:
+    def _send(
+        self,
+        requests: Sequence[DraftRequest],
+        groups: dict[str, list[int]],
+        messages: dict[str, tuple[object, wpb.ProposeRequest]],
+    ) -> tuple[dict[str, object], dict[str, Exception]]:
         """The round's Proposes, to every replica at once; their time goes to the round spans and the histogram."""
         all_ids = [r.seq_id for r in requests]
         start = time.perf_counter()
         responses, failures = self.pool.fan_out(
-            messages, "Propose", trace_metadata(self.tracer, groups, all_ids, rounds=True), self.timeout_s)
+            messages, "Propose", trace_metadata(self.tracer, groups, all_ids, rounds=True), self.timeout_s
+        )
         seconds = time.perf_counter() - start  # the round span's draft_ms and the draft latency histogram
         if self.tracer is not None:
             self.tracer.add_call(all_ids, "draft", seconds, item_sizes(groups, messages, len(requests)))

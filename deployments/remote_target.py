@@ -7,7 +7,8 @@ that meets a dead or draining replica is tried again on another, unseen by the c
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from deployments import worker_codec
 from deployments.replica_pool import ReplicaPool, group_by_replica, item_sizes, replica_lost, trace_metadata
@@ -28,8 +29,9 @@ def _elsewhere(error: Exception) -> bool:
 class RemoteTarget:
     """`Target` over the target workers."""
 
-    def __init__(self, pool: ReplicaPool, tracer: RequestTracer | None = None,
-                 metrics: ServingMetrics | None = None) -> None:
+    def __init__(
+        self, pool: ReplicaPool, tracer: RequestTracer | None = None, metrics: ServingMetrics | None = None
+    ) -> None:
         self.pool = pool
         self.tracer = tracer
         self.metrics = metrics
@@ -104,7 +106,8 @@ class RemoteTarget:
         }
         start = time.perf_counter()
         responses, failures = self.pool.fan_out(
-            requests, "Verify", trace_metadata(self.tracer, groups, ids, rounds=True))
+            requests, "Verify", trace_metadata(self.tracer, groups, ids, rounds=True)
+        )
         seconds = time.perf_counter() - start  # the round span's verify_ms and the verify latency histogram
         if self.tracer is not None:
             self.tracer.add_call(ids, "verify", seconds, item_sizes(groups, requests, len(ids)))

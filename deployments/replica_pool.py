@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -49,8 +50,14 @@ class Replica:
 class ReplicaPool:
     """The replicas of one worker deployment, the sessions pinned to each, and batched fan-out."""
 
-    def __init__(self, kind: str, addresses: Sequence[str], stub_type: type, timeout_s: float,
-                 credentials: InternalCredentials | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        addresses: Sequence[str],
+        stub_type: type,
+        timeout_s: float,
+        credentials: InternalCredentials | None = None,
+    ) -> None:
         """`credentials`: what the router presents to the workers (`deployments.auth.dial`); None for workers
         served without any."""
         self.kind = kind
@@ -162,8 +169,11 @@ class ReplicaPool:
                 raise WorkerUnavailable(f"no {self.kind} worker is available")
             candidates = [Candidate(r.address, len(r.sessions), len(r.sessions) < r.stats.num_slots) for r in live]
             preferred = self.affinity.choose(candidates, salt, token_ids)
-            replica = self._replicas[preferred] if preferred is not None else \
-                min(live, key=lambda r: (len(r.sessions) - r.stats.num_slots, r.last_pinned))
+            replica = (
+                self._replicas[preferred]
+                if preferred is not None
+                else min(live, key=lambda r: (len(r.sessions) - r.stats.num_slots, r.last_pinned))
+            )
             self.affinity.record(replica.address, salt, token_ids)
             replica.last_pinned = self._tick
             replica.sessions.add(seq_id)
@@ -174,8 +184,10 @@ class ReplicaPool:
         """The longest prefix of `token_ids` that a usable replica likely holds in its prefix cache, by what was
         placed where and what ended sessions left there (`affinity`; the worker may have evicted it since)."""
         with self._lock:
-            return max((self.affinity.match(r.address, salt, token_ids) for r in self._replicas.values() if r.usable),
-                       default=0)
+            return max(
+                (self.affinity.match(r.address, salt, token_ids) for r in self._replicas.values() if r.usable),
+                default=0,
+            )
 
     def replica_of(self, seq_id: str) -> Replica:
         replica = self._pinned.get(seq_id)
@@ -190,9 +202,13 @@ class ReplicaPool:
                 replica.sessions.discard(seq_id)
             return replica
 
-    def fan_out(self, groups: dict[str, tuple[Replica, object]], method: str,
-                metadata: dict[str, list[tuple[str, str]]] | None = None,
-                timeout_s: float | None = None) -> tuple[dict[str, object], dict[str, Exception]]:
+    def fan_out(
+        self,
+        groups: dict[str, tuple[Replica, object]],
+        method: str,
+        metadata: dict[str, list[tuple[str, str]]] | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[dict[str, object], dict[str, Exception]]:
         """Send one request per replica, all at once; every call runs to its end: (responses, errors) by address.
         A replica that could not be reached or did not answer in time is marked failed (an error it reported,
         such as INTERNAL, is not: it is alive and has released what the call touched); one that is draining is
@@ -258,8 +274,9 @@ def item_sizes(groups: dict[str, list[int]], requests: dict[str, tuple[Replica, 
     return sizes
 
 
-def trace_metadata(tracer: RequestTracer | None, groups: dict[str, list[int]], ids: Sequence[str],
-                   rounds: bool) -> dict[str, list[tuple[str, str]]]:
+def trace_metadata(
+    tracer: RequestTracer | None, groups: dict[str, list[int]], ids: Sequence[str], rounds: bool
+) -> dict[str, list[tuple[str, str]]]:
     """Per replica: the traceparent of its first sequence's span, the others as links."""
     if tracer is None:
         return {}

@@ -14,9 +14,10 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, NoReturn
 
 from deployments import generation_codec, swap
 from deployments.ab_variants import ABTest
@@ -33,9 +34,11 @@ from deployments.status import WorkerUnavailable, grpc_status_of
 from deployments.telemetry import RequestTracer, context_from_metadata
 from specdec.v1 import generation_pb2 as pb
 from specdec_core.chat import encode_chat, encode_prompt
-from specdec_core.engine import RequestOutput, SpecEngine
+from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.models.loader import LoadedTokenizer
+from specdec_core.outputs import RequestOutput
+from specdec_core.request import PromptLimits
 
 log = logging.getLogger(__name__)
 # Into the replica's log, unlike module loggers (see `deployments.worker_deployments`).
@@ -88,6 +91,15 @@ class Router:
         self.tokenizer = parts.tokenizer
         self.tool_call_format = ToolCallFormat.of(parts.tokenizer.tokenizer)  # the HTTP API's forced tool calls
         self.max_seq_len = parts.max_seq_len
+        # Prompt token ids are checked against the tokenizer's vocabulary: ids past it (a model's padding rows) have
+        # no text.
+        self.prompt_limits = PromptLimits(
+            vocab_size=len(parts.tokenizer.tokenizer),
+            max_seq_len=parts.max_seq_len,
+            max_prompt_tokens=cfg.router.max_prompt_tokens,
+            max_output_tokens=cfg.router.max_output_tokens,
+            settings="router.",
+        )
         self.target_pool = parts.target_pool
         self.draft_pools = parts.draft_pools
         self.proposals = parts.proposals
@@ -97,9 +109,12 @@ class Router:
         self.ab = ABTest(cfg, parts.engine, self.draft_pools)
         self._tag = uuid.uuid4().hex[:8]
         self.started_at = int(time.time())
-        log.info("router %s ready: %d target, %d draft replicas", self._tag,
-                 len(self.target_pool.replicas) if self.target_pool else 0,
-                 sum(len(pool.replicas) for pool in self.draft_pools.values()))
+        log.info(
+            "router %s ready: %d target, %d draft replicas",
+            self._tag,
+            len(self.target_pool.replicas) if self.target_pool else 0,
+            sum(len(pool.replicas) for pool in self.draft_pools.values()),
+        )
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's config update of the draft variants' models and weights (`deployments.swap`; also right after
@@ -118,8 +133,15 @@ class Router:
         for variant in self.config.variants:
             was = old[variant.name]
             if started and was != (variant.model, variant.weight):
-                serve_log.info("router %s: draft variant %s is now %s, weight %g (was %s, weight %g)", self._tag,
-                               variant.name, variant.model or variant.method, variant.weight, was[0], was[1])
+                serve_log.info(
+                    "router %s: draft variant %s is now %s, weight %g (was %s, weight %g)",
+                    self._tag,
+                    variant.name,
+                    variant.model or variant.method,
+                    variant.weight,
+                    was[0],
+                    was[1],
+                )
 
     def _why_waiting(self) -> Exception:
         """What a request that waited out the queue timeout is told."""
@@ -151,32 +173,47 @@ class Router:
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
         request_id = request.request_id or uuid.uuid4().hex
-        outputs = [output async for output in self._run(request, request_id, grpc_context)]
-        return generation_codec.merge_chunks(request_id, outputs)
+        call = self._decode(request, grpc_context)
+        outputs = [output async for output in self._run(call, request_id, grpc_context)]
+        return generation_codec.merge_chunks(request_id, outputs, call.draft_variant)
 
-    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateStreamResponse]:
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, grpc_context: Any
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
         request_id = request.request_id or uuid.uuid4().hex
-        async for output in self._run(request, request_id, grpc_context):
-            yield generation_codec.encode_chunk(request_id, output)
+        call = self._decode(request, grpc_context)
+        async for output in self._run(call, request_id, grpc_context):
+            yield generation_codec.encode_chunk(request_id, output, call.draft_variant)
 
     # -- one request ---------------------------------------------------------------------------------------------
 
-    async def _run(self, request: pb.GenerateRequest, request_id: str, grpc_context: Any) -> AsyncIterator[RequestOutput]:
-        """`generate` for a gRPC request: on a refusal or failure, set the gRPC status and raise."""
+    def _decode(self, request: pb.GenerateRequest, grpc_context: Any) -> generation_codec.GenerateCall:
+        """A gRPC request decoded, its draft variant assigned: on a refusal, set the gRPC status and raise."""
         try:
             self.authenticate(grpc_context.invocation_metadata() or ())
-            call = generation_codec.decode_generate(request, self.config.router.default_max_tokens)
+            return self.with_variant(generation_codec.decode_generate(request, self.config.router.default_max_tokens))
         except Exception as exc:
             self.refused(exc)
             self._fail(grpc_context, exc)
+
+    async def _run(
+        self, call: generation_codec.GenerateCall, request_id: str, grpc_context: Any
+    ) -> AsyncIterator[RequestOutput]:
+        """`generate` for a gRPC request: on a refusal or failure, set the gRPC status and raise."""
         try:
             async for output in self.generate(call, request_id, grpc_context.invocation_metadata() or ()):
                 yield output
         except Exception as exc:
             self._fail(grpc_context, exc)
 
-    async def generate(self, call: generation_codec.GenerateCall, request_id: str,
-                       metadata: Sequence[tuple[str, str]]) -> AsyncIterator[RequestOutput]:
+    def with_variant(self, call: generation_codec.GenerateCall) -> generation_codec.GenerateCall:
+        """`call` with the draft variant it runs with: the one it names (checked), else one drawn by weight. An API
+        assigns it before `generate`, so that it can name the variant in its response; assigning again keeps it."""
+        return replace(call, draft_variant=self.ab.assign(call.draft_variant))
+
+    async def generate(
+        self, call: generation_codec.GenerateCall, request_id: str, metadata: Sequence[tuple[str, str]]
+    ) -> AsyncIterator[RequestOutput]:
         """One request through the engine, whichever API it came by (gRPC, HTTP): its outputs as rounds commit
         them; a refusal or failure raises its error. `metadata`: the call's metadata or headers (a client's
         traceparent). Cancelled (the client went away) -> the engine aborts it, which frees its caches. Every
@@ -184,6 +221,7 @@ class Router:
         try:
             variant = self.ab.assign(call.draft_variant)
             prompt_ids = await self._admissible_prompt(call)
+            request = call.request
         except (Exception, asyncio.CancelledError) as exc:  # cancelled: the client went away while it was tokenized
             self.refused(exc)
             raise
@@ -191,7 +229,7 @@ class Router:
         inbox: asyncio.Queue = asyncio.Queue()
         seq_id = f"{self._tag}-{uuid.uuid4().hex[:16]}"  # unique across routers: workers key caches by it
         parent, _ = context_from_metadata(metadata)  # a client's traceparent
-        self.tracer.start_request(seq_id, call.params, parent, request_id, variant)
+        self.tracer.start_request(seq_id, request.params, parent, request_id, variant)
         times = [time.monotonic(), None]  # start, first token
         ran = False  # an output came: the engine took the request (an error after that is no refusal)
 
@@ -202,7 +240,6 @@ class Router:
                 self.metrics.ended_with(item, ran)
             else:
                 ran = True
-                item = replace(item, stats=replace(item.stats, draft_variant=variant))
                 self.tracer.observe(seq_id, item)
                 self._measure(item, times, variant)
                 if self.proposals is not None:
@@ -216,8 +253,8 @@ class Router:
             # Only requests whose records carry probabilities make the workers compute them.
             return_probs = self.proposals is not None and self.proposals.start(seq_id, request_id, prompt_ids, variant)
             self.ab.start(seq_id, variant)
-            self.scheduler.submit(seq_id, prompt_ids, call.params, call.num_speculative_tokens, deliver, return_probs,
-                                  cache_salt=call.cache_salt, speculation_method=call.speculation_method)
+            request = replace(request, seq_id=seq_id, prompt_ids=prompt_ids, return_probs=return_probs)
+            self.scheduler.submit(request, deliver)
             while not finished:
                 item = await inbox.get()
                 if isinstance(item, Exception):
@@ -235,7 +272,7 @@ class Router:
             if self.proposals is not None:
                 self.proposals.discard(seq_id)
 
-    async def _admissible_prompt(self, call: generation_codec.GenerateCall) -> list[int]:
+    async def _admissible_prompt(self, call: generation_codec.GenerateCall) -> tuple[int, ...]:
         """The prompt's token ids, once every check the router makes before the engine has passed. Cheap ones come
         first: a prompt's size is checked before it is tokenized (tokenizing costs CPU in proportion to the text), its
         length in tokens after."""
@@ -244,13 +281,14 @@ class Router:
             raise ResourceExhausted("requests", "the router is at max_ongoing_requests; retry later")
         # Tokenizing still takes a while: off the event loop, which serves every other request.
         prompt_ids = await asyncio.to_thread(self._prompt_ids, call.prompt)
-        self._check_limits(prompt_ids, call.params.max_tokens)
-        if call.params.constraint is not None:
+        params = call.request.params
+        prompt = self.prompt_limits.check(prompt_ids, params.max_tokens)
+        if params.constraint is not None:
             # Off the engine thread: the first constrained request builds the tokenizer's tables (slow for a large
             # vocabulary) and every new schema must compile, which every round would otherwise wait for.
             # The engine then finds it compiled; one that does not compile is refused here.
-            await asyncio.to_thread(self.scheduler.engine.compile, call.params.constraint)
-        return prompt_ids
+            await asyncio.to_thread(self.scheduler.engine.compile, params.constraint)
+        return prompt
 
     def _measure(self, output: RequestOutput, times: list, variant: str) -> None:
         if times[1] is None and output.new_token_ids:
@@ -267,10 +305,6 @@ class Router:
 
     def _prompt_ids(self, prompt: generation_codec.Prompt) -> list[int]:
         if prompt.token_ids is not None:
-            vocab = len(self.tokenizer.tokenizer)
-            bad = next((t for t in prompt.token_ids if t >= vocab), None)
-            if bad is not None:
-                raise InvalidArgument("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
             return list(prompt.token_ids)
         if prompt.messages is not None:
             return encode_chat(self.tokenizer.tokenizer, prompt.messages, prompt.tools)
@@ -280,38 +314,29 @@ class Router:
         """Refuse a prompt too long before any work on it: token ids by their count, text by its UTF-8 bytes (a chat
         request's: every string its template renders, the tools' definitions included)."""
         if prompt.token_ids is not None:
-            self._check_prompt_tokens(len(prompt.token_ids))
+            self.prompt_limits.check_length(len(prompt.token_ids))
             return
         limit = self.config.router.max_prompt_bytes
         if prompt.messages is None:
             field, size = "prompt", _utf8_bytes(prompt.text or "")
         else:
-            size = sum(_utf8_bytes(m.role, m.content, m.tool_call_id or "",
-                                   *(s for c in m.tool_calls for s in (c.id, c.name, c.arguments)))
-                       for m in prompt.messages)
+            size = sum(
+                _utf8_bytes(
+                    m.role,
+                    m.content,
+                    m.tool_call_id or "",
+                    *(s for c in m.tool_calls for s in (c.id, c.name, c.arguments)),
+                )
+                for m in prompt.messages
+            )
             field = "messages"
             if size <= limit and prompt.tools:  # the tools' definitions take their share of the prompt
                 field = "tools"
                 size += sum(_utf8_bytes(t.name, t.description or "", t.parameters or "") for t in prompt.tools)
         if size > limit:
-            raise InvalidArgument(field, f"{size} bytes of text; this server takes at most {limit} "
-                                         "(router.max_prompt_bytes)")
-
-    def _check_limits(self, prompt_ids: list[int], max_tokens: int) -> None:
-        router = self.config.router
-        self._check_prompt_tokens(len(prompt_ids))
-        if router.max_output_tokens is not None and max_tokens > router.max_output_tokens:
-            raise InvalidArgument("sampling.max_tokens", f"{max_tokens}; this server generates at most "
-                                                         f"{router.max_output_tokens} (router.max_output_tokens)")
-
-    def _check_prompt_tokens(self, n: int) -> None:
-        configured, context = self.config.router.max_prompt_tokens, self.max_seq_len - 1  # room for one output token
-        if configured is not None and configured <= context:
-            limit, key = configured, "router.max_prompt_tokens"
-        else:
-            limit, key = context, f"the context of {self.max_seq_len} less one output token; router.max_prompt_tokens"
-        if n > limit:
-            raise InvalidArgument("prompt", f"{n} tokens; this server takes at most {limit} ({key})")
+            raise InvalidArgument(
+                field, f"{size} bytes of text; this server takes at most {limit} (router.max_prompt_bytes)"
+            )
 
     def _authenticate(self, grpc_context: Any) -> None:
         try:
@@ -349,7 +374,7 @@ class Router:
         return build_http_app(self)
 
     @staticmethod
-    def _fail(grpc_context: Any, error: BaseException) -> None:
+    def _fail(grpc_context: Any, error: BaseException) -> NoReturn:
         code, details = grpc_status_of(error)
         grpc_context.set_code(code)
         grpc_context.set_details(details)
@@ -372,4 +397,3 @@ class Router:
 
     def __del__(self) -> None:
         self.close()
-

@@ -56,21 +56,35 @@ def connect_router(config: dict[str, Any]) -> RouterParts:
     proposals = _proposal_log(cfg)
     draft_pools = {name: remote.pool for name, remote in remotes.items()}
     return RouterParts(
-        config=cfg, engine=engine, tokenizer=tokenizer, auth=auth, tracer=tracer, metrics=metrics,
-        max_seq_len=min(cfg.router.max_seq_len, target.max_seq_len), target_pool=target_pool, draft_pools=draft_pools,
-        proposals=proposals, follower=_follower(cfg, engine, [target_pool, *draft_pools.values()], remotes),
+        config=cfg,
+        engine=engine,
+        tokenizer=tokenizer,
+        auth=auth,
+        tracer=tracer,
+        metrics=metrics,
+        max_seq_len=min(cfg.router.max_seq_len, target.max_seq_len),
+        target_pool=target_pool,
+        draft_pools=draft_pools,
+        proposals=proposals,
+        follower=_follower(cfg, engine, [target_pool, *draft_pools.values()], remotes),
     )
 
 
-def _pool(cfg: ServeConfig, kind: str, expected: int, stub_type: type,
-          credentials: InternalCredentials | None) -> ReplicaPool:
+def _pool(
+    cfg: ServeConfig, kind: str, expected: int, stub_type: type, credentials: InternalCredentials | None
+) -> ReplicaPool:
     """The `kind` workers, once `expected` replicas registered (fewer, at least one, at worker_start_timeout_s)."""
     addresses = wait_for_workers(cfg.app_name, kind, expected, cfg.router.worker_start_timeout_s)
     return ReplicaPool(kind, addresses, stub_type, cfg.router.rpc_timeout_s, credentials)
 
 
-def _drafters(cfg: ServeConfig, vocab_size: int, tracer: RequestTracer, metrics: ServingMetrics,
-              credentials: InternalCredentials | None) -> tuple[dict[str, Any], dict[str, RemoteDrafter]]:
+def _drafters(
+    cfg: ServeConfig,
+    vocab_size: int,
+    tracer: RequestTracer,
+    metrics: ServingMetrics,
+    credentials: InternalCredentials | None,
+) -> tuple[dict[str, Any], dict[str, RemoteDrafter]]:
     """Every variant's drafter, by name (none for plain decoding), and the remote drafters among them: those of a
     method that runs a draft model draft through its draft workers, the others run in the router."""
     drafters: dict[str, Any] = {}
@@ -90,8 +104,7 @@ def _drafters(cfg: ServeConfig, vocab_size: int, tracer: RequestTracer, metrics:
     return drafters, remotes
 
 
-def _engine(cfg: ServeConfig, target: RemoteTarget, drafters: dict[str, Any],
-            tokenizer: LoadedTokenizer) -> SpecEngine:
+def _engine(cfg: ServeConfig, target: RemoteTarget, drafters: dict[str, Any], tokenizer: LoadedTokenizer) -> SpecEngine:
     """The engine over the remote target: the single draft's drafter, or the variants' behind one `VariantDrafter`."""
     if cfg.drafts is None:
         drafter = drafters.get(DEFAULT_VARIANT)
@@ -108,12 +121,21 @@ def _proposal_log(cfg: ServeConfig) -> ProposalLog | None:
     if cfg.proposal_log is None:
         return None
     log_cfg = cfg.proposal_log
-    return ProposalLog(log_cfg.directory, log_cfg.sample_rate, cfg.target.model, cfg.draft.label, log_cfg.max_bytes,
-                       log_cfg.backup_count, log_cfg.include_probs, log_cfg.include_context_tokens)
+    return ProposalLog(
+        log_cfg.directory,
+        log_cfg.sample_rate,
+        cfg.target.model,
+        cfg.draft.label,
+        log_cfg.max_bytes,
+        log_cfg.backup_count,
+        log_cfg.include_probs,
+        log_cfg.include_context_tokens,
+    )
 
 
-def _follower(cfg: ServeConfig, engine: SpecEngine, pools: list[ReplicaPool],
-              remotes: dict[str, RemoteDrafter]) -> WorkerFollower:
+def _follower(
+    cfg: ServeConfig, engine: SpecEngine, pools: list[ReplicaPool], remotes: dict[str, RemoteDrafter]
+) -> WorkerFollower:
     """What keeps the pools' replicas current; it reports the sessions waiting for a slot where a worker deployment
     autoscales."""
     waiting = None
@@ -125,8 +147,10 @@ def _follower(cfg: ServeConfig, engine: SpecEngine, pools: list[ReplicaPool],
 def _waiting_for_slots(engine: SpecEngine, drafters: dict[str, RemoteDrafter]) -> dict[str, int]:
     """What this router reports for the workers' autoscaling: requests it holds back for want of a target slot
     (beyond those the next round admits), and, per draft deployment, sessions that draft without a replica."""
-    return {"target": max(0, engine.num_waiting - engine.target.free_slots),
-            **{remote.pool.kind: remote.num_homeless for remote in drafters.values()}}
+    return {
+        "target": max(0, engine.num_waiting - engine.target.free_slots),
+        **{remote.pool.kind: remote.num_homeless for remote in drafters.values()},
+    }
 
 
 def _calibrate(engine: SpecEngine) -> None:
@@ -137,5 +161,9 @@ def _calibrate(engine: SpecEngine) -> None:
     except Exception as exc:
         log.warning("calibration failed, `auto` will measure costs on live rounds: %s", exc, exc_info=True)
         return
-    log.info("calibrated round costs at batch sizes %s: %d rounds in %.1f s", list(done.batch_sizes), done.rounds,
-             done.seconds)
+    log.info(
+        "calibrated round costs at batch sizes %s: %d rounds in %.1f s",
+        list(done.batch_sizes),
+        done.rounds,
+        done.seconds,
+    )

@@ -12,29 +12,24 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
 
-from specdec_core.config import SamplingParams
-from specdec_core.engine import RequestOutput, SpecEngine
+from specdec_core.engine import SpecEngine
 from specdec_core.errors import ResourceExhausted
+from specdec_core.outputs import RequestOutput
+from specdec_core.request import Request
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[Union[RequestOutput, Exception]], None]
+Sink = Callable[[RequestOutput | Exception], None]
 
 
 @dataclass(frozen=True)
 class _Submit:
-    seq_id: str
-    prompt_ids: Sequence[int]
-    params: SamplingParams
-    num_speculative_tokens: int | str | None
+    request: Request
     sink: Sink
-    return_probs: bool
     deadline: float | None  # time.monotonic() by which it must finish
-    cache_salt: str | None
-    speculation_method: str | None
 
 
 @dataclass(frozen=True)
@@ -63,8 +58,12 @@ class Scheduler:
     """`admission` bounds the wait for a KV slot; `why_waiting` says what a request that waited too long is
     told (RESOURCE_EXHAUSTED by default; the router says UNAVAILABLE when no target replica is up)."""
 
-    def __init__(self, engine: SpecEngine, admission: Admission = Admission(),
-                 why_waiting: Callable[[], Exception] = _never_waiting) -> None:
+    def __init__(
+        self,
+        engine: SpecEngine,
+        admission: Admission = Admission(),
+        why_waiting: Callable[[], Exception] = _never_waiting,
+    ) -> None:
         self.engine = engine
         self.admission = admission
         self.why_waiting = why_waiting
@@ -76,26 +75,12 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
         self._thread.start()
 
-    def submit(
-        self,
-        seq_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        num_speculative_tokens: int | str | None,
-        sink: Sink,
-        return_probs: bool = False,
-        timeout_s: float | None = None,
-        cache_salt: str | None = None,
-        speculation_method: str | None = None,
-    ) -> None:
-        """`return_probs`: the request's round outputs carry q and p of the proposals (`SpecEngine.add_request`).
-        `timeout_s`: the request ends with `DeadlineExceeded` after this long (the admission's limit applies too).
-        `cache_salt`: the request shares cached prefixes only with requests of the same salt.
-        `speculation_method`: the drafting methods it may use (`SpecEngine.add_request`)."""
+    def submit(self, request: Request, sink: Sink, timeout_s: float | None = None) -> None:
+        """Queue `request` for the engine; its outputs, or the error that refused or ended it, go to `sink`.
+        `timeout_s`: the request ends with `DeadlineExceeded` after this long (the admission's limit applies too)."""
         limits = [t for t in (timeout_s, self.admission.request_timeout_s) if t is not None]
         deadline = time.monotonic() + min(limits) if limits else None
-        self._inbox.put(_Submit(seq_id, prompt_ids, params, num_speculative_tokens, sink, return_probs, deadline,
-                                cache_salt, speculation_method))
+        self._inbox.put(_Submit(request, sink, deadline))
 
     def cancel(self, seq_id: str) -> None:
         self._inbox.put(_Cancel(seq_id))
@@ -154,21 +139,22 @@ class Scheduler:
     def _admit(self, command: _Submit) -> None:
         backlog = self.engine.num_waiting - self.engine.target.free_slots  # those that will not start next round
         if backlog >= self.admission.max_queued:
-            command.sink(ResourceExhausted(
-                "queue", f"{self.engine.num_waiting} requests already wait for a KV cache slot; retry later"))
+            command.sink(
+                ResourceExhausted(
+                    "queue", f"{self.engine.num_waiting} requests already wait for a KV cache slot; retry later"
+                )
+            )
             return
         try:
-            self.engine.add_request(
-                command.seq_id, command.prompt_ids, command.params, command.num_speculative_tokens,
-                command.return_probs, command.cache_salt, command.speculation_method,
-            )
+            self.engine.add_request(command.request)
         except Exception as exc:  # refused before any work: the caller reports it
             command.sink(exc)
             return
-        self._sinks[command.seq_id] = command.sink
-        self._queued_at[command.seq_id] = time.monotonic()
+        seq_id = command.request.seq_id
+        self._sinks[seq_id] = command.sink
+        self._queued_at[seq_id] = time.monotonic()
         if command.deadline is not None:
-            self._deadlines[command.seq_id] = command.deadline
+            self._deadlines[seq_id] = command.deadline
 
     def _expire(self) -> None:
         """End requests past their deadline, and waiting ones past the queue timeout, before the next round:
@@ -178,8 +164,9 @@ class Scheduler:
         for seq_id in [r for r in self._queued_at if r not in waiting]:
             del self._queued_at[seq_id]  # admitted (or gone)
         late = {r: self.why_waiting() for r, t in self._queued_at.items() if now - t >= self.admission.queue_timeout_s}
-        late.update((r, DeadlineExceeded("the request ran past its deadline")) for r, d in self._deadlines.items()
-                    if now >= d)
+        late.update(
+            (r, DeadlineExceeded("the request ran past its deadline")) for r, d in self._deadlines.items() if now >= d
+        )
         for seq_id, error in late.items():
             self._end(seq_id, error)
 

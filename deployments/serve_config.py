@@ -6,7 +6,7 @@ Unknown keys are errors that name them: a misspelt key must not silently fall ba
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -52,12 +52,14 @@ class WorkerAutoscaling(_Strict):
     metrics_interval_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
-    def _order(self) -> "WorkerAutoscaling":
+    def _order(self) -> WorkerAutoscaling:
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
         if self.look_back_period_s <= (self.metrics_interval_s or SERVE_METRICS_INTERVAL_S):
-            raise ValueError(f"look_back_period_s must exceed metrics_interval_s ({SERVE_METRICS_INTERVAL_S:g} s "
-                             "unless set): the window must hold more than one report")
+            raise ValueError(
+                f"look_back_period_s must exceed metrics_interval_s ({SERVE_METRICS_INTERVAL_S:g} s "
+                "unless set): the window must hold more than one report"
+            )
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError("initial_replicas must be within [min_replicas, max_replicas]")
         return self
@@ -78,7 +80,7 @@ class Placement(_Strict):
     # quota: `specdec_core.hardware`), shared evenly by the ranks of a tensor-parallel replica. Right for one
     # worker per machine, and for a target and a draft on one machine (they take turns within a round); set a
     # number when several replicas that run at once share a machine's cores.
-    threads: Union[int, Literal["auto"]] = "auto"
+    threads: int | Literal["auto"] = "auto"
     num_gpus: float = Field(0.0, ge=0)
     max_sequences: int = Field(8, ge=1)  # KV cache slots per replica: sessions it can hold at once
     # The replica's KV cache budget in bytes (per rank with tensor parallelism): fewer slots than max_sequences
@@ -125,7 +127,7 @@ class TargetConfig(Placement):
     socket_ifname: str | None = Field(None, pattern=r"^[^\s,]+(,[^\s,]+)*$")
 
     @model_validator(mode="after")
-    def _ranks_only(self) -> "TargetConfig":
+    def _ranks_only(self) -> TargetConfig:
         for key in ("placement_strategy", "socket_ifname"):
             if getattr(self, key) is not None and self.tensor_parallel_size == 1:
                 raise ValueError(f"{key} places the ranks of a split target: it needs tensor_parallel_size > 1")
@@ -160,7 +162,7 @@ class DraftConfig(Placement):
     # tokens roughly most frequent first), the special tokens and the ids of each request's context; 0: all.
     # Cheaper draft steps (a 0.5B draft's head is a quarter of its weights); the output is the same.
     vocabulary: int = Field(0, ge=0)
-    num_speculative_tokens: Union[int, Literal["auto"]] = "auto"
+    num_speculative_tokens: int | Literal["auto"] = "auto"
     max_speculative_tokens: int = Field(8, ge=1, le=16)
     ngram_max: int = Field(4, ge=1)
     ngram_min: int = Field(1, ge=1)
@@ -183,10 +185,13 @@ class DraftConfig(Placement):
         return method
 
     @model_validator(mode="after")
-    def _consistent(self) -> "DraftConfig":
+    def _consistent(self) -> DraftConfig:
         if self.runs_draft_model and not self.model:
             raise ValueError(f"method {self.method} needs draft.model")
-        if isinstance(self.num_speculative_tokens, int) and not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens:
+        if (
+            isinstance(self.num_speculative_tokens, int)
+            and not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens
+        ):
             raise ValueError(f"num_speculative_tokens must be in [0, {self.max_speculative_tokens}] or auto")
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must be <= ngram_max")
@@ -262,7 +267,7 @@ class Demotion(_Strict):
     consecutive_checks: int = Field(3, ge=1)
 
     @model_validator(mode="after")
-    def _window(self) -> "Demotion":
+    def _window(self) -> Demotion:
         if self.min_rounds > self.window_rounds:
             raise ValueError("min_rounds must be <= window_rounds")
         return self
@@ -284,7 +289,7 @@ class Autoscaling(_Strict):
     target_ongoing_requests: float = Field(32, gt=0)
 
     @model_validator(mode="after")
-    def _order(self) -> "Autoscaling":
+    def _order(self) -> Autoscaling:
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
         return self
@@ -324,7 +329,7 @@ class RouterConfig(_Strict):
     calibrate: bool = True
 
     @model_validator(mode="after")
-    def _limits(self) -> "RouterConfig":
+    def _limits(self) -> RouterConfig:
         if self.max_output_tokens is not None and self.default_max_tokens > self.max_output_tokens:
             raise ValueError("default_max_tokens must be <= max_output_tokens")
         return self
@@ -397,7 +402,7 @@ class ServeConfig(_Strict):
         return data
 
     @model_validator(mode="after")
-    def _variants(self) -> "ServeConfig":
+    def _variants(self) -> ServeConfig:
         if self.drafts is None:
             if self.ab != ABConfig():
                 raise ValueError("ab configures the variants of drafts: there are none")
@@ -441,7 +446,7 @@ class ServeConfig(_Strict):
         return (DraftVariant.model_construct(name=DEFAULT_VARIANT, weight=1.0, **dict(self.draft)),)
 
     @model_validator(mode="after")
-    def _tls(self) -> "ServeConfig":
+    def _tls(self) -> ServeConfig:
         if self.internal_tls_dir is not None and not self.internal_tls:
             raise ValueError("internal_tls_dir needs internal_tls: true")
         return self

@@ -103,7 +103,10 @@ def http_status_of(error: BaseException) -> int:
 # -- back: a worker's status, as the router sees it -------------------------------------------------------------
 
 # A worker reports these with details "field: message": the router raises them again as the same error.
-_FIELD_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted}
+_FIELD_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+}
 # The worker could not be reached or did not answer in time: what it held for the call is gone or in doubt.
 _LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 

@@ -89,8 +89,11 @@ def _validated(kind: type[BaseModel], user_config: Any) -> Any:
     try:
         return kind.model_validate(user_config)
     except ValidationError as exc:
-        problems = [f"user_config.{'.'.join(str(p) for p in e['loc']) or 'model'}: "
-                    f"{'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}" for e in exc.errors()]
+        problems = [
+            f"user_config.{'.'.join(str(p) for p in e['loc']) or 'model'}: "
+            f"{'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}"
+            for e in exc.errors()
+        ]
         raise InvalidArgument("user_config", "; ".join(problems)) from None
 
 
@@ -105,8 +108,9 @@ def apply(cfg: ServeConfig, user_config: Any) -> ServeConfig:
     names = [v.name for v in cfg.variants]
     unknown = sorted(set(swap.variants) - set(names))
     if unknown:
-        raise InvalidArgument("user_config.variants", f"no draft variant {', '.join(unknown)}; the config has "
-                                                      f"{', '.join(names)}")
+        raise InvalidArgument(
+            "user_config.variants", f"no draft variant {', '.join(unknown)}; the config has {', '.join(names)}"
+        )
     data = cfg.model_dump(mode="json")
     if cfg.drafts is None:
         entry = swap.variants.get(DEFAULT_VARIANT)

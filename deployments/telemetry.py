@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -137,8 +138,14 @@ class RequestTracer:
         """Label the requests that start from now on with `draft` (a hot swap of the draft model)."""
         self._draft = draft
 
-    def start_request(self, seq_id: str, params: Any, parent: otel_context.Context | None, request_id: str,
-                      draft_variant: str | None = None) -> None:
+    def start_request(
+        self,
+        seq_id: str,
+        params: Any,
+        parent: otel_context.Context | None,
+        request_id: str,
+        draft_variant: str | None = None,
+    ) -> None:
         span = self._tracer.start_span(
             "text_completion " + self._model,  # GenAI convention: "{operation} {model}"
             context=parent,
@@ -176,7 +183,8 @@ class RequestTracer:
                 if req is None or req.round_span is not None:
                     continue
                 req.round_span = self._tracer.start_span(
-                    "specdec.round", context=trace.set_span_in_context(req.span),
+                    "specdec.round",
+                    context=trace.set_span_in_context(req.span),
                     attributes={"specdec.round.index": req.rounds},
                 )
 
@@ -201,19 +209,21 @@ class RequestTracer:
             info = output.round
             if info is not None and req.round_span is not None:
                 span = req.round_span
-                span.set_attributes({
-                    "specdec.round.k": info.k,
-                    "specdec.round.method": info.method or "none",
-                    "specdec.round.proposed": len(info.proposed_token_ids),
-                    "specdec.round.accepted": info.num_accepted,
-                    "specdec.round.bonus": info.bonus,
-                    "specdec.round.recovered": not info.bonus,
-                    "specdec.round.committed": len(output.new_token_ids),
-                    "specdec.round.draft_ms": req.draft_ms,
-                    "specdec.round.verify_ms": req.verify_ms,
-                    "specdec.round.bytes_sent": req.bytes_sent,
-                    **({"specdec.round.draft_variant": req.draft_variant} if req.draft_variant is not None else {}),
-                })
+                span.set_attributes(
+                    {
+                        "specdec.round.k": info.k,
+                        "specdec.round.method": info.method or "none",
+                        "specdec.round.proposed": len(info.proposed_token_ids),
+                        "specdec.round.accepted": info.num_accepted,
+                        "specdec.round.bonus": info.bonus,
+                        "specdec.round.recovered": not info.bonus,
+                        "specdec.round.committed": len(output.new_token_ids),
+                        "specdec.round.draft_ms": req.draft_ms,
+                        "specdec.round.verify_ms": req.verify_ms,
+                        "specdec.round.bytes_sent": req.bytes_sent,
+                        **({"specdec.round.draft_variant": req.draft_variant} if req.draft_variant is not None else {}),
+                    }
+                )
                 span.end()
                 req.round_span, req.draft_ms, req.verify_ms, req.bytes_sent = None, 0.0, 0.0, 0
                 req.rounds += 1
@@ -224,15 +234,17 @@ class RequestTracer:
         if req.round_span is not None:
             req.round_span.end()
         span = req.span
-        span.set_attributes({
-            "gen_ai.usage.input_tokens": output.num_prompt_tokens,
-            "gen_ai.usage.output_tokens": output.num_output_tokens,
-            "gen_ai.usage.cache_read.input_tokens": output.num_cached_tokens,  # included in input_tokens
-            "gen_ai.response.finish_reasons": [output.finish_reason.value],
-            "specdec.rounds": output.stats.rounds,
-            "specdec.proposed": output.stats.proposed,
-            "specdec.accepted": output.stats.accepted,
-        })
+        span.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": output.num_prompt_tokens,
+                "gen_ai.usage.output_tokens": output.num_output_tokens,
+                "gen_ai.usage.cache_read.input_tokens": output.num_cached_tokens,  # included in input_tokens
+                "gen_ai.response.finish_reasons": [output.finish_reason.value],
+                "specdec.rounds": output.stats.rounds,
+                "specdec.proposed": output.stats.proposed,
+                "specdec.accepted": output.stats.accepted,
+            }
+        )
         if req.first_token is not None:
             span.set_attribute("gen_ai.server.time_to_first_token", req.first_token - req.start)
         if output.error is not None:

@@ -21,15 +21,16 @@ from __future__ import annotations
 import datetime
 import logging
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ray
 import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.ports import free_port
-from specdec_core.errors import Unavailable
 from specdec_core.build import prepare_model
+from specdec_core.errors import Unavailable
 from specdec_core.hardware import use_threads, worker_summary
 from specdec_core.kernels.cpu import kernel_path
 from specdec_core.runner import ModelRunner, RunnerConfig
@@ -42,13 +43,24 @@ RANK_NAME_PREFIX = "specdec-target-rank-"  # actor names: PREFIX<group>-<rank>, 
 
 
 def build_sharded_target(
-    model: str, dtype: str, device: str, rank: int, world_size: int, init_method: str, runner_config: RunnerConfig,
+    model: str,
+    dtype: str,
+    device: str,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    runner_config: RunnerConfig,
     timeout_s: float,
 ) -> LocalTarget:
     """Join the process group as `rank`, load `model`, keep this rank's shard, and wrap it in a `LocalTarget`."""
     backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     loaded = prepare_model(model, dtype=dtype, device=device, shard=(rank, world_size))
     return LocalTarget(ModelRunner(loaded.model, runner_config))
 
@@ -57,12 +69,23 @@ def build_sharded_target(
 class TargetRank:
     """Rank r > 0 of a tensor-parallel target."""
 
-    def __init__(self, model: str, dtype: str, device: str, rank: int, world_size: int, init_method: str,
-                 runner_config: RunnerConfig, threads: int | str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        model: str,
+        dtype: str,
+        device: str,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        runner_config: RunnerConfig,
+        threads: int | str,
+        timeout_s: float,
+    ) -> None:
         # Resolved here, in the rank's own process: its cores are those of the machine it landed on.
         count, cores = use_threads(threads, share=world_size)
-        self.target = build_sharded_target(model, dtype, device, rank, world_size, init_method, runner_config,
-                                           timeout_s)
+        self.target = build_sharded_target(
+            model, dtype, device, rank, world_size, init_method, runner_config, timeout_s
+        )
         serve_log.info("%s", worker_summary(f"target rank {rank}", count, cores, kernel_path(self.target.runner.model)))
 
     def ready(self) -> bool:
@@ -81,10 +104,20 @@ class TargetRank:
 class TensorParallelTarget:
     """`Target` over N ranks: rank 0 in this process, the rest as `TargetRank` actors."""
 
-    def __init__(self, model: str, dtype: str, device: str, world_size: int, runner_config: RunnerConfig,
-                 num_cpus: float, num_gpus: float, timeout_s: float = 120.0,
-                 resources: dict[str, float] | None = None, threads: int | str = "auto",
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        dtype: str,
+        device: str,
+        world_size: int,
+        runner_config: RunnerConfig,
+        num_cpus: float,
+        num_gpus: float,
+        timeout_s: float = 120.0,
+        resources: dict[str, float] | None = None,
+        threads: int | str = "auto",
+        env: dict[str, str] | None = None,
+    ) -> None:
         """`num_cpus`, `num_gpus` and `resources`: each rank's, as its bundle in the replica's placement group holds
         them. `env`: environment variables of the ranks (this process, rank 0, already has them: Serve started it
         with the same), e.g. the network interface of their collectives."""
@@ -102,13 +135,13 @@ class TensorParallelTarget:
             strategy = None if pg is None else PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
             self.ranks.append(
                 TargetRank.options(
-                    name=f"{RANK_NAME_PREFIX}{group_id}-{rank}", num_cpus=num_cpus, num_gpus=num_gpus,
+                    name=f"{RANK_NAME_PREFIX}{group_id}-{rank}",
+                    num_cpus=num_cpus,
+                    num_gpus=num_gpus,
                     resources=dict(resources or {}),
                     scheduling_strategy=strategy,
                     runtime_env={"env_vars": dict(env)} if env else None,
-                ).remote(
-                    model, dtype, device, rank, world_size, init_method, runner_config, threads, timeout_s
-                )
+                ).remote(model, dtype, device, rank, world_size, init_method, runner_config, threads, timeout_s)
             )
         # Joins the group the actors are waiting in; returns once every rank has joined.
         self.local = build_sharded_target(model, dtype, device, 0, world_size, init_method, runner_config, timeout_s)

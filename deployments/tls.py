@@ -78,33 +78,54 @@ def _new_key() -> ec.EllipticCurvePrivateKey:
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
     # Unencrypted PKCS#8: gRPC takes no passphrase. Keys stay in memory, or in a Secret the platform protects.
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "specdec"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    return x509.Name(
+        [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "specdec"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    )
 
 
 def _builder(subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurvePublicKey) -> x509.CertificateBuilder:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - CLOCK_SKEW).not_valid_after(now + VALIDITY))
+    now = datetime.datetime.now(datetime.UTC)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - CLOCK_SKEW)
+        .not_valid_after(now + VALIDITY)
+    )
 
 
 def make_authority(app: str) -> Authority:
     """A new CA for `app`. It signs leaf certificates only (path length 0): no intermediate can be made from it."""
     key = _new_key()
     name = _name(f"specdec {app} internal CA"[:64])  # a common name holds at most 64 characters
-    cert = (_builder(name, name, key.public_key())
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        _builder(name, name, key.public_key())
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
     return Authority(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
 
 
@@ -114,13 +135,15 @@ def issue(authority: Authority, role: Role, app: str) -> TlsBundle:
     ca_cert = x509.load_pem_x509_certificate(authority.cert)
     ca_key = serialization.load_pem_private_key(authority.key, password=None)
     key = _new_key()
-    builder = (_builder(_name(f"specdec {app} {role.value}"[:64]), ca_cert.subject, key.public_key())
-               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),
-                              critical=False))
+    builder = (
+        _builder(_name(f"specdec {app} {role.value}"[:64]), ca_cert.subject, key.public_key())
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False)
+    )
     if role is Role.SERVER:
-        builder = (builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
-                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False))
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False
+        ).add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
     else:
         builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
@@ -149,8 +172,10 @@ def load_dir(directory: str | Path) -> TlsBundle:
 
 
 def _public(public_key: object) -> bytes:
-    return public_key.public_bytes(serialization.Encoding.DER,  # type: ignore[attr-defined]
-                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+    return public_key.public_bytes(
+        serialization.Encoding.DER,  # type: ignore[attr-defined]
+        serialization.PublicFormat.SubjectPublicKeyInfo,
+    )
 
 
 def _check_usage(root: Path, cert: x509.Certificate) -> None:
@@ -160,14 +185,18 @@ def _check_usage(root: Path, cert: x509.Certificate) -> None:
         return  # no restriction: any use
     needed = {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
     if not needed <= set(usage):
-        raise InvalidArgument("internal_tls_dir", f"{str(root)!r}: tls.crt must allow both server auth and client "
-                              "auth (workers serve with it, routers call with it)")
+        raise InvalidArgument(
+            "internal_tls_dir",
+            f"{str(root)!r}: tls.crt must allow both server auth and client "
+            "auth (workers serve with it, routers call with it)",
+        )
 
 
 def _first_dns_name(root: Path, cert: x509.Certificate) -> str:
     try:
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-            x509.DNSName)
+            x509.DNSName
+        )
     except x509.ExtensionNotFound:
         names = []
     if not names:
@@ -177,14 +206,16 @@ def _first_dns_name(root: Path, cert: x509.Certificate) -> str:
 
 def server_credentials(bundle: TlsBundle) -> grpc.ServerCredentials:
     """A worker's: its certificate, and a handshake that requires a client certificate signed by the CA."""
-    return grpc.ssl_server_credentials([(bundle.key, bundle.cert)], root_certificates=bundle.ca,
-                                       require_client_auth=True)
+    return grpc.ssl_server_credentials(
+        [(bundle.key, bundle.cert)], root_certificates=bundle.ca, require_client_auth=True
+    )
 
 
 def channel_credentials(bundle: TlsBundle) -> grpc.ChannelCredentials:
     """A client's: trust only the application's CA (not the system's roots), and present its own certificate."""
-    return grpc.ssl_channel_credentials(root_certificates=bundle.ca, private_key=bundle.key,
-                                        certificate_chain=bundle.cert)
+    return grpc.ssl_channel_credentials(
+        root_certificates=bundle.ca, private_key=bundle.key, certificate_chain=bundle.cert
+    )
 
 
 def channel_options(bundle: TlsBundle) -> list[tuple[str, str]]:

@@ -8,8 +8,8 @@ INVALID_ARGUMENT. Nothing else in the service touches a worker message's fields.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -31,8 +31,9 @@ def encode_token_sampling(shaping: TokenShaping) -> wpb.TokenSampling:
 
 def decode_token_sampling(sampling: wpb.TokenSampling) -> TokenShaping:
     """The token shaping of a request's settings: all a worker needs. top_p 0 is proto3's unset: off (1)."""
-    return validated_sampling(TokenShaping, temperature=sampling.temperature, top_p=sampling.top_p or 1.0,
-                     top_k=sampling.top_k)
+    return validated_sampling(
+        TokenShaping, temperature=sampling.temperature, top_p=sampling.top_p or 1.0, top_k=sampling.top_k
+    )
 
 
 def encode_distributions(q: SparseQ) -> list[wpb.SparseDistribution]:
@@ -104,8 +105,9 @@ def decode_prefill(request: wpb.PrefillRequest, vocab_size: int) -> list[Prefill
 
 
 def encode_prefilled(results: Sequence[Prefilled]) -> wpb.PrefillResponse:
-    return wpb.PrefillResponse(first_token_ids=[r.first_token_id for r in results],
-                               cached_tokens=[r.num_cached_tokens for r in results])
+    return wpb.PrefillResponse(
+        first_token_ids=[r.first_token_id for r in results], cached_tokens=[r.num_cached_tokens for r in results]
+    )
 
 
 def decode_prefilled(response: wpb.PrefillResponse) -> list[Prefilled]:
@@ -124,13 +126,16 @@ class StartItem:
 
 
 def encode_start(seq_id: str, token_ids: Sequence[int], cache_salt: str | None) -> wpb.StartRequest:
-    return wpb.StartRequest(items=[wpb.StartRequest.Item(seq_id=seq_id, prompt_token_ids=list(token_ids),
-                                                         cache_salt=cache_salt or "")])
+    return wpb.StartRequest(
+        items=[wpb.StartRequest.Item(seq_id=seq_id, prompt_token_ids=list(token_ids), cache_salt=cache_salt or "")]
+    )
 
 
 def decode_start(request: wpb.StartRequest) -> list[StartItem]:
-    return [StartItem(item.seq_id, list(item.prompt_token_ids), decode_cache_salt(item.cache_salt))
-            for item in request.items]
+    return [
+        StartItem(item.seq_id, list(item.prompt_token_ids), decode_cache_salt(item.cache_salt))
+        for item in request.items
+    ]
 
 
 def decode_started(response: wpb.StartResponse, num_items: int) -> list[int]:
@@ -199,8 +204,9 @@ def decode_outcomes(response: wpb.VerifyResponse, return_probs: Sequence[bool]) 
     ]
 
 
-def encode_propose_item(request: DraftRequest, new_token_ids: Sequence[int],
-                        send_grammar: bool = False) -> wpb.ProposeRequest.Item:
+def encode_propose_item(
+    request: DraftRequest, new_token_ids: Sequence[int], send_grammar: bool = False
+) -> wpb.ProposeRequest.Item:
     """`send_grammar`: the worker does not hold the session's grammar yet (`request.grammar` is set): send it."""
     item = wpb.ProposeRequest.Item(
         seq_id=request.seq_id,
@@ -214,13 +220,21 @@ def encode_propose_item(request: DraftRequest, new_token_ids: Sequence[int],
     item.return_probs = request.return_probs
     if send_grammar and request.grammar is not None:
         c = request.grammar.constraint
-        item.grammar.CopyFrom(wpb.Grammar(kind=c.kind, value=c.value, strict=c.strict, compact=c.compact,
-                                          output_start=len(request.token_ids) - request.grammar.num_tokens))
+        item.grammar.CopyFrom(
+            wpb.Grammar(
+                kind=c.kind,
+                value=c.value,
+                strict=c.strict,
+                compact=c.compact,
+                output_start=len(request.token_ids) - request.grammar.num_tokens,
+            )
+        )
     return item
 
 
-def decode_propose_item(item: wpb.ProposeRequest.Item, token_ids: Sequence[int],
-                        grammar: DraftGrammar | None = None) -> DraftRequest:
+def decode_propose_item(
+    item: wpb.ProposeRequest.Item, token_ids: Sequence[int], grammar: DraftGrammar | None = None
+) -> DraftRequest:
     """`token_ids`: the session's committed tokens, which the draft worker keeps; `grammar`: the session's, after them
     (`decode_grammar` reads the one an item brings)."""
     shaping = decode_token_sampling(item.sampling)

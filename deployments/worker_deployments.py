@@ -109,8 +109,13 @@ class _Worker:
             pass
         held = self.servicer.active_sessions
         if not self.servicer.drain(self.drain_timeout_s):
-            serve_log.warning("%s worker %s stops with %d sessions still held after %.0f s of draining", self.kind,
-                              self.replica_id, self.servicer.active_sessions, self.drain_timeout_s)
+            serve_log.warning(
+                "%s worker %s stops with %d sessions still held after %.0f s of draining",
+                self.kind,
+                self.replica_id,
+                self.servicer.active_sessions,
+                self.drain_timeout_s,
+            )
         elif held:
             serve_log.info("%s worker %s drained %d sessions", self.kind, self.replica_id, held)
         self._stop_metrics.set()
@@ -129,9 +134,19 @@ class TargetWorker(_Worker):
         if t.tensor_parallel_size > 1:
             from deployments.tensor_parallel import TensorParallelTarget
 
-            target: Any = TensorParallelTarget(t.model, t.dtype, t.device, t.tensor_parallel_size,
-                                               _runner_config(cfg, t), t.num_cpus, t.num_gpus, cfg.router.rpc_timeout_s,
-                                               t.resources, threads=t.threads, env=t.rank_environment)
+            target: Any = TensorParallelTarget(
+                t.model,
+                t.dtype,
+                t.device,
+                t.tensor_parallel_size,
+                _runner_config(cfg, t),
+                t.num_cpus,
+                t.num_gpus,
+                cfg.router.rpc_timeout_s,
+                t.resources,
+                threads=t.threads,
+                env=t.rank_environment,
+            )
         else:
             loaded = prepare_model(t.model, dtype=t.dtype, device=t.device)
             target = LocalTarget(ModelRunner(loaded.model, _runner_config(cfg, t)))
@@ -176,10 +191,17 @@ class DraftWorker(_Worker):
     def _load(self, model: str) -> DraftModelDrafter:
         draft = self.draft
         # Refuses a mismatched pair.
-        loaded = prepare_draft(model, self.target.tokenizer, dtype=draft.dtype, device=draft.device,
-                               quantization=draft.quantization, vocabulary=draft.vocabulary)
-        serve_log.info("%s", worker_summary(f"{self.kind} {model}", self.threads, self.cores,
-                                            kernel_path(loaded.model)))
+        loaded = prepare_draft(
+            model,
+            self.target.tokenizer,
+            dtype=draft.dtype,
+            device=draft.device,
+            quantization=draft.quantization,
+            vocabulary=draft.vocabulary,
+        )
+        serve_log.info(
+            "%s", worker_summary(f"{self.kind} {model}", self.threads, self.cores, kernel_path(loaded.model))
+        )
         runner = ModelRunner(loaded.model, _runner_config(self.cfg, draft))
         return draft.drafting.build(DraftContext(draft.spec, self.target_vocab, runner))
 
@@ -194,14 +216,25 @@ class DraftWorker(_Worker):
         try:
             drafter = self._load(model)
         except Exception as exc:
-            serve_log.error("draft worker %s keeps serving %s: swapping in %s failed: %s", self.replica_id, old,
-                            model, exc, exc_info=True)
+            serve_log.error(
+                "draft worker %s keeps serving %s: swapping in %s failed: %s",
+                self.replica_id,
+                old,
+                model,
+                exc,
+                exc_info=True,
+            )
             return
         held = self.servicer.active_sessions
         self.servicer.swap(drafter, model)
         self._metrics.serve_model(model)
-        serve_log.info("draft worker %s swapped %s for %s: new sessions draft with it, the %d held finish on the "
-                       "old one", self.replica_id, old, model, held)
+        serve_log.info(
+            "draft worker %s swapped %s for %s: new sessions draft with it, the %d held finish on the old one",
+            self.replica_id,
+            old,
+            model,
+            held,
+        )
 
 
 def _target_vocab_size(target: Any) -> int:

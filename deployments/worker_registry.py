@@ -70,8 +70,9 @@ class _Registry:
         """The application's internal secret (`deployments.auth`), made on first ask."""
         return self._secrets.setdefault(app, secrets.token_urlsafe(32))
 
-    def credentials(self, app: str, role: tls.Role,
-                    setting: tls.TlsSetting | None) -> tuple[str, tls.TlsSetting, tls.TlsBundle | None]:
+    def credentials(
+        self, app: str, role: tls.Role, setting: tls.TlsSetting | None
+    ) -> tuple[str, tls.TlsSetting, tls.TlsBundle | None]:
         """The application's secret, its TLS setting, and, when TLS is on without a mounted directory, a fresh
         certificate for `role` signed by the application's CA. `setting`: from the application's config (its
         workers and routers give it); None: as they gave it (tools, which know only the application's name)."""
@@ -88,7 +89,7 @@ class _Registry:
         return self.secret(app), known, issued
 
 
-def registry() -> "ray.actor.ActorHandle":
+def registry() -> ray.actor.ActorHandle:
     return _Registry.options(name=NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True).remote()
 
 
@@ -98,8 +99,11 @@ def credentials(app: str, role: tls.Role, setting: tls.TlsSetting | None = None)
     so it must be mounted where every worker, router and tool of the application runs."""
     secret, known, issued = ray.get(registry().credentials.remote(app, role, setting))
     if not known.enabled:
-        log.warning("application %s: internal_tls is false, so traffic between its router and workers (the "
-                    "internal secret, every session's tokens) crosses the network in plaintext", app)
+        log.warning(
+            "application %s: internal_tls is false, so traffic between its router and workers (the "
+            "internal secret, every session's tokens) crosses the network in plaintext",
+            app,
+        )
         return InternalCredentials(secret)
     return InternalCredentials(secret, issued if known.directory is None else tls.load_dir(known.directory))
 

@@ -16,8 +16,9 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent import futures
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import grpc
 from opentelemetry.trace import SpanKind
@@ -54,18 +55,26 @@ def rpc(method: Callable) -> Callable:
     """Serve a method in a span joined to the caller's trace (W3C traceparent in the call's metadata)."""
 
     @functools.wraps(method)
-    def wrapper(self: "_SessionWorker", request: Any, context: grpc.ServicerContext) -> Any:
+    def wrapper(self: _SessionWorker, request: Any, context: grpc.ServicerContext) -> Any:
         parent, links = context_from_metadata(context.invocation_metadata() or ())
-        attributes = {"specdec.worker": self.kind, "specdec.model": self.model_name,
-                      "specdec.batch_size": len(getattr(request, "items", ()))}
-        with tracer().start_as_current_span(f"specdec.{self.kind}.{method.__name__}", context=parent, links=links,
-                                            kind=SpanKind.SERVER, attributes=attributes):
+        attributes = {
+            "specdec.worker": self.kind,
+            "specdec.model": self.model_name,
+            "specdec.batch_size": len(getattr(request, "items", ())),
+        }
+        with tracer().start_as_current_span(
+            f"specdec.{self.kind}.{method.__name__}",
+            context=parent,
+            links=links,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+        ):
             return _call(self, method, request, context)
 
     return wrapper
 
 
-def _call(self: "_SessionWorker", method: Callable, request: Any, context: grpc.ServicerContext) -> Any:
+def _call(self: _SessionWorker, method: Callable, request: Any, context: grpc.ServicerContext) -> Any:
     """The call under the worker's lock, with its counters; an error aborts it with its status."""
     try:
         with self._lock:
@@ -218,6 +227,7 @@ class _SessionWorker:
 
 class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
     kind = "target"
+
     def __init__(self, target: LocalTarget, model_name: str, idle_timeout_s: float = 300.0) -> None:
         super().__init__(model_name, idle_timeout_s)
         self.target = target
@@ -249,8 +259,9 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
         return worker_codec.encode_outcomes(self.target.verify(items))
 
     def stats(self) -> wpb.WorkerStats:
-        return self._stats(self.target.free_slots, self.runner.cache.num_slots, self.target.vocab_size,
-                           self.target.max_seq_len)
+        return self._stats(
+            self.target.free_slots, self.runner.cache.num_slots, self.target.vocab_size, self.target.max_seq_len
+        )
 
     def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
         if not getattr(self.target, "healthy", True):
@@ -267,8 +278,13 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
 
     kind = "draft"
 
-    def __init__(self, drafter: DraftModelDrafter, model_name: str, idle_timeout_s: float = 300.0,
-                 grammars: GrammarCompiler | None = None) -> None:
+    def __init__(
+        self,
+        drafter: DraftModelDrafter,
+        model_name: str,
+        idle_timeout_s: float = 300.0,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
         super().__init__(model_name, idle_timeout_s)
         self.drafter = drafter  # new sessions start on it
         self.grammars = grammars
@@ -337,7 +353,8 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
             tokens.extend(item.new_token_ids)
             if len(tokens) != item.num_committed:
                 raise InvalidArgument(
-                    "num_committed", f"session {item.seq_id!r} has {len(tokens)} tokens, router says {item.num_committed}"
+                    "num_committed",
+                    f"session {item.seq_id!r} has {len(tokens)} tokens, router says {item.num_committed}",
                 )
             self._drafter_of[item.seq_id].observe(item.seq_id, len(tokens))
             requests.append(worker_codec.decode_propose_item(item, tokens, self._grammar(item, tokens)))
@@ -367,32 +384,44 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
             if self.grammars is None:
                 raise InvalidArgument("items.grammar", "this draft worker cannot compile grammars")
             if start > len(tokens):
-                raise InvalidArgument("items.grammar.output_start", f"{start} is past the {len(tokens)} committed tokens")
+                raise InvalidArgument(
+                    "items.grammar.output_start", f"{start} is past the {len(tokens)} committed tokens"
+                )
             state, new = GrammarState(self.grammars.compile(constraint)), tokens[start:]
             self._grammar_states[item.seq_id] = state
         else:
             state, new = self._grammar_states.get(item.seq_id), list(item.new_token_ids)
         if state is not None and state.advance(new) != len(new):
-            raise InvalidArgument("items.new_token_ids", f"session {item.seq_id!r}: committed tokens its grammar refuses")
+            raise InvalidArgument(
+                "items.new_token_ids", f"session {item.seq_id!r}: committed tokens its grammar refuses"
+            )
         return state
 
     def stats(self) -> wpb.WorkerStats:
         runner = self.drafter.runner
-        return self._stats(runner.cache.free_slots, runner.cache.num_slots, self.drafter.target_vocab_size, runner.max_seq_len)
+        return self._stats(
+            runner.cache.free_slots, runner.cache.num_slots, self.drafter.target_vocab_size, runner.max_seq_len
+        )
 
     def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
         return self.stats()
 
 
-def start_server(servicer: Any, host: str = "0.0.0.0", port: int = 0, max_workers: int = 8,
-                 credentials: InternalCredentials | None = None) -> tuple[grpc.Server, int]:
+def start_server(
+    servicer: Any,
+    host: str = "0.0.0.0",
+    port: int = 0,
+    max_workers: int = 8,
+    credentials: InternalCredentials | None = None,
+) -> tuple[grpc.Server, int]:
     """Serve `servicer` (either worker) on host:port (0: any free port); returns the server and its port.
     With `credentials`, only callers presenting the secret are served (`deployments.auth`), and with their TLS
     material only over mutual TLS: the port then speaks nothing else, so a plaintext caller or one without a
     certificate from the application's CA fails its handshake before any method runs. None: plaintext, open."""
     interceptors = [InternalAuthInterceptor(credentials.secret)] if credentials is not None else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
-                         interceptors=interceptors)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS, interceptors=interceptors
+    )
     if isinstance(servicer, TargetServicer):
         wpb_grpc.add_TargetServiceServicer_to_server(servicer, server)
     else:

@@ -92,8 +92,9 @@ def check_image(image: str, run_flags: list[str]) -> None:
     flags = set(Path("/proc/cpuinfo").read_text().split())
     runs_kernels = {"avx512f", "avx512bw"} <= flags or {"avx2", "fma"} <= flags
     if runs_kernels and "kernels: None" in result.stdout:
-        raise SmokeError(f"this CPU runs the CPU kernels (AVX-512 or AVX2) but they did not compile in the "
-                         f"image:\n{result.stderr}")
+        raise SmokeError(
+            f"this CPU runs the CPU kernels (AVX-512 or AVX2) but they did not compile in the image:\n{result.stderr}"
+        )
 
 
 def wait_for_models(name: str, http: str, timeout: float) -> str:
@@ -123,25 +124,59 @@ def smoke(image: str, run_flags: list[str], timeout: float) -> None:
             path.chmod(0o755 if path.is_dir() else 0o644)
         grpc_port, http_port = free_port(), free_port()
         name = f"specdec-smoke-{grpc_port}"
-        podman("run", "--detach", "--name", name, *run_flags, "--shm-size", "1g",
-               "--publish", f"127.0.0.1:{grpc_port}:9000", "--publish", f"127.0.0.1:{http_port}:8000",
-               "--volume", f"{root}:{MOUNT}:ro", image, "bash", "-lc", f"exec specdec serve {MOUNT}/serve.yaml")
+        podman(
+            "run",
+            "--detach",
+            "--name",
+            name,
+            *run_flags,
+            "--shm-size",
+            "1g",
+            "--publish",
+            f"127.0.0.1:{grpc_port}:9000",
+            "--publish",
+            f"127.0.0.1:{http_port}:8000",
+            "--volume",
+            f"{root}:{MOUNT}:ro",
+            image,
+            "bash",
+            "-lc",
+            f"exec specdec serve {MOUNT}/serve.yaml",
+        )
         try:
             started = time.monotonic()
             http = f"http://127.0.0.1:{http_port}"
             model = wait_for_models(name, http, timeout)
-            print(f"serving {model} after {time.monotonic() - started:.0f} s "
-                  f"(gRPC 127.0.0.1:{grpc_port}, HTTP 127.0.0.1:{http_port})")
+            print(
+                f"serving {model} after {time.monotonic() - started:.0f} s "
+                f"(gRPC 127.0.0.1:{grpc_port}, HTTP 127.0.0.1:{http_port})"
+            )
 
-            reply = http_json(f"{http}/v1/completions", {"model": model, "prompt": "def add(a, b):", "max_tokens": 8,
-                                                         "temperature": 0})
+            reply = http_json(
+                f"{http}/v1/completions",
+                {"model": model, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0},
+            )
             if not reply.get("usage", {}).get("completion_tokens"):
                 raise SmokeError(f"/v1/completions returned no tokens: {reply}")
             print(f"HTTP /v1/completions: {reply['choices'][0]['text']!r} ({reply['usage']})")
 
             generate = subprocess.run(
-                [sys.executable, "-m", "specdec_tools.cli", "generate", "--address", f"127.0.0.1:{grpc_port}",
-                 "--max-tokens", "8", "--timeout", "60", "def add(a, b):"], text=True, capture_output=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "specdec_tools.cli",
+                    "generate",
+                    "--address",
+                    f"127.0.0.1:{grpc_port}",
+                    "--max-tokens",
+                    "8",
+                    "--timeout",
+                    "60",
+                    "def add(a, b):",
+                ],
+                text=True,
+                capture_output=True,
+            )
             if generate.returncode:
                 raise SmokeError(f"specdec generate exited {generate.returncode}: {generate.stderr}")
             stats = generate.stderr.strip().splitlines()[-1:]  # `specdec generate` prints its numbers last

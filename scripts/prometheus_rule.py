@@ -36,8 +36,12 @@ _Dumper.add_representer(str, _string)
 def prometheus_rule(rules_text: str) -> str:
     """The PrometheusRule's YAML for the plain rules file's text."""
     groups = yaml.safe_load(rules_text)["groups"]
-    doc = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-           "metadata": {"name": "specdec-alerts"}, "spec": {"groups": groups}}
+    doc = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "specdec-alerts"},
+        "spec": {"groups": groups},
+    }
     return HEADER + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=4096)
 
 

@@ -1,58 +1,23 @@
-"""Choosing the speculation length k per request from its acceptance and the measured costs at the current load.
+"""Choosing the speculation length k per round from acceptance and measured costs: `auto`.
 
-Model (Leviathan et al. 2023, section 3, refined per position): if the j-th draft token is accepted with
-probability a_j given that the drafts before it were, a round with k drafts emits on average
-E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens (the accepted run plus the recovered or bonus token); with
-one alpha for every position this is the paper's (1 - alpha^(k+1)) / (1 - alpha). Rates per position matter for
-copying drafters: an n-gram proposal whose first token is right is usually a copied span that is right to its
-end, so a single alpha, averaging first and later positions, undervalues long proposals. A round costs
-C(k) = c_draft(B, k) + c_verify(B, k+1), where B is the number of
-sequences in the batch: batching makes each step dearer, and on a compute-bound device verification of k+1
-tokens per row stops being nearly free. c_draft(B, k) is measured per k, not as k times a step: the first draft
-step also reads the tokens committed last round (the accepted ones and the recovered or bonus token), which
-costs most at large B, so a draft call has a fixed part that a per-step price would charge to small k alone.
-The policy picks
+docs/engine.md ("Choosing k") derives the model and says why each rule is there; in short, the policy picks
 
-    k* = argmax_{0 <= k <= k_max}  E(k) / C(k),      with E(0) = 1 and C(0) = c_verify(B, 1) (plain decoding),
+    k* = argmax_{0 <= k <= k_max}  sum_i E_i(k) / (c_draft(B, k) + c_verify(B, k + 1)),   E(0) = 1,
 
-so speculation shrinks to 0 when it stops paying (low acceptance, or high load) and grows again when it pays.
-One k serves the whole batch: every row pays for the longest row's draft steps and verify positions, so the
-policy maximises the batch's expected tokens per second, sum_i E_i(k) / C(k), and speculates only where that
-beats plain decoding by a margin that covers the error of measured costs and what the model leaves out: 5% for
-one sequence, 2% more per further sequence in the batch (19% at 8), at most 25%.
-Speculating has a one-time price too: before drafting for a sequence the drafter must read its context (a draft
-model prefills a sequence the first time it drafts, and catches up on the tokens committed while it sat at
-k = 0). With U the seconds of that read for the batch's adaptive rows (tokens unread times the measured seconds
-per token) and N the output tokens its rows have left, a k > 0 is valued at N / (N / rate(k) + U): a batch with
-few tokens left, or one that has not drafted for long, switches speculation on only for a larger gain.
-The rates a_j are estimated per request from its own rounds (acceptances over acceptance trials at each
-position, recent rounds weighted more), shrunk towards the rates of recent requests (a new request has no
-rounds of its own, and a short one would spend much of its life at a fixed prior's k); the costs are measured
-online per batch-size bucket. Verification cost is not smooth in k on every
-device (on CPUs it jumps where the GEMM kernel's row blocking does), so each bucket first measures k = 1..
-`explore_up_to` a few times before trusting the model, unless costs carried over from an explored bucket (read at the
-same tokens per verify in all, B * t, and scaled to plain decoding's cost here, which one plain round measures
-first) already say speculation cannot pay there: exploring costs every row of a large batch a draft prefill and
-wider verifies. (The server measures every bucket before serving, `calibration`, so live rounds explore nothing.)
-While a request sits at k = 0 it
-learns nothing new about acceptance, so after `probe_every` such rounds it tries k = 1; since one k serves the
-batch, a probe waits until every adaptive row in it is due, and is skipped where speculation would not pay even
-with each row's acceptance halfway from its estimate to 1 (under load a probe costs every row a draft call, the
-drafter's catch-up, and a wider verify, to learn what cannot change the answer). Each probe that leads back to
-k = 0 doubles the wait (up to 16x).
-
-Hybrid drafting adds, per row, a free proposal (`FreeProposal`: a model-free drafter's, already made, costing no
-draft call) with its expected tokens by its own record. For each k a row takes the free proposal where it expects
-at least as many tokens as the draft model's k drafts (a row at k = 0 takes any), and the round costs the draft
-call only if some row still drafts, plus a verify as wide as the longest proposal kept. The best (k, free or not)
-is judged against plain decoding with the same margin: `choose_round`.
+with E(k) = 1 + a_1 + a_1 a_2 + ... (Leviathan et al. 2023, section 3, with a rate a_j per draft position) and
+costs measured per batch-size bucket. What must stay true:
+- One k serves the batch (every row pays for the longest row), so k maximises the batch's tokens per second.
+- Speculation must beat plain decoding by a margin that grows with the batch (`AdaptivePolicy.required_gain`).
+- A k > 0 whose rows must first be read by the drafter pays that one-time read over the tokens the rows have left.
+- Nothing here reads this round's verification: k and the free-proposal choice depend on past rounds only, so
+  the output distribution does not depend on them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 
 def expected_tokens_by_position(rates: Sequence[float], k: int) -> float:
@@ -67,13 +32,9 @@ def expected_tokens_by_position(rates: Sequence[float], k: int) -> float:
 
 @dataclass
 class AcceptanceEstimate:
-    """A request's acceptance, per draft position: decayed counts of acceptance trials, shrunk to a prior.
-
-    Position j's rate is P(draft j accepted | drafts 1..j-1 accepted). A draft model's rates are roughly equal
-    (the classic single-alpha model), but copying is not: an n-gram proposal that survives its first token is
-    usually a copied span that survives whole, so its later positions are accepted far more often than its
-    first. A single alpha would average them and value long proposals far too little.
-    """
+    """A request's acceptance per draft position (P(draft j accepted | drafts 1..j-1 accepted)): decayed counts
+    of trials, shrunk to a prior. Per position, not one alpha: a copied span is right to its end far more often
+    than at its first token (docs/engine.md). Mutable: `update` learns."""
 
     prior: tuple[float, ...] = (2.0 / 3.0,)  # per position; positions past its end follow the one before
     weight: float = 3.0  # the prior counts as this many trials at each position
@@ -90,16 +51,16 @@ class AcceptanceEstimate:
         return (sum(self.accepted) + self.weight * self.prior[0]) / (sum(self.trials) + self.weight)
 
     @classmethod
-    def starting_at(cls, alpha: float, weight: float = 3.0) -> "AcceptanceEstimate":
+    def starting_at(cls, alpha: float, weight: float = 3.0) -> AcceptanceEstimate:
         """An estimate that starts from `alpha` at every position, worth `weight` trials each."""
         return cls(prior=(alpha,), weight=weight)
 
     @classmethod
-    def starting_from(cls, recent: "AcceptanceEstimate", positions: int, weight: float = 3.0) -> "AcceptanceEstimate":
+    def starting_from(cls, recent: AcceptanceEstimate, positions: int, weight: float = 3.0) -> AcceptanceEstimate:
         """A new request's estimate: the per-position rates of `recent` (e.g. recent requests') as its prior."""
         return cls(prior=tuple(recent.rates(max(1, positions))), weight=weight)
 
-    def optimistic(self, positions: int) -> "AcceptanceEstimate":
+    def optimistic(self, positions: int) -> AcceptanceEstimate:
         """Rates halfway from this estimate's to 1 at each position: an acceptance a probe could plausibly find.
         (Drafts that are always right would justify a probe wherever speculation can pay at all.)"""
         return AcceptanceEstimate(prior=tuple((1.0 + r) / 2.0 for r in self.rates(max(1, positions))))
@@ -155,12 +116,9 @@ def _bucket(batch_size: int) -> int:
 
 @dataclass
 class CostModel:
-    """Measured seconds of a draft step and of a verify forward, per batch-size bucket and tokens per row.
-
-    A cost is only ever measured where the policy chooses it, so one measured while the machine was briefly slow
-    (another process, a burst of prefills) would stand for as long as it keeps that option from being chosen.
-    Each bucket counts its rounds; an entry last measured more than `stale_after` rounds ago is stale: the policy
-    measures it again (`stale_k`), and that measurement replaces it rather than being averaged in."""
+    """Measured seconds of a draft call and of a verify forward, per batch-size bucket and tokens per row. An entry
+    last measured over `stale_after` rounds ago is measured again (`stale_k`), its new value replacing the old: a
+    cost is measured only where it is chosen, so one measured in a slow moment must not stand for good."""
 
     smoothing: float = 0.2
     stale_after: int = 256  # rounds of a bucket after which an entry not measured since is measured again
@@ -187,14 +145,16 @@ class CostModel:
     def observe_draft(self, batch_size: int, steps: int, seconds: float) -> None:
         if steps > 0:
             bucket = _bucket(batch_size)
-            self._ewma(self.draft.setdefault(bucket, {}), self.draft_seen.setdefault(bucket, {}), bucket, steps,
-                       seconds)
+            self._ewma(
+                self.draft.setdefault(bucket, {}), self.draft_seen.setdefault(bucket, {}), bucket, steps, seconds
+            )
 
     def observe_verify(self, batch_size: int, tokens_per_row: int, seconds: float) -> None:
         bucket = _bucket(batch_size)
         self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
-        self._ewma(self.verify.setdefault(bucket, {}), self.verify_seen.setdefault(bucket, {}), bucket,
-                   tokens_per_row, seconds)
+        self._ewma(
+            self.verify.setdefault(bucket, {}), self.verify_seen.setdefault(bucket, {}), bucket, tokens_per_row, seconds
+        )
         counts = self.verify_samples.setdefault(bucket, {})
         counts[tokens_per_row] = counts.get(tokens_per_row, 0) + 1
 
@@ -210,8 +170,11 @@ class CostModel:
         bucket = _bucket(batch_size)
         now = self.rounds.get(bucket, 0)
         drafts, verifies = self.draft_seen.get(bucket, {}), self.verify_seen.get(bucket, {})
-        ages = {k: now - min(drafts.get(k, now), verifies.get(k + 1, now)) for k in range(1, up_to + 1)
-                if k in drafts or k + 1 in verifies}
+        ages = {
+            k: now - min(drafts.get(k, now), verifies.get(k + 1, now))
+            for k in range(1, up_to + 1)
+            if k in drafts or k + 1 in verifies
+        }
         stale = [k for k, age in ages.items() if age > self.stale_after]
         return max(stale, key=lambda k: (ages[k], -k)) if stale else None
 
@@ -230,7 +193,7 @@ class CostModel:
     def _slope(table: dict[int, float]) -> float:
         if len(table) < 2:
             # One point: assume extra rows cost a few percent (memory-bound verification), refined by data.
-            (t, c), = table.items()
+            ((t, c),) = table.items()
             return 0.03 * c
         ts, cs = zip(*sorted(table.items()))
         return max(0.0, (cs[-1] - cs[0]) / (ts[-1] - ts[0]))
@@ -244,12 +207,12 @@ class CostModel:
         if k in table:
             return table[k]
         if len(table) == 1:
-            (k0, c0), = table.items()
+            ((k0, c0),) = table.items()
             return c0 * k / k0
         nearest = min(table, key=lambda t: abs(t - k))
         return max(table[nearest] + self._slope(table) * (k - nearest), 1e-6)
 
-    def carried_to(self, batch_size: int, up_to: int, samples: int) -> "CostModel | None":
+    def carried_to(self, batch_size: int, up_to: int, samples: int) -> CostModel | None:
         """Costs for an unexplored batch size, carried from the nearest explored one and scaled to plain decoding's
         cost here (plain rounds measure c_verify(B, 1) at no extra cost). A verify's cost follows the tokens it
         processes in all, B * t (each weight is used once per token), so from a smaller batch b the cost of t
@@ -258,8 +221,11 @@ class CostModel:
         when this batch size has no plain-decoding measurement or no batch size is explored."""
         bucket = _bucket(batch_size)
         here = self.verify.get(bucket, {}).get(1)
-        explored = [b for b in self.verify if b != bucket and b in self.draft
-                    and self.unmeasured_k(b, up_to, samples) is None and 1 in self.verify[b]]
+        explored = [
+            b
+            for b in self.verify
+            if b != bucket and b in self.draft and self.unmeasured_k(b, up_to, samples) is None and 1 in self.verify[b]
+        ]
         if here is None or not explored:
             return None
         source = min(explored, key=lambda b: (abs(math.log2(b / bucket)), -b))
@@ -302,9 +268,7 @@ class AdaptivePolicy:
 
     margin: float = 0.05  # speculate only where the model predicts at least this gain over plain decoding...
     # ... plus this much per sequence in the batch beyond the first (up to max_margin): what the model leaves out
-    # grows with the batch (new requests' draft prefill, prefills waiting behind a longer round). Measured through
-    # the served stack on two cores at 8 sequences, speculation that the model priced at 5-10% faster per round
-    # gave the same time per output token as plain decoding and a longer time to first token.
+    # grows with the batch (docs/engine.md, "Choosing k").
     margin_per_sequence: float = 0.02
     max_margin: float = 0.25
 
@@ -317,34 +281,50 @@ class AdaptivePolicy:
     def required_gain(self, batch_size: int) -> float:
         return min(self.max_margin, self.margin + self.margin_per_sequence * max(0, batch_size - 1))
 
-    def choose(self, estimate: AcceptanceEstimate, costs: CostModel, batch_size: int,
-               catch_up_s: float = 0.0, horizon: float = math.inf) -> int:
+    def choose(
+        self,
+        estimate: AcceptanceEstimate,
+        costs: CostModel,
+        batch_size: int,
+        catch_up_s: float = 0.0,
+        horizon: float = math.inf,
+    ) -> int:
         """k for a request alone in its batch (`choose_batch` with one adaptive row)."""
         return self.choose_batch([(estimate, None)], costs, batch_size, catch_up_s, horizon)
 
-    def choose_batch(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel,
-                     batch_size: int, catch_up_s: float = 0.0, horizon: float = math.inf) -> int:
+    def choose_batch(
+        self,
+        rows: Sequence[tuple[AcceptanceEstimate, int | None]],
+        costs: CostModel,
+        batch_size: int,
+        catch_up_s: float = 0.0,
+        horizon: float = math.inf,
+    ) -> int:
         """One k for the batch's adaptive rows (`choose_round` without free proposals)."""
         return self.choose_round(rows, costs, batch_size, catch_up_s, horizon).k
 
-    def choose_round(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel,
-                     batch_size: int, catch_up_s: float = 0.0, horizon: float = math.inf,
-                     free: Sequence[FreeProposal | None] | None = None) -> RoundChoice:
+    def choose_round(
+        self,
+        rows: Sequence[tuple[AcceptanceEstimate, int | None]],
+        costs: CostModel,
+        batch_size: int,
+        catch_up_s: float = 0.0,
+        horizon: float = math.inf,
+        free: Sequence[FreeProposal | None] | None = None,
+    ) -> RoundChoice:
         """One k for the batch's adaptive rows, and whether rows take their free proposals (`free`, per row; None:
-        no row has one). `rows`: each sequence's estimate and its fixed k (None: adaptive).
-        The batch pays for its longest row in every draft step and verify forward, so k is chosen for the batch
-        (its tokens per second in all), not per row: a row at k = 0 beside one at k = 6 pays for k = 6 and gains
-        nothing from it. `catch_up_s`: seconds the drafter needs, once, before the adaptive rows can draft (its
-        read of the context they have that it has not seen); `horizon`: output tokens the batch's rows have left,
-        over which that one-time cost is spread."""
+        no row has one). `rows`: each sequence's estimate and its fixed k (None: adaptive). `catch_up_s`: seconds
+        the drafter needs, once, to read what the adaptive rows have that it has not seen; `horizon`: output tokens
+        the rows have left, over which that cost is spread."""
         catch_up = (catch_up_s, horizon)
         explore = costs.unmeasured_k(batch_size, self.explore_k, self.explore_samples)
         if explore is not None:
             # Exploring a batch size costs every row a draft prefill and wider verifies. Where costs carried over
             # from a measured batch size already say speculation cannot pay, skip it. Carrying needs plain
             # decoding's cost here: measure it first (one plain round) where another batch size is explored.
-            explored_elsewhere = any(costs.unmeasured_k(b, self.explore_k, self.explore_samples) is None
-                                     for b in costs.verify)
+            explored_elsewhere = any(
+                costs.unmeasured_k(b, self.explore_k, self.explore_samples) is None for b in costs.verify
+            )
             if explored_elsewhere and 1 not in costs.verify.get(_bucket(batch_size), {}):
                 return RoundChoice(0, False)
         judged = self._judging_costs(costs, batch_size)
@@ -361,7 +341,11 @@ class AdaptivePolicy:
             if stale is not None and stale != best.k:
                 return RoundChoice(stale, best.free)
         adaptive = [e for e, fixed in rows if fixed is None]
-        if best == RoundChoice(0, False) and adaptive and all(e.rounds_at_zero >= self.probe_every << min(e.probes, 4) for e in adaptive):
+        if (
+            best == RoundChoice(0, False)
+            and adaptive
+            and all(e.rounds_at_zero >= self.probe_every << min(e.probes, 4) for e in adaptive)
+        ):
             # One k serves the batch, so one row's probe costs every row (a draft call, a wider verify, and the
             # drafter's catch-up); probe when all are due, and only where what a probe could plausibly find would
             # change the answer: speculation must pay with each row's acceptance halfway from its estimate to 1.
@@ -371,8 +355,14 @@ class AdaptivePolicy:
                 return RoundChoice(1, False)
         return best
 
-    def pays(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel, batch_size: int,
-             catch_up_s: float = 0.0, horizon: float = math.inf) -> bool:
+    def pays(
+        self,
+        rows: Sequence[tuple[AcceptanceEstimate, int | None]],
+        costs: CostModel,
+        batch_size: int,
+        catch_up_s: float = 0.0,
+        horizon: float = math.inf,
+    ) -> bool:
         """Whether the model expects speculation to pay for `rows` at `batch_size` (by costs carried over where that
         batch size is unexplored); True where too little is measured to say."""
         judged = self._judging_costs(costs, batch_size)
@@ -393,13 +383,17 @@ class AdaptivePolicy:
         least as many tokens (`expected`: the row's E(0..) for the draft model), for no draft call."""
         return free is not None and (k == 0 or free.expected_tokens >= expected[min(k, len(expected) - 1)])
 
-    def _best(self, rows: Sequence[tuple[AcceptanceEstimate, int | None]], costs: CostModel, batch_size: int,
-              catch_up: tuple[float, float] = (0.0, math.inf),
-              free: Sequence[FreeProposal | None] | None = None) -> RoundChoice:
+    def _best(
+        self,
+        rows: Sequence[tuple[AcceptanceEstimate, int | None]],
+        costs: CostModel,
+        batch_size: int,
+        catch_up: tuple[float, float] = (0.0, math.inf),
+        free: Sequence[FreeProposal | None] | None = None,
+    ) -> RoundChoice:
         """argmax over k (and free proposals taken or not) of the batch's expected tokens per second; plain
-        decoding unless the best beats it by the required gain. For a k where an adaptive row drafts, the one-time
-        `catch_up` (seconds, tokens left) is spread over the tokens left: the batch then takes horizon / rate +
-        seconds for its remaining tokens instead of horizon / rate."""
+        decoding unless the best beats it by the required gain. Where an adaptive row drafts, the one-time
+        `catch_up` (seconds, tokens left) is spread over the tokens left."""
         gains = [(e.expected_tokens(self.max_k), fixed) for e, fixed in rows]  # E(0..max_k) per row
         offers = list(free) if free is not None and any(f is not None for f in free) else None
         seconds, horizon = catch_up
@@ -421,8 +415,11 @@ class AdaptivePolicy:
             return 1.0 / (1.0 / per_second + seconds / max(horizon, 1.0))
 
         plain = rate(0, False)
-        choices = [RoundChoice(k, with_free) for with_free in ((False, True) if offers else (False,))
-                   for k in range(self.max_k + 1)]
+        choices = [
+            RoundChoice(k, with_free)
+            for with_free in ((False, True) if offers else (False,))
+            for k in range(self.max_k + 1)
+        ]
         rates = [rate(c.k, c.free) for c in choices]
         best = max(range(len(choices)), key=lambda i: (rates[i], -choices[i].k, choices[i].free))
         if rates[best] < (1.0 + self.required_gain(batch_size)) * plain:

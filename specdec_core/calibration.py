@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from specdec_core.config import SamplingParams
 from specdec_core.engine import SpecEngine
+from specdec_core.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,8 @@ def calibrate(engine: SpecEngine, max_batch: int | None = None, context: int = 6
                 ids.append(f"calibration-{tag}-{len(ids)}")
                 # A salt of its own: with prefix caching, every start reads its whole context, as a new one would.
                 # Only the draft model (`engine.drafter`) is calibrated: a hybrid's free proposals cost no draft call.
-                engine.add_request(ids[-1], prompt, params, num_speculative_tokens=0, cache_salt=ids[-1],
-                                   speculation_method=engine.drafter.name if engine.drafter is not None else None)
+                method = engine.drafter.name if engine.drafter is not None else None
+                engine.add_request(Request(ids[-1], tuple(prompt), params, 0, method, cache_salt=ids[-1]))
             engine.step()  # prefills the new sequences (and runs a round for the others)
             if not _measure(engine, ids, up_to, samples):
                 log.warning("calibration stopped at batch size %d: a sequence ended", size)

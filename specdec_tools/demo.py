@@ -18,7 +18,9 @@ from specdec_tools.requests import generate_request
 PROMPT = "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation."
 
 
-def stream(stub: pb_grpc.GenerationServiceStub, request: pb.GenerateRequest, echo: bool) -> tuple[float, pb.GenerateStreamResponse, list[int]]:
+def stream(
+    stub: pb_grpc.GenerationServiceStub, request: pb.GenerateRequest, echo: bool
+) -> tuple[float, pb.GenerateStreamResponse, list[int]]:
     """(seconds, the last chunk, every token id) of one streamed completion."""
     start = time.perf_counter()
     last, ids = None, []
@@ -34,8 +36,9 @@ def stream(stub: pb_grpc.GenerationServiceStub, request: pb.GenerateRequest, ech
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser("demo", help="serve a model pair locally and stream one completion, speculation on and off",
-                            description=__doc__)
+    parser = sub.add_parser(
+        "demo", help="serve a model pair locally and stream one completion, speculation on and off", description=__doc__
+    )
     parser.add_argument("config", nargs="?", default="deployments/configs/demo_cpu.yaml")
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -43,12 +46,14 @@ def register(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from deployments.serve_config import load_config
     from deployments.launch import serving
+    from deployments.serve_config import load_config
 
     config = load_config(args.config)
-    print(f"demo: deploying {config.target.model} + {config.draft.model or config.draft.method} (this loads both models)",
-          flush=True)
+    print(
+        f"demo: deploying {config.target.model} + {config.draft.model or config.draft.method} (this loads both models)",
+        flush=True,
+    )
     with serving(config, quiet=True), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         stream(stub, generate_request("hi", max_tokens=4), echo=False)  # warm-up
@@ -61,8 +66,10 @@ def main(args: argparse.Namespace) -> int:
     on_n, off_n = on_last.usage.completion_tokens, off_last.usage.completion_tokens
     spec = on_last.speculation
     rate = spec.accepted / spec.proposed if spec.proposed else 0.0
-    print(f"\nspeculation on : {on_n} tokens in {on_s:.1f} s = {on_n / on_s:.2f} tokens/s "
-          f"({spec.rounds} rounds, {spec.accepted}/{spec.proposed} drafts accepted = {rate:.0%})")
+    print(
+        f"\nspeculation on : {on_n} tokens in {on_s:.1f} s = {on_n / on_s:.2f} tokens/s "
+        f"({spec.rounds} rounds, {spec.accepted}/{spec.proposed} drafts accepted = {rate:.0%})"
+    )
     print(f"speculation off: {off_n} tokens in {off_s:.1f} s = {off_n / off_s:.2f} tokens/s")
     print(f"speedup: {(on_n / on_s) / (off_n / off_s):.2f}x; identical tokens (greedy): {on_ids == off_ids}")
     return 0

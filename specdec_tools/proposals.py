@@ -8,8 +8,9 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 
 def register(sub: Any) -> None:
@@ -67,7 +68,9 @@ def summarize(records: Iterable[dict[str, Any]], bucket_s: float = 60.0) -> dict
         "acceptance_rate": accepted / proposed if proposed else 0.0,
         "acceptance_by_position": {i: a / p for i, (a, p) in sorted(by_position.items())},
         "mismatch_rate_over_time": [
-            {"start": b * bucket_s, "mismatch_rate": 1 - a / p, "proposed": p} for b, (a, p) in sorted(by_time.items()) if p
+            {"start": b * bucket_s, "mismatch_rate": 1 - a / p, "proposed": p}
+            for b, (a, p) in sorted(by_time.items())
+            if p
         ],
         **({"mean_probs": _means(probs)} if probs else {}),
     }
@@ -94,8 +97,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         "acceptance by draft position:",
         *(f"  {i + 1:>3}: {rate:.1%}" for i, rate in summary["acceptance_by_position"].items()),
         "mismatch rate over time:",
-        *(f"  {time.strftime('%Y-%m-%d %H:%M', time.gmtime(row['start']))}  {row['mismatch_rate']:.1%}  "
-          f"({row['proposed']} proposed)" for row in summary["mismatch_rate_over_time"]),
+        *(
+            f"  {time.strftime('%Y-%m-%d %H:%M', time.gmtime(row['start']))}  {row['mismatch_rate']:.1%}  "
+            f"({row['proposed']} proposed)"
+            for row in summary["mismatch_rate_over_time"]
+        ),
     ]
     if "mean_probs" in summary:
         lines.append("mean draft q / target p of the proposals:")

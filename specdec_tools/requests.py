@@ -7,9 +7,10 @@ The one place that turns a speculation setting (a fixed k, "auto", or the server
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from specdec.v1 import generation_pb2 as pb
 from specdec_core.config import AUTO
@@ -46,10 +47,10 @@ def read_prompts(path: Path, max_new_tokens: int, flag: str = "--prompts") -> tu
     prompts = []
     for number, item in _jsonl_objects(path, flag):
         if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
-            raise InvalidArgument(flag, f"{path}:{number}: expected a JSON object with a non-empty \"prompt\"")
+            raise InvalidArgument(flag, f'{path}:{number}: expected a JSON object with a non-empty "prompt"')
         max_tokens = item.get("max_tokens", max_new_tokens)
         if type(max_tokens) is not int or max_tokens <= 0:
-            raise InvalidArgument(flag, f"{path}:{number}: \"max_tokens\" must be a positive integer")
+            raise InvalidArgument(flag, f'{path}:{number}: "max_tokens" must be a positive integer')
         prompts.append(Prompt(item["prompt"], max_tokens))
     if not prompts:
         raise InvalidArgument(flag, f"{path} holds no prompts")
@@ -75,18 +76,19 @@ def read_sessions(path: Path, flag: str = "--sessions") -> tuple[Session, ...]:
     for number, item in _jsonl_objects(path, flag):
         where = f"{path}:{number}"
         if not isinstance(item, dict):
-            raise InvalidArgument(flag, f"{where}: expected a JSON object {{\"system\": ..., \"turns\": [...]}}")
+            raise InvalidArgument(flag, f'{where}: expected a JSON object {{"system": ..., "turns": [...]}}')
         unknown = sorted(set(item) - set(SESSION_KEYS))
         if unknown:
-            raise InvalidArgument(flag, f"{where}: unknown key(s) {', '.join(unknown)} "
-                                        f"(known: {', '.join(SESSION_KEYS)})")
+            raise InvalidArgument(
+                flag, f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(SESSION_KEYS)})"
+            )
         system, turns, session_id = item.get("system"), item.get("turns"), item.get("id", f"line-{number}")
         if not isinstance(system, str) or not system:
-            raise InvalidArgument(flag, f"{where}: \"system\" must be a non-empty string")
+            raise InvalidArgument(flag, f'{where}: "system" must be a non-empty string')
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-            raise InvalidArgument(flag, f"{where}: \"turns\" must be a non-empty list of non-empty strings")
+            raise InvalidArgument(flag, f'{where}: "turns" must be a non-empty list of non-empty strings')
         if not isinstance(session_id, str) or not session_id:
-            raise InvalidArgument(flag, f"{where}: \"id\" must be a non-empty string")
+            raise InvalidArgument(flag, f'{where}: "id" must be a non-empty string')
         if any(s.id == session_id for s in sessions):
             raise InvalidArgument(flag, f"{where}: the id {session_id!r} is taken by an earlier session")
         sessions.append(Session(session_id, system, tuple(turns)))
@@ -109,8 +111,9 @@ def read_messages(path: Path, flag: str = "--messages") -> list[tuple[str, str]]
     except json.JSONDecodeError as exc:
         raise InvalidArgument(flag, f"{path} is not JSON: {exc}") from None
     if not isinstance(items, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in items):
-        raise InvalidArgument(flag, f"{path}: expected a JSON array of {{\"role\": ..., \"content\": ...}} objects")
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in items
+    ):
+        raise InvalidArgument(flag, f'{path}: expected a JSON array of {{"role": ..., "content": ...}} objects')
     return [(m["role"], m["content"]) for m in items]
 
 
@@ -142,8 +145,13 @@ def generate_request(
     speculation_method: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest; unset optional fields stay unset, so the server's defaults apply."""
-    request = pb.GenerateRequest(request_id=request_id, raw_prompt=raw, prompt_token_ids=list(token_ids),
-                                 cache_salt=cache_salt, speculation_method=speculation_method)
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        raw_prompt=raw,
+        prompt_token_ids=list(token_ids),
+        cache_salt=cache_salt,
+        speculation_method=speculation_method,
+    )
     if prompt is not None:
         request.prompt = prompt
     for role, content in messages:

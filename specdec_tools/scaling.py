@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -40,8 +41,13 @@ class StepLoad:
     number (a stream beyond the new number ends after its current request). `make_request(stream, index)` is each
     stream's next request."""
 
-    def __init__(self, stub: Any, make_request: Callable[[int, int], pb.GenerateRequest],
-                 metadata: Sequence[tuple[str, str]] = (), timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        stub: Any,
+        make_request: Callable[[int, int], pb.GenerateRequest],
+        metadata: Sequence[tuple[str, str]] = (),
+        timeout_s: float = 600.0,
+    ) -> None:
         self.stub = stub
         self.make_request = make_request
         self.metadata = list(metadata)
@@ -87,8 +93,9 @@ class StepLoad:
         tokens: list[int] = []
         last = None
         try:
-            for chunk in self.stub.GenerateStream(self.make_request(stream, index), metadata=self.metadata,
-                                                  timeout=self.timeout_s):
+            for chunk in self.stub.GenerateStream(
+                self.make_request(stream, index), metadata=self.metadata, timeout=self.timeout_s
+            ):
                 tokens += chunk.token_ids
                 last = chunk
         except grpc.RpcError as exc:
@@ -136,7 +143,7 @@ class ScalingTimeline:
         self._channels: dict[str, tuple[grpc.Channel, Any]] = {}
         self._t0 = time.monotonic()
 
-    def start(self) -> "ScalingTimeline":
+    def start(self) -> ScalingTimeline:
         from deployments import worker_registry as registry
         from deployments.tls import Role
 
@@ -221,12 +228,16 @@ class ScalingTimeline:
             for kind in self.kinds:
                 states = s.replicas.get(kind, {})
                 starting = sum(n for state, n in states.items() if state in ("STARTING", "PENDING_MIGRATION"))
-                held = [f"{n}{'*' if a not in s.registered.get(kind, []) else ''}"
-                        for a, n in sorted(s.sessions.get(kind, {}).items())]
+                held = [
+                    f"{n}{'*' if a not in s.registered.get(kind, []) else ''}"
+                    for a, n in sorted(s.sessions.get(kind, {}).items())
+                ]
                 parts.append(f"{kind} {s.running(kind)} (+{starting} -{s.stopping(kind)}) sessions [{' '.join(held)}]")
             lines.append(" | ".join(parts))
         return "\n".join(lines)
 
     def as_json(self) -> list[dict[str, Any]]:
-        return [{"t": s.t, "streams": s.streams, "replicas": s.replicas, "registered": s.registered,
-                 "sessions": s.sessions} for s in self.samples]
+        return [
+            {"t": s.t, "streams": s.streams, "replicas": s.replicas, "registered": s.registered, "sessions": s.sessions}
+            for s in self.samples
+        ]

@@ -15,8 +15,8 @@ def register(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from deployments.serve_config import load_config
     from deployments.launch import serving
+    from deployments.serve_config import load_config
 
     config = load_config(args.config)
     stop = threading.Event()
@@ -24,8 +24,10 @@ def main(args: argparse.Namespace) -> int:
         # After ray.init, which installs handlers of its own: stop by leaving the loop, so the cleanup runs.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        print(f"specdec: serving {config.target.model} (draft: {config.draft.method}) on gRPC port {config.grpc_port}",
-              flush=True)
+        print(
+            f"specdec: serving {config.target.model} (draft: {config.draft.method}) on gRPC port {config.grpc_port}",
+            flush=True,
+        )
         while not stop.is_set():
             stop.wait(1.0)
         print("specdec: shutting down", flush=True)

@@ -25,22 +25,23 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 import deployments
 from deployments.ports import free_port
-from specdec_core.environment import auth_token
-from specdec_tools.loadgen.cli import positive
-from specdec_tools.loadgen.client import closed_loop, stream_one
-from specdec_tools.requests import Speculation, generate_request
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc as pb_grpc
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
+from specdec_core.environment import auth_token
+from specdec_tools.loadgen.cli import positive
+from specdec_tools.loadgen.client import closed_loop, stream_one
+from specdec_tools.requests import Speculation, generate_request
 
 # ray, psutil and the stack are imported where they are used: `specdec` builds every subcommand's parser on start.
 if TYPE_CHECKING:
@@ -113,8 +114,14 @@ def make_variant(index: int, seed: int, cancel_fraction: float) -> Variant:
     speculation = rng.choice(SPECULATION_CHOICES)
     by_ids = rng.random() < 0.2
     text = "" if by_ids else " ".join([rng.choice(PROMPTS)] * rng.randint(1, 3))
-    request = generate_request(text or None, temperature=temperature, seed=seed + index, max_tokens=max_tokens,
-                               ignore_eos=ignore_eos, speculation=speculation)
+    request = generate_request(
+        text or None,
+        temperature=temperature,
+        seed=seed + index,
+        max_tokens=max_tokens,
+        ignore_eos=ignore_eos,
+        speculation=speculation,
+    )
     tags = ["sampled" if temperature else "greedy", _speculation_tag(speculation)]
     if by_ids:
         request.prompt_token_ids.extend(rng.randrange(5, 300) for _ in range(rng.randint(1, 60)))
@@ -198,8 +205,9 @@ class Tally:
         return {s: n for s, n in sorted(self.statuses.items()) if s not in (OK, CANCELLED_ON_PURPOSE)}
 
 
-async def _load(address: str, plan: SoakPlan, tally: Tally, first_index: int, num_requests: int | None,
-                deadline: float | None) -> None:
+async def _load(
+    address: str, plan: SoakPlan, tally: Tally, first_index: int, num_requests: int | None, deadline: float | None
+) -> None:
     """Keep plan.concurrency streams in flight (loadgen's closed loop) until `num_requests` or `deadline`."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
@@ -262,9 +270,11 @@ def _replica_actors(app_name: str, deployment: str) -> list[tuple[str, int, str]
     from ray._private import state
 
     class_name = f"ServeReplica:{app_name}:{deployment}"  # Serve's replica actor class name
-    return [(info["Name"].rsplit("#", 1)[-1], int(info["Pid"]), info["Address"]["NodeID"])
-            for info in state.actors().values()
-            if info["ActorClassName"] == class_name and info["State"] == "ALIVE"]
+    return [
+        (info["Name"].rsplit("#", 1)[-1], int(info["Pid"]), info["Address"]["NodeID"])
+        for info in state.actors().values()
+        if info["ActorClassName"] == class_name and info["State"] == "ALIVE"
+    ]
 
 
 def _address_of(pid: int, addresses: set[str]) -> str | None:
@@ -303,8 +313,9 @@ def worker_credentials(app_name: str) -> InternalCredentials:
     return registry.credentials(app_name, Role.CLIENT)
 
 
-def read_stats(worker: WorkerProcess, credentials: InternalCredentials,
-               timeout_s: float = 10.0) -> wpb.WorkerStats | None:
+def read_stats(
+    worker: WorkerProcess, credentials: InternalCredentials, timeout_s: float = 10.0
+) -> wpb.WorkerStats | None:
     from deployments.auth import dial
 
     if worker.address is None:
@@ -337,9 +348,14 @@ def wait_until_idle(app_name: str, timeout_s: float) -> tuple[dict[WorkerProcess
         time.sleep(0.5)
 
 
-async def _track_peaks(workers: tuple[WorkerProcess, ...], stop: asyncio.Event, plan: SoakPlan, tally: Tally,
-                       progress: Callable[[str], None] | None,
-                       progress_every_s: float = 30.0) -> dict[WorkerProcess, int]:
+async def _track_peaks(
+    workers: tuple[WorkerProcess, ...],
+    stop: asyncio.Event,
+    plan: SoakPlan,
+    tally: Tally,
+    progress: Callable[[str], None] | None,
+    progress_every_s: float = 30.0,
+) -> dict[WorkerProcess, int]:
     """Each worker's highest RSS while the load runs, sampled every plan.sample_every_s; a progress line now and
     then."""
     peaks: dict[WorkerProcess, int] = {}
@@ -358,8 +374,13 @@ async def _track_peaks(workers: tuple[WorkerProcess, ...], stop: asyncio.Event, 
             return peaks
 
 
-async def _soak_phase(address: str, plan: SoakPlan, tally: Tally, workers: tuple[WorkerProcess, ...],
-                      progress: Callable[[str], None] | None) -> tuple[float, dict[WorkerProcess, int]]:
+async def _soak_phase(
+    address: str,
+    plan: SoakPlan,
+    tally: Tally,
+    workers: tuple[WorkerProcess, ...],
+    progress: Callable[[str], None] | None,
+) -> tuple[float, dict[WorkerProcess, int]]:
     """The timed load, with the RSS peaks tracked beside it. Returns its length in seconds and the peaks."""
     stop = asyncio.Event()
     tracker = asyncio.create_task(_track_peaks(workers, stop, plan, tally, progress))
@@ -374,14 +395,32 @@ async def _soak_phase(address: str, plan: SoakPlan, tally: Tally, workers: tuple
 # -- the soak ------------------------------------------------------------------------------------------------------
 
 
-def run_soak(address: str, app_name: str, concurrency: int, duration_s: float, *, seed: int = 0,
-             cancel_fraction: float = 0.1, warmup_requests: int | None = None, request_timeout_s: float = 120.0,
-             idle_timeout_s: float = 60.0, auth_token: str | None = None,
-             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_soak(
+    address: str,
+    app_name: str,
+    concurrency: int,
+    duration_s: float,
+    *,
+    seed: int = 0,
+    cancel_fraction: float = 0.1,
+    warmup_requests: int | None = None,
+    request_timeout_s: float = 120.0,
+    idle_timeout_s: float = 60.0,
+    auth_token: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Soak the stack serving `app_name` (public gRPC at `address`) and return the report (JSON-able). This
     process must be connected to the stack's Ray cluster (ray.init), where the workers are found."""
-    plan = SoakPlan(concurrency, duration_s, seed, cancel_fraction, warmup_requests, request_timeout_s,
-                    idle_timeout_s, auth_token=auth_token)
+    plan = SoakPlan(
+        concurrency,
+        duration_s,
+        seed,
+        cancel_fraction,
+        warmup_requests,
+        request_timeout_s,
+        idle_timeout_s,
+        auth_token=auth_token,
+    )
     tally = Tally()
     # The warm-up's first-use allocations would otherwise count as growth; its requests count like the others.
     asyncio.run(_load(address, plan, tally, 0, plan.num_warmup, None))
@@ -391,9 +430,16 @@ def run_soak(address: str, app_name: str, concurrency: int, duration_s: float, *
     return build_report(address, plan, tally, elapsed, start, peaks, end, idle_wait_s)
 
 
-def build_report(address: str, plan: SoakPlan, tally: Tally, elapsed_s: float,
-                 start: dict[WorkerProcess, WorkerSample], peaks: dict[WorkerProcess, int],
-                 end: dict[WorkerProcess, WorkerSample], idle_wait_s: float) -> dict[str, Any]:
+def build_report(
+    address: str,
+    plan: SoakPlan,
+    tally: Tally,
+    elapsed_s: float,
+    start: dict[WorkerProcess, WorkerSample],
+    peaks: dict[WorkerProcess, int],
+    end: dict[WorkerProcess, WorkerSample],
+    idle_wait_s: float,
+) -> dict[str, Any]:
     errors = tally.errors
     ok = tally.statuses[OK]
     # Sessions are counted on the workers there are now; one that cannot be asked leaves the count unknown.
@@ -443,8 +489,9 @@ def verdict(ok: int, errors: int, sessions_left: int, unreadable_workers: int, w
     return failures
 
 
-def _worker_report(worker: WorkerProcess, start: WorkerSample | None, peak: int | None,
-                   end: WorkerSample | None) -> dict[str, Any]:
+def _worker_report(
+    worker: WorkerProcess, start: WorkerSample | None, peak: int | None, end: WorkerSample | None
+) -> dict[str, Any]:
     rss_start = start.rss_bytes if start else None
     rss_end = end.rss_bytes if end else None
     growth = rss_end - rss_start if rss_start is not None and rss_end is not None else None
@@ -481,9 +528,11 @@ def format_summary(report: dict[str, Any]) -> str:
         f"{': ' + errors if errors else ''}), {report['tokens']} tokens",
     ]
     for w in report["workers"]:
-        lines.append(f"  {w['kind']:6} pid {w['pid']} {w['address']}: RSS {_mib(w['rss_start_bytes'])} -> "
-                     f"{_mib(w['rss_end_bytes'])} (peak {_mib(w['rss_peak_bytes'])}, growth "
-                     f"{_mib(w['rss_growth_bytes'], signed=True)}), {w['sessions_started']} sessions")
+        lines.append(
+            f"  {w['kind']:6} pid {w['pid']} {w['address']}: RSS {_mib(w['rss_start_bytes'])} -> "
+            f"{_mib(w['rss_end_bytes'])} (peak {_mib(w['rss_peak_bytes'])}, growth "
+            f"{_mib(w['rss_growth_bytes'], signed=True)}), {w['sessions_started']} sessions"
+        )
     lines.append(f"sessions left open: {report['sessions_left']} (after {report['idle_wait_s']:.1f} s)")
     lines.append("PASS" if report["passed"] else "FAIL: " + "; ".join(report["failures"]))
     return "\n".join(lines)
@@ -497,13 +546,15 @@ def _mib(n: int | None, signed: bool = False) -> str:
 
 
 def register(sub: Any) -> None:
-    soak = sub.add_parser("soak", help="hold N concurrent streams for M minutes; report errors, worker memory and "
-                                       "sessions left open")
+    soak = sub.add_parser(
+        "soak", help="hold N concurrent streams for M minutes; report errors, worker memory and sessions left open"
+    )
     soak.add_argument("--concurrency", type=positive(int), default=4, help="streams kept in flight")
     soak.add_argument("--minutes", type=positive(float), default=5.0, help="how long to hold them")
     soak.add_argument("--json", type=Path, default=None, help="where to write the report")
-    soak.add_argument("--config", default=None,
-                      help="serve this YAML config instead of a tiny random pair built for the run")
+    soak.add_argument(
+        "--config", default=None, help="serve this YAML config instead of a tiny random pair built for the run"
+    )
     soak.add_argument("--seed", type=int, default=0, help="the requests' variety is drawn from it")
     soak.set_defaults(func=soak_main)
 
@@ -512,9 +563,15 @@ def soak_main(args: argparse.Namespace) -> int:
     from deployments.launch import serving
 
     with stack_config(args.config) as config, serving(config, quiet=True):
-        report = run_soak(f"127.0.0.1:{config.grpc_port}", config.app_name, args.concurrency, args.minutes * 60,
-                          seed=args.seed, auth_token=auth_token(),
-                          progress=lambda line: print(line, file=sys.stderr, flush=True))
+        report = run_soak(
+            f"127.0.0.1:{config.grpc_port}",
+            config.app_name,
+            args.concurrency,
+            args.minutes * 60,
+            seed=args.seed,
+            auth_token=auth_token(),
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
     print(format_summary(report))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -36,8 +36,18 @@ def tiny_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny")
     build_tiny_tokenizer(root / "tokenizer")
     build_tiny_model(root / "target", family="qwen2", seed=1, tokenizer_dir=root / "tokenizer", vocab_size=400)
-    build_tiny_model(root / "draft", family="qwen2", seed=2, tokenizer_dir=root / "tokenizer",
-                     hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=384)
+    build_tiny_model(
+        root / "draft",
+        family="qwen2",
+        seed=2,
+        tokenizer_dir=root / "tokenizer",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        vocab_size=384,
+    )
     build_tiny_model(root / "llama", family="llama", seed=3, tokenizer_dir=root / "tokenizer")
     return root
 
@@ -61,8 +71,10 @@ def near_draft_dir(tiny_dir) -> Path:
         gen = torch.Generator().manual_seed(7)
         for file in out.glob("*.safetensors"):
             state = load_file(file)
-            noisy = {k: (v + torch.randn(v.shape, generator=gen) * 0.05 * v.float().std().clamp(min=1e-3)).to(v.dtype)
-                     for k, v in state.items()}
+            noisy = {
+                k: (v + torch.randn(v.shape, generator=gen) * 0.05 * v.float().std().clamp(min=1e-3)).to(v.dtype)
+                for k, v in state.items()
+            }
             save_file(noisy, file, metadata={"format": "pt"})
     return out
 
@@ -105,15 +117,30 @@ def served(ray_cluster, tiny_dir, near_draft_dir):
     from deployments.app import build_app, grpc_options
     from deployments.serve_config import parse_config
 
-    config = parse_config({
-        "grpc_port": free_port(),
-        "http_port": free_port(),
-        "target": {"model": str(tiny_dir / "target"), "dtype": "float32", "num_cpus": 1, "threads": 1,
-                   "max_sequences": 8},
-        "draft": {"method": "draft_model", "model": str(near_draft_dir), "dtype": "float32",
-                  "num_speculative_tokens": 3, "num_cpus": 1, "threads": 1, "num_replicas": 2, "max_sequences": 8},
-        "router": {"max_seq_len": 256, "default_max_tokens": 16, "num_cpus": 0.5},
-    })
+    config = parse_config(
+        {
+            "grpc_port": free_port(),
+            "http_port": free_port(),
+            "target": {
+                "model": str(tiny_dir / "target"),
+                "dtype": "float32",
+                "num_cpus": 1,
+                "threads": 1,
+                "max_sequences": 8,
+            },
+            "draft": {
+                "method": "draft_model",
+                "model": str(near_draft_dir),
+                "dtype": "float32",
+                "num_speculative_tokens": 3,
+                "num_cpus": 1,
+                "threads": 1,
+                "num_replicas": 2,
+                "max_sequences": 8,
+            },
+            "router": {"max_seq_len": 256, "default_max_tokens": 16, "num_cpus": 0.5},
+        }
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": config.http_port}, grpc_options=grpc_options(config))
     serve.run(build_app(config), name=config.app_name, route_prefix="/")
     yield f"127.0.0.1:{config.grpc_port}", config

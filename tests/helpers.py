@@ -91,8 +91,10 @@ def reference_prob(logits, token, params):  # logits [V]
 def run_to_completion(engine, requests):
     """Add (request_id, prompt_ids, params, k[, cache_salt]) tuples, step until done; return {id: (tokens, text,
     last output)}."""
+    from specdec_core.request import Request
+
     for request_id, prompt, params, k, *salt in requests:
-        engine.add_request(request_id, prompt, params, k, cache_salt=salt[0] if salt else None)
+        engine.add_request(Request(request_id, tuple(prompt), params, k, cache_salt=salt[0] if salt else None))
     results = {r[0]: ([], "", None) for r in requests}
     while engine.has_work:
         for out in engine.step():

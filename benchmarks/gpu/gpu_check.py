@@ -65,6 +65,7 @@ from specdec_core.models.loader import LoadedModel
 from specdec_core.models.tiny import build_tiny_pair
 from specdec_core.models.transformer import Transformer
 from specdec_core.rejection import VerifyResult, rejection_sample
+from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.sparse_q import SparseQ
 from specdec_core.stopping import FinishReason
@@ -211,7 +212,7 @@ def drafting_runs() -> list[tuple[str, str | None]]:
 def generate(engine, requests: list[tuple[str, list[int], SamplingParams]]) -> dict[str, dict[str, Any]]:
     """Run `requests` (id, prompt ids, params) to the end in one engine: per id its tokens, end and stats."""
     for seq_id, ids, params in requests:
-        engine.add_request(seq_id, ids, params, K)
+        engine.add_request(Request(seq_id, tuple(ids), params, num_speculative_tokens=K))
     out = {seq_id: {"tokens": []} for seq_id, _, _ in requests}
     while engine.has_work:
         for step in engine.step():

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from deployments.generation_codec import GenerateCall, Prompt
 from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, Message, ResponseFormat
@@ -17,17 +18,23 @@ from deployments.openai.tool_parser import ParsedCall, ToolCallParser
 from deployments.openai.tools import ToolCallFormat, ToolPlan, forced_constraint, prompt_tools, tool_plan
 from specdec_core.chat import ChatMessage, ToolCall
 from specdec_core.config import SamplingParams
-from specdec_core.engine import RequestOutput
 from specdec_core.errors import InvalidArgument
 from specdec_core.grammar.constraint import Constraint
+from specdec_core.outputs import RequestOutput
+from specdec_core.request import Request
 from specdec_core.stopping import FinishReason
 
 # OpenAI's documented defaults where a request leaves a field out.
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # /v1/completions; chat completions take the server's default_max_tokens
 
-FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop",
-                  FinishReason.CANCELLED: "abort", FinishReason.ERROR: "error"}
+FINISH_REASONS = {
+    FinishReason.LENGTH: "length",
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.CANCELLED: "abort",
+    FinishReason.ERROR: "error",
+}
 
 
 @dataclass(frozen=True)
@@ -41,16 +48,22 @@ class Call:
     include_usage: bool
     continuous_usage: bool
     return_token_ids: bool
-    cache_salt: str | None
     tools: ToolPlan | None = None  # chat with tools (tool_choice not none): the output is read for calls
 
 
-def decode_chat(body: ChatCompletionRequest, default_max_tokens: int,
-                tool_format: ToolCallFormat = ToolCallFormat()) -> Call:
+def decode_chat(
+    body: ChatCompletionRequest, default_max_tokens: int, tool_format: ToolCallFormat = ToolCallFormat()
+) -> Call:
     """`tool_format`: how the served tokenizer spells the call markers (the default: as text)."""
     prompt = Prompt(messages=tuple(_chat_message(m) for m in body.messages), tools=prompt_tools(body))
-    return _call(body, prompt, body.output_limit or default_max_tokens, chat=True,
-                 forced=forced_constraint(body, tool_format), tools=tool_plan(body))
+    return _call(
+        body,
+        prompt,
+        body.output_limit or default_max_tokens,
+        chat=True,
+        forced=forced_constraint(body, tool_format),
+        tools=tool_plan(body),
+    )
 
 
 def _chat_message(m: Message) -> ChatMessage:
@@ -65,8 +78,14 @@ def decode_completion(body: CompletionRequest) -> Call:
     return _call(body, as_prompt, body.output_limit or DEFAULT_COMPLETION_MAX_TOKENS, chat=False)
 
 
-def _call(body: Any, prompt: Prompt, max_tokens: int, chat: bool, forced: Constraint | None = None,
-          tools: ToolPlan | None = None) -> Call:
+def _call(
+    body: Any,
+    prompt: Prompt,
+    max_tokens: int,
+    chat: bool,
+    forced: Constraint | None = None,
+    tools: ToolPlan | None = None,
+) -> Call:
     try:
         params = SamplingParams(
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else float(body.temperature),
@@ -83,16 +102,25 @@ def _call(body: Any, prompt: Prompt, max_tokens: int, chat: bool, forced: Constr
         raise InvalidArgument(field.get(exc.field, exc.field), exc.message) from None
     options = body.stream_options
     return Call(
-        generate=GenerateCall(request_id="", prompt=prompt, params=params,
-                              num_speculative_tokens=body.num_speculative_tokens, cache_salt=body.cache_salt,
-                              speculation_method=body.speculation_method, draft_variant=body.draft_variant),
+        generate=GenerateCall(
+            request_id="",
+            prompt=prompt,
+            draft_variant=body.draft_variant,
+            request=Request(
+                seq_id="",
+                prompt_ids=(),
+                params=params,
+                num_speculative_tokens=body.num_speculative_tokens,
+                speculation_method=body.speculation_method,
+                cache_salt=body.cache_salt,
+            ),
+        ),
         chat=chat,
         model=body.model,
         stream=body.stream,
         include_usage=bool(options and options.include_usage),
         continuous_usage=bool(options and options.continuous_usage_stats),
         return_token_ids=body.return_token_ids,
-        cache_salt=body.cache_salt,
         tools=tools,
     )
 
@@ -111,10 +139,17 @@ def decode_response_format(response_format: ResponseFormat | None) -> Constraint
 
 # The router names the gRPC request's fields in its errors, and the engine its own (a constraint by its kind); an
 # HTTP client knows the body's.
-_HTTP_PARAMS = {"sampling.max_tokens": "max_tokens", "speculation.num_speculative_tokens": "num_speculative_tokens",
-                "prompt_token_ids": "prompt", "messages.role": "messages", "messages.content": "messages",
-                "json_schema": "response_format.json_schema.schema", "json_object": "response_format",
-                "constraint": "response_format", "grammar": "tools"}  # HTTP's only grammars force tool calls
+_HTTP_PARAMS = {
+    "sampling.max_tokens": "max_tokens",
+    "speculation.num_speculative_tokens": "num_speculative_tokens",
+    "prompt_token_ids": "prompt",
+    "messages.role": "messages",
+    "messages.content": "messages",
+    "json_schema": "response_format.json_schema.schema",
+    "json_object": "response_format",
+    "constraint": "response_format",
+    "grammar": "tools",
+}  # HTTP's only grammars force tool calls
 
 
 def http_param(field: str) -> str:
@@ -131,15 +166,23 @@ def new_id(call: Call) -> str:
 
 
 def usage(last: RequestOutput) -> dict[str, Any]:
-    return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens,
-            "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens}}
+    return {
+        "prompt_tokens": last.num_prompt_tokens,
+        "completion_tokens": last.num_output_tokens,
+        "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens},
+    }
 
 
-def speculation(last: RequestOutput) -> dict[str, int]:
+def speculation(call: Call, last: RequestOutput) -> dict[str, Any]:
+    """The request's speculation stats, and the draft variant the router assigned it (`Router.with_variant`)."""
     stats = last.stats
-    return {"rounds": stats.rounds, "proposed": stats.proposed, "accepted": stats.accepted,
-            "draft_variant": stats.draft_variant}
+    return {
+        "rounds": stats.rounds,
+        "proposed": stats.proposed,
+        "accepted": stats.accepted,
+        "draft_variant": call.generate.draft_variant,
+    }
 
 
 def response(call: Call, response_id: str, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
@@ -155,16 +198,19 @@ def response(call: Call, response_id: str, outputs: Sequence[RequestOutput]) -> 
         choice["text"] = text
     if call.return_token_ids:
         choice["token_ids"] = [t for o in outputs for t in o.new_token_ids]
-    return {**_envelope(call, response_id, stream=False), "choices": [choice], "usage": usage(last),
-            "speculation": speculation(last)}
+    return {
+        **_envelope(call, response_id, stream=False),
+        "choices": [choice],
+        "usage": usage(last),
+        "speculation": speculation(call, last),
+    }
 
 
 def _read_calls(plan: ToolPlan, text: str, last: RequestOutput) -> tuple[dict[str, Any], str | None]:
     """The assistant's message with the calls its text made (content null if it only called), and the reason."""
     parser = ToolCallParser(plan)
     events = parser.feed(text) + parser.finish()
-    message: dict[str, Any] = {"role": "assistant",
-                               "content": "".join(e for e in events if isinstance(e, str)) or None}
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(e for e in events if isinstance(e, str)) or None}
     calls = [e.as_openai() for e in events if isinstance(e, ParsedCall)]
     if calls:
         message["tool_calls"] = calls
@@ -187,8 +233,7 @@ def first_chunk(call: Call, response_id: str) -> dict[str, Any] | None:
     return _chunk(call, response_id, [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}])
 
 
-def chunks(call: Call, response_id: str, output: RequestOutput,
-           parser: ToolCallParser | None) -> list[dict[str, Any]]:
+def chunks(call: Call, response_id: str, output: RequestOutput, parser: ToolCallParser | None) -> list[dict[str, Any]]:
     """One round's output as stream chunks: at most one without tools (`chunk`); with them (`parser`, which this
     feeds), a chunk per piece of content or whole call the round decided, then one with the finish reason."""
     if parser is None:
@@ -220,8 +265,7 @@ def chunk(call: Call, response_id: str, output: RequestOutput) -> dict[str, Any]
     """One round's output as a stream chunk (None when it committed nothing to show and did not finish)."""
     if not output.new_text and not output.finished and not call.return_token_ids:
         return None
-    choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASONS.get(output.finish_reason),
-                              "logprobs": None}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASONS.get(output.finish_reason), "logprobs": None}
     if call.chat:
         choice["delta"] = {"content": output.new_text} if output.new_text or not output.finished else {}
     else:
@@ -236,7 +280,7 @@ def chunk(call: Call, response_id: str, output: RequestOutput) -> dict[str, Any]
 
 def usage_chunk(call: Call, response_id: str, last: RequestOutput) -> dict[str, Any]:
     """`stream_options.include_usage`: a last chunk with no choices, carrying usage and speculation."""
-    return {**_chunk(call, response_id, []), "usage": usage(last), "speculation": speculation(last)}
+    return {**_chunk(call, response_id, []), "usage": usage(last), "speculation": speculation(call, last)}
 
 
 def _chunk(call: Call, response_id: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -252,5 +296,4 @@ def _envelope(call: Call, response_id: str, stream: bool) -> dict[str, Any]:
 
 
 def model_card(model_id: str, created: int, owned_by: str, max_model_len: int) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by,
-            "max_model_len": max_model_len}
+    return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by, "max_model_len": max_model_len}

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -21,8 +23,8 @@ from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.openai.tool_parser import ToolCallParser
 from deployments.openai.tools import ToolCallFormat
 from deployments.status import UnknownModel, status_of
-from specdec_core.engine import RequestOutput
 from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +43,25 @@ class Backend(Protocol):
     def authenticate(self, metadata: Sequence[tuple[str, str]]) -> None:
         """Raise `Unauthenticated` unless the headers carry the server's bearer token (when it has one)."""
 
-    def generate(self, call: GenerateCall, request_id: str,
-                 metadata: Sequence[tuple[str, str]]) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self, call: GenerateCall, request_id: str, metadata: Sequence[tuple[str, str]]
+    ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for `call`; typed errors (InvalidArgument, ResourceExhausted, ...) otherwise."""
 
     def refused(self, error: BaseException) -> None:
         """Count a completion request refused before `generate` (which counts the rest): by its token, its body."""
 
+    def with_variant(self, call: GenerateCall) -> GenerateCall:
+        """`call` with its draft variant assigned (checked where it names one)."""
+
 
 def build_http_app(backend: Backend) -> Starlette:
-    def guarded(handler: Callable[[Request], Awaitable[Response]],
-                completes: bool = False) -> Callable[[Request], Awaitable[Response]]:
+    def guarded(
+        handler: Callable[[Request], Awaitable[Response]], completes: bool = False
+    ) -> Callable[[Request], Awaitable[Response]]:
         """Check the bearer token first; every failure answers in OpenAI's error format. A completion route's request
         without the token is counted as refused."""
+
         async def route(request: Request) -> Response:
             try:
                 backend.authenticate(list(request.headers.items()))
@@ -85,13 +93,15 @@ def build_http_app(backend: Backend) -> Starlette:
         # vLLM's liveness route, which load harnesses (guidellm) probe before they start; no token needed.
         return Response(status_code=200)
 
-    return Starlette(routes=[
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
-        Route("/v1/chat/completions", guarded(chat, completes=True), methods=["POST"]),
-        Route("/v1/completions", guarded(completions, completes=True), methods=["POST"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/models", guarded(models), methods=["GET"]),
+            Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
+            Route("/v1/chat/completions", guarded(chat, completes=True), methods=["POST"]),
+            Route("/v1/completions", guarded(completions, completes=True), methods=["POST"]),
+        ]
+    )
 
 
 def _card(backend: Backend) -> dict[str, Any]:
@@ -106,6 +116,7 @@ def _check_model(backend: Backend, name: str) -> None:
 async def _complete(backend: Backend, request: Request, chat: bool) -> Response:
     try:
         call = await _decode(backend, request, chat)
+        call = replace(call, generate=backend.with_variant(call.generate))
     except Exception as exc:
         backend.refused(exc)
         raise
@@ -120,15 +131,19 @@ async def _complete(backend: Backend, request: Request, chat: bool) -> Response:
     if not call.stream:
         collected = [first] + [o async for o in outputs]
         return JSONResponse(codec.response(call, response_id, collected))
-    return StreamingResponse(_events(call, response_id, first, outputs), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(
+        _events(call, response_id, first, outputs),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
 
 
 async def _decode(backend: Backend, request: Request, chat: bool) -> codec.Call:
     body = await _json_body(request)
     if chat:
-        call = codec.decode_chat(parse_body(ChatCompletionRequest, body), backend.default_max_tokens,
-                                 backend.tool_call_format)
+        call = codec.decode_chat(
+            parse_body(ChatCompletionRequest, body), backend.default_max_tokens, backend.tool_call_format
+        )
     else:
         call = codec.decode_completion(parse_body(CompletionRequest, body))
     _check_model(backend, call.model)
@@ -153,8 +168,9 @@ async def _json_body(request: Request) -> Any:
         raise InvalidArgument("body", f"not valid JSON: {exc}") from None
 
 
-async def _events(call: codec.Call, response_id: str, first: RequestOutput,
-                  rest: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def _events(
+    call: codec.Call, response_id: str, first: RequestOutput, rest: AsyncIterator[RequestOutput]
+) -> AsyncIterator[str]:
     """Server-sent events: a chunk per round (with tools, per piece of content or call it decided), the usage chunk
     when asked, then `data: [DONE]`. A failure after the first byte can no longer change the status: it is sent as
     an error event before [DONE]."""

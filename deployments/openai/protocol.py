@@ -12,7 +12,7 @@ Unknown fields are refused with a 400 naming them, never silently ignored. Three
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
@@ -76,7 +76,7 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_with_its_type(self) -> "ResponseFormat":
+    def _schema_with_its_type(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise InvalidArgument("json_schema", "required with type json_schema, and only with it")
         return self
@@ -102,14 +102,14 @@ class _Body(BaseModel):
     ignore_eos: StrictBool = False
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_LENGTH)
     return_token_ids: StrictBool = False
-    num_speculative_tokens: Union[Annotated[StrictInt, Field(ge=0)], Literal["auto"], None] = None
+    num_speculative_tokens: Annotated[StrictInt, Field(ge=0)] | Literal["auto"] | None = None
     # auto, none, or a method the server runs (draft_model, suffix, ngram): the engine checks the name.
     speculation_method: str | None = Field(None, min_length=1, max_length=64)
     # A/B of drafts: the variant to draft with (the router checks the name); None: assigned by weight.
     draft_variant: str | None = Field(None, min_length=1, max_length=64)
 
     @model_validator(mode="after")
-    def _refuse_unknown(self) -> "_Body":
+    def _refuse_unknown(self) -> _Body:
         for name, value in (self.model_extra or {}).items():
             if name in INFORMATIONAL:
                 if name == "store" and value not in (None, False):
@@ -156,7 +156,7 @@ class Message(BaseModel):
     tool_call_id: str | None = None  # tool turns: the call answered (given to the chat template; not checked)
 
     @model_validator(mode="after")
-    def _shape_of_the_role(self) -> "Message":
+    def _shape_of_the_role(self) -> Message:
         if self.tool_calls is not None and self.role != "assistant":
             raise InvalidArgument("tool_calls", f"only assistant messages carry tool calls, not {self.role}")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
@@ -178,14 +178,14 @@ class ChatCompletionRequest(_Body):
     parallel_tool_calls: StrictBool | None = None  # None: true (OpenAI's default)
 
     @model_validator(mode="after")
-    def _one_length(self) -> "ChatCompletionRequest":
+    def _one_length(self) -> ChatCompletionRequest:
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise InvalidArgument("max_tokens", "max_tokens and max_completion_tokens disagree: send one of them")
         return self
 
     @model_validator(mode="after")
-    def _tools_agree(self) -> "ChatCompletionRequest":
+    def _tools_agree(self) -> ChatCompletionRequest:
         names = [tool.function.name for tool in self.tools or ()]
         for i, name in enumerate(names):
             if name in names[:i]:
@@ -218,7 +218,7 @@ class CompletionRequest(_Body):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> "CompletionRequest":
+    def _one_prompt(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
             if len(self.prompt) != 1:
                 raise InvalidArgument("prompt", "send one prompt per request (a batch of prompts is not supported)")
@@ -266,5 +266,17 @@ def _param(loc: tuple[Any, ...]) -> str:
     return out
 
 
-_BRANCH_NAMES = {"str", "int", "float", "bool", "list", "dict", "list[str]", "list[int]", "list[TextPart]",
-                 "literal['auto']", "function-after", "constrained-int"}
+_BRANCH_NAMES = {
+    "str",
+    "int",
+    "float",
+    "bool",
+    "list",
+    "dict",
+    "list[str]",
+    "list[int]",
+    "list[TextPart]",
+    "literal['auto']",
+    "function-after",
+    "constrained-int",
+}

@@ -70,7 +70,7 @@ class ToolCallParser:
             end = self._buffer.find(END)
             if end < 0:
                 return False
-            body, self._buffer = self._buffer[:end], self._buffer[end + len(END):]
+            body, self._buffer = self._buffer[:end], self._buffer[end + len(END) :]
             self._in_block = False
             self._close(body, events)
             return True
@@ -84,13 +84,13 @@ class ToolCallParser:
             before = self._buffer[:start]
             text = before.rstrip()
             events.append(text)
-            self._gap, self._buffer, self._in_block = before[len(text):], self._buffer[start + len(BEGIN):], True
+            self._gap, self._buffer, self._in_block = before[len(text) :], self._buffer[start + len(BEGIN) :], True
             return True
         # Held: a tail that may begin a marker, and the whitespace before it (dropped if a call follows).
-        head = self._buffer[:len(self._buffer) - _marker_prefix(self._buffer)]
+        head = self._buffer[: len(self._buffer) - _marker_prefix(self._buffer)]
         text = head.rstrip()
         events.append(text)
-        self._buffer = self._buffer[len(text):]
+        self._buffer = self._buffer[len(text) :]
         return False
 
     def _close(self, body: str, events: list[Event]) -> None:

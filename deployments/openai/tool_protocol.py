@@ -5,7 +5,7 @@ assistant turn made (`messages[i].tool_calls`). Validated at the edge; a refusal
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, model_validator
 
@@ -54,9 +54,12 @@ def _choice_kind(value: Any) -> str | None:
 # Tagged by the value's JSON type, so that an error names the branch the client meant (a bad name inside an object
 # is not reported as "should be 'none', 'auto' or 'required'"); the tags are names `parse_body` leaves out of paths.
 ToolChoice = Annotated[
-    Union[Annotated[Literal["none", "auto", "required"], Tag("str")], Annotated[NamedToolChoice, Tag("dict")]],
-    Discriminator(_choice_kind, custom_error_type="tool_choice",
-                  custom_error_message="must be none, auto, required or {type: function, function: {name}}"),
+    Annotated[Literal["none", "auto", "required"], Tag("str")] | Annotated[NamedToolChoice, Tag("dict")],
+    Discriminator(
+        _choice_kind,
+        custom_error_type="tool_choice",
+        custom_error_message="must be none, auto, required or {type: function, function: {name}}",
+    ),
 ]
 
 
@@ -67,7 +70,7 @@ class CalledFunction(BaseModel):
     arguments: str  # OpenAI sends the arguments as JSON text
 
     @model_validator(mode="after")
-    def _an_object(self) -> "CalledFunction":
+    def _an_object(self) -> CalledFunction:
         try:
             value = json.loads(self.arguments)
         except json.JSONDecodeError as exc:

@@ -15,8 +15,9 @@ template asks for another (Llama 3.1's, Mistral's) still gets forced calls in th
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from deployments.openai.protocol import ChatCompletionRequest
 from deployments.openai.tool_protocol import ToolDefinition
@@ -42,7 +43,7 @@ class ToolCallFormat:
     end_token: int | None = None
 
     @classmethod
-    def of(cls, tokenizer: Any) -> "ToolCallFormat":
+    def of(cls, tokenizer: Any) -> ToolCallFormat:
         added = tokenizer.get_added_vocab()  # {token text: id}
         return cls(added.get(BEGIN), added.get(END))
 
@@ -63,9 +64,14 @@ def prompt_tools(body: ChatCompletionRequest) -> tuple[Tool, ...]:
     model told of tools may still write a call, which would then reach the client as text."""
     if body.tool_mode == "none":
         return ()
-    return tuple(Tool(t.function.name, t.function.description,
-                      None if t.function.parameters is None else json.dumps(t.function.parameters))
-                 for t in body.tools or ())
+    return tuple(
+        Tool(
+            t.function.name,
+            t.function.description,
+            None if t.function.parameters is None else json.dumps(t.function.parameters),
+        )
+        for t in body.tools or ()
+    )
 
 
 def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
@@ -92,8 +98,11 @@ def call_grammar(tools: Sequence[tuple[int, ToolDefinition]], fmt: ToolCallForma
     """Lark (llguidance's): each tool's call is its name as a literal and its arguments as a `%json` of its own
     schema, which stays the root of its `$ref`s and keeps its own strictness."""
     block = f'{fmt.marker(BEGIN, fmt.begin_token)} "\\n" call "\\n" {fmt.marker(END, fmt.end_token)}'
-    lines = [f"start: block ({json.dumps(SEPARATOR)} block)*" if several else "start: block", f"block: {block}",
-             "call: " + " | ".join(f"call_{i}" for i, _ in tools)]
+    lines = [
+        f"start: block ({json.dumps(SEPARATOR)} block)*" if several else "start: block",
+        f"block: {block}",
+        "call: " + " | ".join(f"call_{i}" for i, _ in tools),
+    ]
     for i, tool in tools:
         opening = '{"name": ' + json.dumps(tool.function.name) + ', "arguments": '
         lines.append(f'call_{i}: {json.dumps(opening)} args_{i} "}}"')

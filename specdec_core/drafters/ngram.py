@@ -10,8 +10,8 @@ tokens committed since the last round, so a lookup costs O(max_n) whatever the c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from specdec_core.drafters.base import DraftContext, DraftMethod, DraftRequest, Proposal
 
@@ -49,8 +49,8 @@ class NgramDrafter:
         proposals = []
         for r in requests:
             tokens, n = self._lookup(r)
-            # q is a point mass on each proposed token. A longer match is a better guess (on code edits a 1-gram
-            # match's first token was right 19% of the time, a 4-gram's 94%): the label lets the engine learn that.
+            # q is a point mass on each proposed token. A longer match is a much better guess (docs/engine.md,
+            # "Labelled proposals"): the label lets the engine learn how much better.
             probs = (1.0,) * len(tokens) if r.return_probs else None
             proposals.append(Proposal(tokens, q=None, draft_probs=probs, label=f"ngram-{n}" if tokens else None))
         return proposals

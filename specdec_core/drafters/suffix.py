@@ -20,8 +20,8 @@ second occurrence walks into it, so text that does not repeat costs about one no
 A match is looked for up to D // 2 tokens, leaving at least D // 2 levels below it to continue from; since a
 substring occurring implies its suffixes occur, the longest match is found by binary search over its length.
 
-Adding an ended request to the global structure costs O(tokens x D) where text repeats (10-55 ms for 1k-4k tokens
-of code): with `background=True` (what `draft.method: suffix` and `hybrid` build) `release` hands it to one
+Adding an ended request to the global structure costs O(tokens x D) where text repeats, too long to hold up a
+round: with `background=True` (what `draft.method: suffix` and `hybrid` build) `release` hands it to one
 indexing thread, which inserts it a chunk at a time under the structure's lock, so the engine's round goes on
 meanwhile (in the router a round mostly waits on its workers, and the thread runs then). Lookups take the same
 lock, one request at a time. A request's `start` first waits until every request of its salt released before it
@@ -33,14 +33,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from specdec_core.drafters.base import DraftContext, DraftMethod, DraftRequest, Proposal
 
 log = logging.getLogger(__name__)
 
-# Tokens the indexing thread inserts per hold of the lock: about a millisecond, the longest a lookup waits.
+# Tokens the indexing thread inserts per hold of the lock: the most a lookup waits for, so it must stay small.
 INDEX_CHUNK = 64
 
 
@@ -266,7 +266,12 @@ class SuffixDrafter:
             raise ValueError(f"need max_requests >= 0, got {max_requests}")
         if not 0.0 <= min_prob <= 1.0:
             raise ValueError(f"need 0 <= min_prob <= 1, got {min_prob}")
-        self.max_depth, self.min_match, self.min_prob, self.index_prompts = max_depth, min_match, min_prob, index_prompts
+        self.max_depth, self.min_match, self.min_prob, self.index_prompts = (
+            max_depth,
+            min_match,
+            min_prob,
+            index_prompts,
+        )
         self.global_ = _Global(max_depth, max_requests)
         self._indexer = _Indexer(self.global_) if background else None
         self._requests: dict[str, _Request] = {}
@@ -326,8 +331,9 @@ class SuffixDrafter:
                 best = self._best(shared, tokens, request.num_tokens, best)
         return best[2], best[0]
 
-    def _best(self, trie: SuffixTrie, tokens: Sequence[int], k: int,
-              best: tuple[int, float, list[int]]) -> tuple[int, float, list[int]]:
+    def _best(
+        self, trie: SuffixTrie, tokens: Sequence[int], k: int, best: tuple[int, float, list[int]]
+    ) -> tuple[int, float, list[int]]:
         """`best`, or `trie`'s proposal where its (match length, score) beats it."""
         m, node = trie.longest_match(tokens, self.max_depth // 2)
         if m < self.min_match or node is None:

@@ -25,8 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     drafting = offline.add_mutually_exclusive_group(required=True)
     drafting.add_argument("--draft", help="draft model: path, .gguf file or `specdec models` name")
     drafting.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup instead of a model")
-    drafting.add_argument("--suffix", action="store_true", help="draft by SuffixDecoding (this request's and "
-                                                                "earlier requests' tokens) instead of a model")
+    drafting.add_argument(
+        "--suffix",
+        action="store_true",
+        help="draft by SuffixDecoding (this request's and earlier requests' tokens) instead of a model",
+    )
     offline.add_argument("--prompts", required=True, type=Path, help='JSONL, one {"prompt": "..."} per line')
     offline.add_argument("--max-new-tokens", required=True, type=int)
     offline.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -34,10 +37,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
     offline.add_argument("--device", default="cpu", help="cpu or cuda")
     offline.add_argument("--num-speculative-tokens", default="auto", help="k, or auto")
-    offline.add_argument("--compare-hf", action="store_true",
-                         help="also time transformers' generate and its assisted generation / prompt lookup")
-    offline.add_argument("--prompt-lookup-num-tokens", type=int, default=10,
-                         help="transformers' prompt lookup length (with --compare-hf --ngram or --suffix)")
+    offline.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also time transformers' generate and its assisted generation / prompt lookup",
+    )
+    offline.add_argument(
+        "--prompt-lookup-num-tokens",
+        type=int,
+        default=10,
+        help="transformers' prompt lookup length (with --compare-hf --ngram or --suffix)",
+    )
     add_draft_quantization(offline)
     add_draft_vocabulary(offline)
     offline.add_argument("--json", required=True, type=Path, help="where to write the report")

@@ -23,6 +23,19 @@ def add_speedups(figures: dict[str, dict[str, dict[str, Any]]], baseline: str) -
 
 def run_settings(config: Any) -> dict[str, Any]:
     """The settings every such report opens with (`config`: the benchmark's config, which has these fields)."""
-    return {name: getattr(config, name) for name in (
-        "target", "draft", "draft_quantization", "draft_vocabulary", "dtype", "device", "temperature", "seed", "max_new_tokens",
-        "num_speculative_tokens", "max_seq_len")}
+    return {
+        name: getattr(config, name)
+        for name in (
+            "target",
+            "draft",
+            "draft_quantization",
+            "draft_vocabulary",
+            "dtype",
+            "device",
+            "temperature",
+            "seed",
+            "max_new_tokens",
+            "num_speculative_tokens",
+            "max_seq_len",
+        )
+    }

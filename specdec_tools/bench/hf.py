@@ -20,13 +20,17 @@ def _load_hf(loaded: LoadedModel, dtype: torch.dtype) -> Any:
     path = Path(loaded.path)
     if path.is_file():
         return AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=dtype,
+            path.parent,
+            gguf_file=path.name,
+            dtype=dtype,
             quantization_config=GgufConfig(gguf_file=path.name, dequantize=True),
         ).eval()
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-def _generate_all(model: Any, prompts: list[list[int]], config: Any, bar: tqdm, **extra: Any) -> tuple[int, float, list]:
+def _generate_all(
+    model: Any, prompts: list[list[int]], config: Any, bar: tqdm, **extra: Any
+) -> tuple[int, float, list]:
     tokens, seconds, outputs = 0, 0.0, []
     pad = model.generation_config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else pad
@@ -44,15 +48,16 @@ def _generate_all(model: Any, prompts: list[list[int]], config: Any, bar: tqdm, 
         with torch.inference_mode():
             out = model.generate(ids, **kwargs)
         seconds += time.perf_counter() - start
-        new = out[0, len(prompt):].tolist()
+        new = out[0, len(prompt) :].tolist()
         tokens += len(new)
         outputs.append(new)
         bar.update(1)
     return tokens, seconds, outputs
 
 
-def run_hf_comparison(config: Any, target: LoadedModel, draft: LoadedModel | None, prompts: list[list[int]],
-                      bar: tqdm) -> dict[str, Any]:
+def run_hf_comparison(
+    config: Any, target: LoadedModel, draft: LoadedModel | None, prompts: list[list[int]], bar: tqdm
+) -> dict[str, Any]:
     dtype = next(target.model.parameters()).dtype
     hf_target = _load_hf(target, dtype)
     if draft is None:  # model-free drafting: transformers' nearest is prompt lookup
@@ -74,4 +79,3 @@ def run_hf_comparison(config: Any, target: LoadedModel, draft: LoadedModel | Non
         "hf_assisted_speedup": assisted_tps / plain_tps,
         "hf_target_token_ids": plain_out,
     }
-

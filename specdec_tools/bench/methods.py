@@ -15,29 +15,44 @@ from specdec_tools.loadgen.command import positive
 
 def register(modes: Any) -> None:
     parser = modes.add_parser(
-        "methods", help="plain decoding and every drafting method side by side, in one process",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "methods",
+        help="plain decoding and every drafting method side by side, in one process",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--target", required=True, help="target model: path, .gguf file or `specdec models` name")
-    parser.add_argument("--draft", required=True,
-                        help="the draft model of the methods that run one (draft_model, hybrid)")
+    parser.add_argument(
+        "--draft", required=True, help="the draft model of the methods that run one (draft_model, hybrid)"
+    )
     workload = parser.add_mutually_exclusive_group(required=True)
     workload.add_argument("--prompts", type=Path, help='JSONL, one {"prompt": "..."} per line: each once per method')
-    workload.add_argument("--sessions", type=Path,
-                          help='JSONL, one {"system": "...", "turns": ["...", ...]} per line: each replayed per method')
-    parser.add_argument("--methods", type=lambda text: tuple(m.strip() for m in text.split(",") if m.strip()),
-                        default=None, help="comma-separated, e.g. off,suffix,draft_model (default: off and every "
-                                           "registered method; off, the baseline, always runs)")
+    workload.add_argument(
+        "--sessions",
+        type=Path,
+        help='JSONL, one {"system": "...", "turns": ["...", ...]} per line: each replayed per method',
+    )
+    parser.add_argument(
+        "--methods",
+        type=lambda text: tuple(m.strip() for m in text.split(",") if m.strip()),
+        default=None,
+        help="comma-separated, e.g. off,suffix,draft_model (default: off and every "
+        "registered method; off, the baseline, always runs)",
+    )
     parser.add_argument("--max-new-tokens", required=True, type=positive(int), help="per request (per turn)")
     parser.add_argument("--num-prompts", type=positive(int), default=None, help="the first N prompts (default all)")
     parser.add_argument("--num-sessions", type=positive(int), default=None, help="the first N sessions (default all)")
-    parser.add_argument("--draft-confidence-threshold", default=(0.0,),
-                        type=lambda text: tuple(float(v) for v in text.split(",") if v.strip()),
-                        help="draft_model and hybrid: a row stops drafting after a draft the draft model gives less "
-                             "than this probability (draft.confidence_threshold; default 0: off). Several, "
-                             "comma-separated: those methods run once per value, side by side, as METHOD for the "
-                             "first and METHOD@VALUE for the others")
-    add_run_options(parser, seed_help="request i of the run (prompt i, or turn i over all sessions) is sampled with "
-                                      "seed + i")
+    parser.add_argument(
+        "--draft-confidence-threshold",
+        default=(0.0,),
+        type=lambda text: tuple(float(v) for v in text.split(",") if v.strip()),
+        help="draft_model and hybrid: a row stops drafting after a draft the draft model gives less "
+        "than this probability (draft.confidence_threshold; default 0: off). Several, "
+        "comma-separated: those methods run once per value, side by side, as METHOD for the "
+        "first and METHOD@VALUE for the others",
+    )
+    add_run_options(
+        parser, seed_help="request i of the run (prompt i, or turn i over all sessions) is sampled with seed + i"
+    )
     parser.set_defaults(func=main)
 
 
@@ -51,9 +66,16 @@ def main(args: argparse.Namespace) -> int:
     if args.num_sessions is not None and args.sessions is None:
         raise InvalidArgument("--num-sessions", "goes with --sessions")
     config = MethodsBenchConfig(
-        target=args.target, draft=args.draft, max_new_tokens=args.max_new_tokens, prompts=args.prompts,
-        sessions=args.sessions, limit=args.num_prompts or args.num_sessions, methods=args.methods,
-        draft_confidence_thresholds=args.draft_confidence_threshold, **run_options(args))
+        target=args.target,
+        draft=args.draft,
+        max_new_tokens=args.max_new_tokens,
+        prompts=args.prompts,
+        sessions=args.sessions,
+        limit=args.num_prompts or args.num_sessions,
+        methods=args.methods,
+        draft_confidence_thresholds=args.draft_confidence_threshold,
+        **run_options(args),
+    )
     report = run_methods_bench(config)
     write_report(report, args.json)
     print(format_table(report))

@@ -3,8 +3,9 @@ decoding measured in the same run, and hybrid against the better of its parts. P
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from specdec_tools.bench.figures import add_speedups, ratio
 
@@ -30,9 +31,14 @@ class MethodRounds:
     accepted: int = 0
     seconds: float = 0.0  # their wall time, drafting and verifying
 
-    def __add__(self, other: "MethodRounds") -> "MethodRounds":
-        return MethodRounds(self.rounds + other.rounds, self.tokens + other.tokens, self.proposed + other.proposed,
-                            self.accepted + other.accepted, self.seconds + other.seconds)
+    def __add__(self, other: MethodRounds) -> MethodRounds:
+        return MethodRounds(
+            self.rounds + other.rounds,
+            self.tokens + other.tokens,
+            self.proposed + other.proposed,
+            self.accepted + other.accepted,
+            self.seconds + other.seconds,
+        )
 
 
 @dataclass(frozen=True)
@@ -104,22 +110,28 @@ def rounds_by_method(runs: Sequence[RequestRun]) -> dict[str, dict[str, Any]]:
     for run in runs:
         for name, part in run.by_method.items():
             totals[name] = totals.get(name, MethodRounds()) + part
-    return {name: {**asdict(part), "tokens_per_round": ratio(part.tokens, part.rounds) or 0.0,
-                   "ms_per_token": 1000.0 * (ratio(part.seconds, part.tokens) or 0.0)}
-            for name, part in sorted(totals.items())}
+    return {
+        name: {
+            **asdict(part),
+            "tokens_per_round": ratio(part.tokens, part.rounds) or 0.0,
+            "ms_per_token": 1000.0 * (ratio(part.seconds, part.tokens) or 0.0),
+        }
+        for name, part in sorted(totals.items())
+    }
 
 
 def results(records: Sequence[Record], methods: Sequence[str], groups: Sequence[str]) -> dict[str, dict[str, Any]]:
     """{method: {group: figures}}, each with its speedups over plain decoding in the same group."""
     baseline = {r.key: r.run.token_ids for r in records if r.method == OFF}
-    out = {m: {g: group_figures([r for r in records if r.method == m and r.group == g], baseline) for g in groups}
-           for m in methods}
+    out = {
+        m: {g: group_figures([r for r in records if r.method == m and r.group == g], baseline) for g in groups}
+        for m in methods
+    }
     add_speedups(out, OFF)
     return out
 
 
-def hybrid_comparison(figures: Mapping[str, Mapping[str, Any]], group: str,
-                      suffix: str = "") -> dict[str, Any] | None:
+def hybrid_comparison(figures: Mapping[str, Mapping[str, Any]], group: str, suffix: str = "") -> dict[str, Any] | None:
     """Hybrid's decode speed in `group` against the faster of its parts that ran; None without hybrid or parts.
     `suffix`: the engines' name suffix of a draft-confidence threshold ("@0.7": hybrid@0.7 against suffix and
     draft_model@0.7)."""
@@ -130,22 +142,40 @@ def hybrid_comparison(figures: Mapping[str, Mapping[str, Any]], group: str,
     best = max(parts, key=lambda p: figures[p][group]["decode_tokens_per_s"])
     rate, best_rate = figures[hybrid][group]["decode_tokens_per_s"], figures[best][group]["decode_tokens_per_s"]
     share = ratio(rate, best_rate)
-    return {"group": group, "best_part": best, "best_part_decode_tokens_per_s": best_rate,
-            "decode_tokens_per_s": rate, "ratio_to_best_part": share, "criterion": HYBRID_CRITERION,
-            "meets_criterion": share is not None and share >= HYBRID_CRITERION}
+    return {
+        "group": group,
+        "best_part": best,
+        "best_part_decode_tokens_per_s": best_rate,
+        "decode_tokens_per_s": rate,
+        "ratio_to_best_part": share,
+        "criterion": HYBRID_CRITERION,
+        "meets_criterion": share is not None and share >= HYBRID_CRITERION,
+    }
 
 
 def request_rows(records: Sequence[Record]) -> list[dict[str, Any]]:
     baseline = {r.key: r.run.token_ids for r in records if r.method == OFF}
-    return [{"method": r.method, "item": r.item, "turn": r.turn, "group": r.group,
-             "prompt_tokens": r.run.prompt_tokens, "cached_tokens": r.run.cached_tokens,
-             "output_tokens": len(r.run.token_ids), "seconds": r.run.seconds, "decode_seconds": r.run.decode_seconds,
-             "rounds": r.run.rounds, "proposed": r.run.proposed, "accepted": r.run.accepted,
-             "identical": r.run.token_ids == baseline.get(r.key),
-             "by_method": {name: asdict(part) for name, part in sorted(r.run.by_method.items())},
-             "token_ids": list(r.run.token_ids),
-             "text": r.run.text}
-            for r in records]
+    return [
+        {
+            "method": r.method,
+            "item": r.item,
+            "turn": r.turn,
+            "group": r.group,
+            "prompt_tokens": r.run.prompt_tokens,
+            "cached_tokens": r.run.cached_tokens,
+            "output_tokens": len(r.run.token_ids),
+            "seconds": r.run.seconds,
+            "decode_seconds": r.run.decode_seconds,
+            "rounds": r.run.rounds,
+            "proposed": r.run.proposed,
+            "accepted": r.run.accepted,
+            "identical": r.run.token_ids == baseline.get(r.key),
+            "by_method": {name: asdict(part) for name, part in sorted(r.run.by_method.items())},
+            "token_ids": list(r.run.token_ids),
+            "text": r.run.text,
+        }
+        for r in records
+    ]
 
 
 def _times(x: float | None) -> str:
@@ -153,25 +183,35 @@ def _times(x: float | None) -> str:
 
 
 def format_table(report: Mapping[str, Any]) -> str:
-    lines = [f"{'method':<16} {'group':<13} {'req':>4} {'out tok':>7} {'tok/s':>7} {'dec tok/s':>9} {'speedup':>7} "
-             f"{'dec spd':>7} {'acc/prop':>11} {'tok/rnd':>7} {'identical':>9}"]
+    lines = [
+        f"{'method':<16} {'group':<13} {'req':>4} {'out tok':>7} {'tok/s':>7} {'dec tok/s':>9} {'speedup':>7} "
+        f"{'dec spd':>7} {'acc/prop':>11} {'tok/rnd':>7} {'identical':>9}"
+    ]
     for method, groups in report["results"].items():
         for group, f in groups.items():
             accepted = f"{f['accepted']}/{f['proposed']}" if f["proposed"] else "-"
-            lines.append(f"{method:<16} {group:<13} {f['requests']:>4} {f['output_tokens']:>7} "
-                         f"{f['tokens_per_s']:>7.2f} {f['decode_tokens_per_s']:>9.2f} {_times(f['speedup']):>7} "
-                         f"{_times(f['decode_speedup']):>7} {accepted:>11} {f['tokens_per_round']:>7.2f} "
-                         f"{str(f['identical']) + '/' + str(f['requests']):>9}")
+            lines.append(
+                f"{method:<16} {group:<13} {f['requests']:>4} {f['output_tokens']:>7} "
+                f"{f['tokens_per_s']:>7.2f} {f['decode_tokens_per_s']:>9.2f} {_times(f['speedup']):>7} "
+                f"{_times(f['decode_speedup']):>7} {accepted:>11} {f['tokens_per_round']:>7.2f} "
+                f"{str(f['identical']) + '/' + str(f['requests']):>9}"
+            )
     for method, groups in report["results"].items():
         parts = groups[report["headline_group"]]["rounds_by_method"]
         if len(parts) > 1:  # a method whose rounds mix proposals (hybrid), or proposals and plain steps
-            lines.append(f"{method} rounds in {report['headline_group']}: " + ", ".join(
-                f"{name} {p['rounds']} ({p['tokens_per_round']:.1f} tok/rnd, {p['ms_per_token']:.0f} ms/tok)"
-                for name, p in parts.items()))
+            lines.append(
+                f"{method} rounds in {report['headline_group']}: "
+                + ", ".join(
+                    f"{name} {p['rounds']} ({p['tokens_per_round']:.1f} tok/rnd, {p['ms_per_token']:.0f} ms/tok)"
+                    for name, p in parts.items()
+                )
+            )
     comparisons = {"": report.get("hybrid"), **report.get("hybrid_by_threshold", {})}
     for suffix, hybrid in comparisons.items():
         if hybrid is not None:
-            lines.append(f"hybrid{suffix} / {hybrid['best_part']} (the faster part), decode tok/s in "
-                         f"{hybrid['group']}: {_times(hybrid['ratio_to_best_part'])} (criterion >= "
-                         f"{hybrid['criterion']:.2f}x: {'met' if hybrid['meets_criterion'] else 'NOT met'})")
+            lines.append(
+                f"hybrid{suffix} / {hybrid['best_part']} (the faster part), decode tok/s in "
+                f"{hybrid['group']}: {_times(hybrid['ratio_to_best_part'])} (criterion >= "
+                f"{hybrid['criterion']:.2f}x: {'met' if hybrid['meets_criterion'] else 'NOT met'})"
+            )
     return "\n".join(lines)

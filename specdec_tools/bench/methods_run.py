@@ -58,8 +58,9 @@ def method_names(asked: Sequence[str] | None) -> tuple[str, ...]:
         return known
     unknown = [name for name in asked if name not in known]
     if unknown:
-        raise InvalidArgument("--methods", f"unknown method(s) {', '.join(map(repr, unknown))}; "
-                                           f"choose from {', '.join(known)}")
+        raise InvalidArgument(
+            "--methods", f"unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(known)}"
+        )
     return (OFF, *dict.fromkeys(name for name in asked if name != OFF))
 
 
@@ -114,16 +115,23 @@ def engine_names(methods: Sequence[str], thresholds: Sequence[float]) -> dict[st
     return out
 
 
-def build_engines(config: MethodsBenchConfig, engines: Mapping[str, tuple[str, float]], workload: Workload,
-                  target: Any, draft: Any) -> dict[str, SpecEngine]:
+def build_engines(
+    config: MethodsBenchConfig, engines: Mapping[str, tuple[str, float]], workload: Workload, target: Any, draft: Any
+) -> dict[str, SpecEngine]:
     """An engine per name over the loaded models: each its own runners and caches."""
     # One slot each: requests go one at a time. The KV cache's size does not slow attention (it reads the keys
     # written so far), so every engine takes the whole --max-seq-len.
     runner_config = RunnerConfig(num_slots=1, prefix_caching=workload.prefix_caching, max_seq_len=config.max_seq_len)
-    return {name: build_engine(target, draft, DraftSpec(method=registry.NONE if m == OFF else m,
-                                                        confidence_threshold=t),
-                               runner_config=runner_config, max_speculative_tokens=MAX_K)
-            for name, (m, t) in engines.items()}
+    return {
+        name: build_engine(
+            target,
+            draft,
+            DraftSpec(method=registry.NONE if m == OFF else m, confidence_threshold=t),
+            runner_config=runner_config,
+            max_speculative_tokens=MAX_K,
+        )
+        for name, (m, t) in engines.items()
+    }
 
 
 def warm_up(runner: Runner, workload: Workload) -> None:
@@ -141,16 +149,22 @@ def run_methods_bench(config: MethodsBenchConfig) -> dict[str, Any]:
         raise InvalidArgument("--max-new-tokens", f"must be > 0, got {config.max_new_tokens}")
     thresholds = config.draft_confidence_thresholds
     if not thresholds or not all(0.0 <= t < 1.0 for t in thresholds) or len(set(thresholds)) < len(thresholds):
-        raise InvalidArgument("--draft-confidence-threshold",
-                              f"must be distinct values in [0, 1), got {', '.join(map(str, thresholds))}")
+        raise InvalidArgument(
+            "--draft-confidence-threshold", f"must be distinct values in [0, 1), got {', '.join(map(str, thresholds))}"
+        )
     asked = method_names(config.methods)
     k = parse_num_speculative_tokens(config.num_speculative_tokens, MAX_K)
     SamplingParams(temperature=config.temperature, seed=config.seed, max_tokens=config.max_new_tokens)
     items = read_workload(config)
     needs_draft = any(m != OFF and registry.resolve(m).runs_draft_model for m in asked)
-    target, draft = load_pair(config.target, config.draft if needs_draft else None, dtype=config.dtype,
-                              device=config.device, draft_quantization=config.draft_quantization,
-                              draft_vocabulary=config.draft_vocabulary)
+    target, draft = load_pair(
+        config.target,
+        config.draft if needs_draft else None,
+        dtype=config.dtype,
+        device=config.device,
+        draft_quantization=config.draft_quantization,
+        draft_vocabulary=config.draft_vocabulary,
+    )
     workload = encode_workload(config, items, target.tokenizer)
     names = engine_names(asked, thresholds)
     methods = tuple(names)
@@ -164,8 +178,9 @@ def run_methods_bench(config: MethodsBenchConfig) -> dict[str, Any]:
     return report(config, methods, workload, records)
 
 
-def report(config: MethodsBenchConfig, methods: Sequence[str], workload: Workload,
-           records: Sequence[Record]) -> dict[str, Any]:
+def report(
+    config: MethodsBenchConfig, methods: Sequence[str], workload: Workload, records: Sequence[Record]
+) -> dict[str, Any]:
     figures = results(records, methods, workload.groups)
     headline = workload.groups[-1]  # all prompts; turns >= 2 of sessions
     return {
@@ -181,7 +196,8 @@ def report(config: MethodsBenchConfig, methods: Sequence[str], workload: Workloa
         "headline_decode_speedup": {m: figures[m][headline]["decode_speedup"] for m in methods},
         "all_identical": all(g["identical"] == g["requests"] for f in figures.values() for g in f.values()),
         "hybrid": hybrid_comparison(figures, headline),
-        "hybrid_by_threshold": {f"@{t:g}": hybrid_comparison(figures, headline, f"@{t:g}")
-                                for t in config.draft_confidence_thresholds[1:]},
+        "hybrid_by_threshold": {
+            f"@{t:g}": hybrid_comparison(figures, headline, f"@{t:g}") for t in config.draft_confidence_thresholds[1:]
+        },
         "requests": request_rows(records),
     }

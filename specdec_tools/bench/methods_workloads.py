@@ -12,30 +12,32 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar
 
 from specdec_core.chat import ChatMessage, encode_chat
 from specdec_core.config import SamplingParams
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
+from specdec_core.request import Request
 from specdec_tools.bench.methods_report import ALL, LATER_TURNS, NO_DRAFT, TURN_1, MethodRounds, Record, RequestRun
 from specdec_tools.requests import Session
-
 
 # -- one request ---------------------------------------------------------------------------------------------------
 
 
-def run_request(engine: SpecEngine, request_id: str, prompt: list[int], params: SamplingParams, k: int | str,
-                salt: str) -> RequestRun:
+def run_request(
+    engine: SpecEngine, request_id: str, prompt: list[int], params: SamplingParams, k: int | str, salt: str
+) -> RequestRun:
     """Generate one request alone on `engine`, timed from adding it to its last token."""
     tokens: list[int] = []
     text: list[str] = []
     by_method: dict[str, MethodRounds] = {}
     first = last = None
     start = time.perf_counter()
-    engine.add_request(request_id, prompt, params, k, cache_salt=salt)
+    engine.add_request(Request(request_id, tuple(prompt), params, num_speculative_tokens=k, cache_salt=salt))
     while engine.has_work:
         for out in engine.step():
             if out.error is not None:
@@ -45,13 +47,24 @@ def run_request(engine: SpecEngine, request_id: str, prompt: list[int], params: 
             if (info := out.round) is not None:
                 name = info.method or NO_DRAFT
                 by_method[name] = by_method.get(name, MethodRounds()) + MethodRounds(
-                    1, len(out.new_token_ids), len(info.proposed_token_ids), info.num_accepted, info.seconds)
+                    1, len(out.new_token_ids), len(info.proposed_token_ids), info.num_accepted, info.seconds
+                )
             if first is None:
                 first = time.perf_counter()
             last = out
     end = time.perf_counter()
-    return RequestRun(tuple(tokens), "".join(text), last.num_prompt_tokens, last.num_cached_tokens, end - start,
-                      end - (first or end), last.stats.rounds, last.stats.proposed, last.stats.accepted, by_method)
+    return RequestRun(
+        tuple(tokens),
+        "".join(text),
+        last.num_prompt_tokens,
+        last.num_cached_tokens,
+        end - start,
+        end - (first or end),
+        last.stats.rounds,
+        last.stats.proposed,
+        last.stats.accepted,
+        by_method,
+    )
 
 
 @dataclass(frozen=True)
@@ -157,15 +170,20 @@ class SessionsWorkload:
         for turn, text in enumerate(session.turns, start=1):
             history.append(ChatMessage("user", text))
             prompt = encode_chat(self.tokenizer, history)
-            run = runner.run(method, f"{session.id}-{turn}", prompt, first_index + turn - 1,
-                             f"methods-{method}-session-{session.id}")
+            run = runner.run(
+                method, f"{session.id}-{turn}", prompt, first_index + turn - 1, f"methods-{method}-session-{session.id}"
+            )
             history.append(ChatMessage("assistant", run.text))
             records.append(Record(method, session.id, turn, TURN_1 if turn == 1 else LATER_TURNS, run))
         return records
 
     def describe(self) -> dict[str, Any]:
-        return {"workload": self.name, "workload_file": str(self.path), "num_sessions": len(self.sessions),
-                "num_turns": self.num_requests}
+        return {
+            "workload": self.name,
+            "workload_file": str(self.path),
+            "num_sessions": len(self.sessions),
+            "num_turns": self.num_requests,
+        }
 
 
 Workload = PromptsWorkload | SessionsWorkload
@@ -175,6 +193,9 @@ def check_fits(workload: Workload, limit: int, max_new_tokens: int) -> None:
     """Refuse, before any work, a prompt or session that would not fit: else it fails minutes into the run."""
     for name, need in workload.needs(max_new_tokens).items():
         if need > limit:
-            raise InvalidArgument("--max-seq-len", f"{name} needs up to {need} tokens with {max_new_tokens} new "
-                                                   f"tokens a request; the engines hold {limit} (--max-seq-len, at "
-                                                   "most the model's positions)")
+            raise InvalidArgument(
+                "--max-seq-len",
+                f"{name} needs up to {need} tokens with {max_new_tokens} new "
+                f"tokens a request; the engines hold {limit} (--max-seq-len, at "
+                "most the model's positions)",
+            )

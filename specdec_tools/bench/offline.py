@@ -25,6 +25,7 @@ from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
 from specdec_core.kernels.cpu import Int4CPULinear, Int8CPULinear, kernel_info, kernel_path, rows_batch_invariant
 from specdec_core.models.loader import LoadedModel
+from specdec_core.request import Request
 from specdec_core.runner import RunnerConfig
 from specdec_tools.requests import read_prompt_texts
 
@@ -74,13 +75,14 @@ class ModeResult:
         return self.round_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def run_one(engine: SpecEngine, request_id: str, prompt: list[int], params: SamplingParams, k: int | str,
-            result: ModeResult) -> None:
+def run_one(
+    engine: SpecEngine, request_id: str, prompt: list[int], params: SamplingParams, k: int | str, result: ModeResult
+) -> None:
     """Generate one prompt alone (batch size 1), timing it into `result`."""
     tokens: list[int] = []
     start = time.perf_counter()
     first = None
-    engine.add_request(request_id, prompt, params, k)
+    engine.add_request(Request(request_id, tuple(prompt), params, num_speculative_tokens=k))
     while engine.has_work:
         for out in engine.step():
             tokens += out.new_token_ids
@@ -98,8 +100,14 @@ def run_one(engine: SpecEngine, request_id: str, prompt: list[int], params: Samp
     result.token_ids.append(tokens)
 
 
-def run_side_by_side(plain_engine: SpecEngine, spec_engine: SpecEngine, prompts: list[list[int]],
-                     params: list[SamplingParams], k: int | str, bar: tqdm | None = None) -> tuple[ModeResult, ModeResult]:
+def run_side_by_side(
+    plain_engine: SpecEngine,
+    spec_engine: SpecEngine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    k: int | str,
+    bar: tqdm | None = None,
+) -> tuple[ModeResult, ModeResult]:
     """Each prompt target-only and speculatively, back to back, alternating which goes first: on a shared
     machine whose speed drifts, both modes see the same conditions."""
     plain, speculative = ModeResult(), ModeResult()
@@ -139,7 +147,10 @@ def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
     SamplingParams(temperature=config.temperature, seed=config.seed, max_tokens=config.max_new_tokens)
     texts = read_prompt_texts(config.prompts)
     target, draft = load_pair(
-        config.target, config.draft, dtype=config.dtype, device=config.device,
+        config.target,
+        config.draft,
+        dtype=config.dtype,
+        device=config.device,
         draft_quantization=config.draft_quantization,
         draft_vocabulary=config.draft_vocabulary,
     )
@@ -148,7 +159,9 @@ def run_offline_bench(config: OfflineBenchConfig) -> dict[str, Any]:
         SamplingParams(temperature=config.temperature, seed=config.seed + i, max_tokens=config.max_new_tokens)
         for i in range(len(prompts))
     ]
-    runner_config = RunnerConfig(num_slots=1, max_seq_len=min(config.max_seq_len, max(map(len, prompts)) + config.max_new_tokens + 1))
+    runner_config = RunnerConfig(
+        num_slots=1, max_seq_len=min(config.max_seq_len, max(map(len, prompts)) + config.max_new_tokens + 1)
+    )
     spec = DraftSpec(method=config.method)
     plain_engine = build_engine(target, None, DraftSpec(method=registry.NONE), runner_config=runner_config)
     spec_engine = build_engine(target, draft, spec, runner_config=runner_config, max_speculative_tokens=16)
@@ -199,16 +212,23 @@ def machine_info() -> dict[str, Any]:
     return {"cpus": torch.get_num_threads(), "processor": platform.processor() or platform.machine(), **kernel_info()}
 
 
-def _report(config: OfflineBenchConfig, target: LoadedModel, prompts: list[list[int]], plain: ModeResult,
-            speculative: ModeResult) -> dict[str, Any]:
+def _report(
+    config: OfflineBenchConfig,
+    target: LoadedModel,
+    prompts: list[list[int]],
+    plain: ModeResult,
+    speculative: ModeResult,
+) -> dict[str, Any]:
     per_prompt = []
     for prompt, expected, got in zip(prompts, plain.token_ids, speculative.token_ids):
-        per_prompt.append({
-            "prompt_tokens": len(prompt),
-            "target_only_token_ids": expected,
-            "speculative_token_ids": got,
-            "first_divergence": first_divergence(target, prompt, expected, got),
-        })
+        per_prompt.append(
+            {
+                "prompt_tokens": len(prompt),
+                "target_only_token_ids": expected,
+                "speculative_token_ids": got,
+                "first_divergence": first_divergence(target, prompt, expected, got),
+            }
+        )
     return {
         "target": config.target,
         "draft": config.draft if config.draft is not None else config.method,

@@ -13,21 +13,29 @@ from typing import Any
 from specdec_core.hardware import DRAFT_QUANTIZATIONS
 from specdec_tools.loadgen.command import non_negative_float, non_negative_int, positive
 
-QUANTIZATION_HELP = ("int8 weights and activations for the draft (CPU with AVX-512 VNNI or AVX2); int4: 4-bit weights "
-                     "in groups of 32; auto (default, as the service): int8 on AVX-512 VNNI, int4 on AVX2, else none")
+QUANTIZATION_HELP = (
+    "int8 weights and activations for the draft (CPU with AVX-512 VNNI or AVX2); int4: 4-bit weights "
+    "in groups of 32; auto (default, as the service): int8 on AVX-512 VNNI, int4 on AVX2, else none"
+)
 
 
-def add_draft_quantization(parser: argparse.ArgumentParser, help: str = QUANTIZATION_HELP,
-                           default: str = "auto") -> None:
+def add_draft_quantization(
+    parser: argparse.ArgumentParser, help: str = QUANTIZATION_HELP, default: str = "auto"
+) -> None:
     """--draft-quantization: none, int8, int4 or auto."""
     parser.add_argument("--draft-quantization", choices=DRAFT_QUANTIZATIONS, default=default, help=help)
 
 
 def add_draft_vocabulary(parser: argparse.ArgumentParser) -> None:
     """--draft-vocabulary N: the draft's LM head cut to N ids (0: all)."""
-    parser.add_argument("--draft-vocabulary", type=non_negative_int, default=0, metavar="N",
-                        help="the draft's LM head scores only the first N token ids (a BPE vocabulary's most "
-                             "frequent), the special tokens and the ids of each request's context; 0 (default): all")
+    parser.add_argument(
+        "--draft-vocabulary",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="the draft's LM head scores only the first N token ids (a BPE vocabulary's most "
+        "frequent), the special tokens and the ids of each request's context; 0 (default): all",
+    )
 
 
 def add_run_options(parser: argparse.ArgumentParser, seed_help: str) -> None:
@@ -40,8 +48,12 @@ def add_run_options(parser: argparse.ArgumentParser, seed_help: str) -> None:
     add_draft_quantization(parser)
     add_draft_vocabulary(parser)
     parser.add_argument("--num-speculative-tokens", default="auto", help="k, or auto")
-    parser.add_argument("--max-seq-len", type=positive(int), default=4096,
-                        help="tokens per sequence (prompt and output) each engine holds")
+    parser.add_argument(
+        "--max-seq-len",
+        type=positive(int),
+        default=4096,
+        help="tokens per sequence (prompt and output) each engine holds",
+    )
     parser.add_argument("--json", required=True, type=Path, help="where to write the report")
 
 

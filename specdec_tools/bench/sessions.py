@@ -25,17 +25,23 @@ import functools
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from specdec_core.errors import InvalidArgument
-from specdec_tools.loadgen.command import (add_server_command, non_negative_float, non_negative_int, positive,
-                                          run_to_report)
 from specdec_tools.loadgen.client import Sampling
+from specdec_tools.loadgen.command import (
+    add_server_command,
+    non_negative_float,
+    non_negative_int,
+    positive,
+    run_to_report,
+)
 from specdec_tools.loadgen.metrics import RequestRecord, distribution_ms, errors_by_code
 from specdec_tools.loadgen.transport import Send, connect
 from specdec_tools.requests import Prompt, Session, Speculation, parse_speculation, read_sessions
@@ -85,8 +91,14 @@ class Turn:
 # -- the run -------------------------------------------------------------------------------------------------------
 
 
-async def replay(send: Send, config: SessionsConfig, session: Session, first_index: int, salt: Callable[[], str],
-                 on_done: Callable[[], None]) -> list[RequestRecord]:
+async def replay(
+    send: Send,
+    config: SessionsConfig,
+    session: Session,
+    first_index: int,
+    salt: Callable[[], str],
+    on_done: Callable[[], None],
+) -> list[RequestRecord]:
     """One session in one mode: each user turn after the system prompt and every earlier turn with the answer this
     mode got to it; request indices (seeds) from `first_index`. After a failed turn the rest are not sent."""
     history: list[tuple[str, str]] = [("system", session.system)]
@@ -95,8 +107,14 @@ async def replay(send: Send, config: SessionsConfig, session: Session, first_ind
         if records and not records[-1].ok:
             record = RequestRecord(error=SKIPPED)
         else:
-            record = await send(Prompt(text, config.max_new_tokens), first_index + offset, config.sampling,
-                                config.speculation, history=tuple(history), cache_salt=salt())
+            record = await send(
+                Prompt(text, config.max_new_tokens),
+                first_index + offset,
+                config.sampling,
+                config.speculation,
+                history=tuple(history),
+                cache_salt=salt(),
+            )
             history += [("user", text), ("assistant", record.text)]
         records.append(record)
         on_done()
@@ -117,8 +135,10 @@ async def run(config: SessionsConfig) -> dict[str, Any]:
                 for mode in order:
                     salt = functools.partial(mode.salt, run_id, number)
                     records[mode.name] = await replay(send, config, session, first_index, salt, lambda: bar.update(1))
-                turns += [Turn(session.id, t + 1, order[0].name, {m.name: records[m.name][t] for m in MODES})
-                          for t in range(len(session.turns))]
+                turns += [
+                    Turn(session.id, t + 1, order[0].name, {m.name: records[m.name][t] for m in MODES})
+                    for t in range(len(session.turns))
+                ]
                 first_index += len(session.turns)
     return {**report_header(config, server, run_id), **summarize_turns(turns)}
 
@@ -158,10 +178,16 @@ def turn_figures(record: RequestRecord) -> dict[str, Any]:
     if not record.ok:
         return {"error": record.error}
     ttft, decode = record.ttft, decode_tokens_per_s(record)
-    return {"ttft_ms": ttft * 1000.0 if ttft is not None else None, "decode_tokens_per_s": decode,
-            "e2el_ms": record.e2el * 1000.0, "prompt_tokens": record.prompt_tokens,
-            "cached_tokens": record.cached_tokens, "output_tokens": record.output_tokens, "text": record.text,
-            "error": None}
+    return {
+        "ttft_ms": ttft * 1000.0 if ttft is not None else None,
+        "decode_tokens_per_s": decode,
+        "e2el_ms": record.e2el * 1000.0,
+        "prompt_tokens": record.prompt_tokens,
+        "cached_tokens": record.cached_tokens,
+        "output_tokens": record.output_tokens,
+        "text": record.text,
+        "error": None,
+    }
 
 
 def same_text(turn: Turn) -> bool | None:
@@ -182,13 +208,21 @@ def summarize_turns(turns: Iterable[Turn]) -> dict[str, Any]:
         "ttft_ratio": uncached["median_ttft_ms"] / cached["median_ttft_ms"] if cached["median_ttft_ms"] else 0.0,
         "prefill_tokens_saved": cached["cached_tokens"],
         "prefill_tokens_saved_fraction": cached["cached_tokens"] / cached["prompt_tokens"]
-        if cached["prompt_tokens"] else 0.0,
+        if cached["prompt_tokens"]
+        else 0.0,
         "identical_turns": same.count(True),
         "different_turns": same.count(False),
         "identical": all(s is True for s in same),
-        "turns": [{"session": t.session, "turn": t.number, "first": t.first,
-                   **{name: turn_figures(r) for name, r in t.records.items()}, "identical": s}
-                  for t, s in zip(turns, same)],
+        "turns": [
+            {
+                "session": t.session,
+                "turn": t.number,
+                "first": t.first,
+                **{name: turn_figures(r) for name, r in t.records.items()},
+                "identical": s,
+            }
+            for t, s in zip(turns, same)
+        ],
     }
 
 
@@ -212,19 +246,27 @@ def report_header(config: SessionsConfig, server: dict[str, Any], run_id: str) -
 
 
 def format_summary(report: dict[str, Any]) -> str:
-    lines = [f"{'mode':>9} {'turns>=2':>8} {'failed':>6} {'p50 ttft':>9} {'mean ttft':>9} {'p50 dec/s':>9} "
-             f"{'p50 e2e':>9} {'prompt tok':>10} {'cached tok':>10}"]
+    lines = [
+        f"{'mode':>9} {'turns>=2':>8} {'failed':>6} {'p50 ttft':>9} {'mean ttft':>9} {'p50 dec/s':>9} "
+        f"{'p50 e2e':>9} {'prompt tok':>10} {'cached tok':>10}"
+    ]
     for name, m in report["modes"].items():
-        lines.append(f"{name:>9} {m['later_turns']:>8} {m['failed']:>6} {m['median_ttft_ms']:>9.1f} "
-                     f"{m['mean_ttft_ms']:>9.1f} {m['median_decode_tokens_per_s']:>9.2f} {m['median_e2el_ms']:>9.1f} "
-                     f"{m['prompt_tokens']:>10} {m['cached_tokens']:>10}")
+        lines.append(
+            f"{name:>9} {m['later_turns']:>8} {m['failed']:>6} {m['median_ttft_ms']:>9.1f} "
+            f"{m['mean_ttft_ms']:>9.1f} {m['median_decode_tokens_per_s']:>9.2f} {m['median_e2el_ms']:>9.1f} "
+            f"{m['prompt_tokens']:>10} {m['cached_tokens']:>10}"
+        )
         if m["errors"]:
             lines.append(f"{'':>9} errors {m['errors']}")
-    lines.append(f"median TTFT of turns >= 2, uncached / cached: {report['ttft_ratio']:.2f}x; prefill tokens saved: "
-                 f"{report['prefill_tokens_saved']} ({report['prefill_tokens_saved_fraction']:.0%} of the cached "
-                 "mode's prompt tokens)")
-    lines.append(f"texts identical in {report['identical_turns']} of {len(report['turns'])} turns "
-                 f"({report['different_turns']} different)")
+    lines.append(
+        f"median TTFT of turns >= 2, uncached / cached: {report['ttft_ratio']:.2f}x; prefill tokens saved: "
+        f"{report['prefill_tokens_saved']} ({report['prefill_tokens_saved_fraction']:.0%} of the cached "
+        "mode's prompt tokens)"
+    )
+    lines.append(
+        f"texts identical in {report['identical_turns']} of {len(report['turns'])} turns "
+        f"({report['different_turns']} different)"
+    )
     return "\n".join(lines)
 
 
@@ -240,18 +282,31 @@ def _speculation(text: str) -> Speculation:
 
 def register(modes: Any) -> None:
     parser = add_server_command(
-        modes, "sessions", "multi-turn conversations through a running server, prefix caching on vs off", __doc__)
-    parser.add_argument("--sessions", required=True, type=Path,
-                        help='JSONL, one {"system": "...", "turns": ["...", ...], "id": "..." (optional)} per line')
+        modes, "sessions", "multi-turn conversations through a running server, prefix caching on vs off", __doc__
+    )
+    parser.add_argument(
+        "--sessions",
+        required=True,
+        type=Path,
+        help='JSONL, one {"system": "...", "turns": ["...", ...], "id": "..." (optional)} per line',
+    )
     parser.add_argument("--max-new-tokens", required=True, type=positive(int), help="output tokens per turn")
     parser.add_argument("--num-sessions", type=positive(int), default=None, help="the first N sessions (default all)")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
-    parser.add_argument("--seed", type=non_negative_int, default=0,
-                        help="turn i of the run is sampled with seed + i, in both modes")
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="generate exactly --max-new-tokens per turn, past the end-of-sequence token")
-    parser.add_argument("--num-speculative-tokens", type=_speculation, default=None,
-                        help="K (0 = off) or auto (default: the server's setting)")
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=0, help="turn i of the run is sampled with seed + i, in both modes"
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate exactly --max-new-tokens per turn, past the end-of-sequence token",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=_speculation,
+        default=None,
+        help="K (0 = off) or auto (default: the server's setting)",
+    )
     parser.add_argument("--json", required=True, type=Path, help="where to write the report")
     parser.set_defaults(func=main)
 
@@ -261,10 +316,16 @@ def config_from_args(args: argparse.Namespace) -> SessionsConfig:
     if args.num_sessions is not None and args.num_sessions > len(sessions):
         raise InvalidArgument("--num-sessions", f"{args.num_sessions} asked, {args.sessions} holds {len(sessions)}")
     return SessionsConfig(
-        address=args.address, sessions_path=args.sessions, sessions=sessions[:args.num_sessions],
-        max_new_tokens=args.max_new_tokens, sampling=Sampling(args.temperature, args.seed, args.ignore_eos),
-        speculation=args.num_speculative_tokens, protocol=args.protocol, timeout_s=args.timeout,
-        auth_token=args.auth_token)
+        address=args.address,
+        sessions_path=args.sessions,
+        sessions=sessions[: args.num_sessions],
+        max_new_tokens=args.max_new_tokens,
+        sampling=Sampling(args.temperature, args.seed, args.ignore_eos),
+        speculation=args.num_speculative_tokens,
+        protocol=args.protocol,
+        timeout_s=args.timeout,
+        auth_token=args.auth_token,
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -27,15 +27,21 @@ from specdec_tools.requests import generate_request
 
 
 def register_stack(modes: Any) -> None:
-    parser = modes.add_parser("stack", help="serve CONFIG itself and compare speculation on vs off through it, one "
-                                            "prompt at a time (gRPC, Ray Serve, worker counters)")
+    parser = modes.add_parser(
+        "stack",
+        help="serve CONFIG itself and compare speculation on vs off through it, one "
+        "prompt at a time (gRPC, Ray Serve, worker counters)",
+    )
     parser.add_argument("config", type=Path, help="the serving config to deploy")
     parser.add_argument("--prompts", required=True, type=Path, help='JSONL, one {"prompt": "..."} per line')
     parser.add_argument("--max-new-tokens", required=True, type=int)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
-    parser.add_argument("--compare-offline", action="store_true",
-                        help="then run `specdec bench offline` on the same models and prompts, in this process")
+    parser.add_argument(
+        "--compare-offline",
+        action="store_true",
+        help="then run `specdec bench offline` on the same models and prompts, in this process",
+    )
     parser.add_argument("--json", required=True, type=Path, help="where to write the report")
     parser.set_defaults(func=_main)
 
@@ -58,15 +64,17 @@ class Mode:
 def _main(args: argparse.Namespace) -> int:
     from specdec_tools.reports import write_report
 
-    report = run_serve_bench(args.config, args.prompts, args.max_new_tokens, args.temperature, args.seed,
-                             args.compare_offline)
+    report = run_serve_bench(
+        args.config, args.prompts, args.max_new_tokens, args.temperature, args.seed, args.compare_offline
+    )
     write_report(report, args.json)
     print(json.dumps({k: v for k, v in report.items() if not isinstance(v, (list, dict))}, indent=2))
     return 0
 
 
-def run_serve_bench(config_path: Path, prompts_path: Path, max_new_tokens: int, temperature: float, seed: int,
-                    compare_offline: bool) -> dict[str, Any]:
+def run_serve_bench(
+    config_path: Path, prompts_path: Path, max_new_tokens: int, temperature: float, seed: int, compare_offline: bool
+) -> dict[str, Any]:
     from deployments.launch import serving
     from deployments.serve_config import load_config
     from specdec_tools.requests import read_prompt_texts
@@ -137,7 +145,9 @@ def _counters(workers: list[Any]) -> tuple[float, int]:
     return sum(s.busy_seconds for s in stats), sum(s.bytes_received + s.bytes_sent for s in stats)
 
 
-def _report(config: Any, texts: list[str], max_new_tokens: int, temperature: float, off: Mode, on: Mode) -> dict[str, Any]:
+def _report(
+    config: Any, texts: list[str], max_new_tokens: int, temperature: float, off: Mode, on: Mode
+) -> dict[str, Any]:
     speedup = on.tokens_per_s() / off.tokens_per_s() if off.tokens_per_s() else 0.0
     steps = on.rounds + len(texts)  # the rounds, and each request's prefill
 
@@ -159,29 +169,34 @@ def _report(config: Any, texts: list[str], max_new_tokens: int, temperature: flo
         "overhead_ms_per_step_target_only": overhead_ms(off, off.rounds + len(texts)),
         "wire_bytes_per_round": on.wire_bytes / steps if steps else 0.0,
         "identical_to_target": on.token_ids == off.token_ids,
-        "prompts": [{"target_only_token_ids": a, "speculative_token_ids": b} for a, b in zip(off.token_ids, on.token_ids)],
+        "prompts": [
+            {"target_only_token_ids": a, "speculative_token_ids": b} for a, b in zip(off.token_ids, on.token_ids)
+        ],
     }
 
 
-def _offline(config: Any, prompts: Path, max_new_tokens: int, temperature: float, seed: int,
-             stack_speedup: float) -> dict[str, Any]:
+def _offline(
+    config: Any, prompts: Path, max_new_tokens: int, temperature: float, seed: int, stack_speedup: float
+) -> dict[str, Any]:
     from specdec_tools.bench.offline import OfflineBenchConfig, run_offline_bench
 
     draft = config.draft
-    offline = run_offline_bench(OfflineBenchConfig(
-        target=config.target.model,
-        method=draft.method,
-        draft=draft.model if draft.runs_draft_model else None,
-        prompts=prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed,
-        dtype=config.target.dtype,
-        device=config.target.device,
-        num_speculative_tokens=draft.num_speculative_tokens,
-        draft_quantization=draft.quantization,
-        draft_vocabulary=draft.vocabulary,
-    ))
+    offline = run_offline_bench(
+        OfflineBenchConfig(
+            target=config.target.model,
+            method=draft.method,
+            draft=draft.model if draft.runs_draft_model else None,
+            prompts=prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            dtype=config.target.dtype,
+            device=config.target.device,
+            num_speculative_tokens=draft.num_speculative_tokens,
+            draft_quantization=draft.quantization,
+            draft_vocabulary=draft.vocabulary,
+        )
+    )
     return {
         "offline_target_only_tokens_per_s": offline["target_only_tokens_per_s"],
         "offline_speculative_tokens_per_s": offline["speculative_tokens_per_s"],
@@ -200,9 +215,12 @@ def register_tp(modes: Any) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
     parser.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--across-nodes", action="store_true",
-                        help="then the same ranks each on a Ray node of its own (nodes started on this machine), "
-                             "side by side with the one-node run")
+    parser.add_argument(
+        "--across-nodes",
+        action="store_true",
+        help="then the same ranks each on a Ray node of its own (nodes started on this machine), "
+        "side by side with the one-node run",
+    )
     parser.add_argument("--json", required=True, type=Path)
     parser.set_defaults(func=_tp_main)
 
@@ -221,8 +239,16 @@ def _tp_main(args: argparse.Namespace) -> int:
         one_node = _time_ranks(work, world, threads, placement=None)
     finally:
         ray.shutdown()
-    report = {"model": args.model, "dtype": args.dtype, "tensor_parallel_size": world, "cpus": cpus,
-              "unsplit_threads": cpus, "threads_per_rank": threads, "unsplit": unsplit, "rank0": one_node[0]}
+    report = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "tensor_parallel_size": world,
+        "cpus": cpus,
+        "unsplit_threads": cpus,
+        "threads_per_rank": threads,
+        "unsplit": unsplit,
+        "rank0": one_node[0],
+    }
     for t in unsplit["step_ms"]:
         report[f"tp_over_unsplit_time_T{t}"] = one_node[0]["step_ms"][t] / unsplit["step_ms"][t]
     if args.across_nodes:
@@ -240,8 +266,12 @@ def _time_ranks(work: tuple, world: int, threads: int, placement: str | None) ->
     node)."""
     model, dtype, context, repeats = work
     init = f"tcp://127.0.0.1:{_port()}"
-    calls = [_time_forwards.options(resources={} if placement is None else {f"{placement}{r}": 1})
-             .remote(model, dtype, r, world, init, threads, context, repeats) for r in range(world)]
+    calls = [
+        _time_forwards.options(resources={} if placement is None else {f"{placement}{r}": 1}).remote(
+            model, dtype, r, world, init, threads, context, repeats
+        )
+        for r in range(world)
+    ]
     return ray.get(calls)
 
 
@@ -272,8 +302,9 @@ def _port() -> int:
     return _free_port()
 
 
-def _remote_time_forwards(model: str, dtype: str, rank: int, world: int, init: str, threads: int, context: int,
-                          repeats: int) -> dict[str, Any]:
+def _remote_time_forwards(
+    model: str, dtype: str, rank: int, world: int, init: str, threads: int, context: int, repeats: int
+) -> dict[str, Any]:
     """Per forward size T (1 = decode, 4 = verify of k = 3): best wall ms, and ms in all-reduces."""
     import torch
 
@@ -314,7 +345,9 @@ _time_forwards = ray.remote(num_cpus=1)(_remote_time_forwards)
 
 
 def register_tracing(modes: Any) -> None:
-    parser = modes.add_parser("tracing", help="served throughput with every span recorded and exported vs none, side by side")
+    parser = modes.add_parser(
+        "tracing", help="served throughput with every span recorded and exported vs none, side by side"
+    )
     parser.add_argument("config", type=Path, help="the serving config to deploy")
     parser.add_argument("--prompts", required=True, type=Path, help='JSONL, one {"prompt": "..."} per line')
     parser.add_argument("--max-new-tokens", required=True, type=int)
@@ -370,11 +403,13 @@ def run_tracing_bench(config_path: Path, prompts_path: Path, max_new_tokens: int
     receiver = _SpanCounter()
     # Written, not read: the deployments take OpenTelemetry's standard variables from this process's environment
     # (`app._actor_options` hands them on), so this is how the benchmark points them at its span counter.
-    os.environ.update({
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
-        "OTEL_TRACES_SAMPLER": "parentbased_always_on",
-    })
+    os.environ.update(
+        {
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
+            "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+        }
+    )
     traced, untraced = Mode(), Mode()
     with serving(config, quiet=True), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
@@ -384,8 +419,11 @@ def run_tracing_bench(config_path: Path, prompts_path: Path, max_new_tokens: int
             for flags, mode in runs if i % 2 == 0 else runs[::-1]:
                 parent = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-{flags}"
                 start = time.perf_counter()
-                chunks = list(stub.GenerateStream(_request(text, max_new_tokens, 0.0, 0, None), timeout=3600,
-                                                  metadata=[("traceparent", parent)]))
+                chunks = list(
+                    stub.GenerateStream(
+                        _request(text, max_new_tokens, 0.0, 0, None), timeout=3600, metadata=[("traceparent", parent)]
+                    )
+                )
                 mode.seconds += time.perf_counter() - start
                 mode.tokens += sum(len(c.token_ids) for c in chunks)
                 mode.rounds += chunks[-1].speculation.rounds

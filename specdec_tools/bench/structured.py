@@ -16,16 +16,25 @@ from specdec_tools.loadgen.command import positive
 
 def register(modes: Any) -> None:
     parser = modes.add_parser(
-        "structured", help="constrained plain vs constrained speculative vs unconstrained speculative decoding",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "structured",
+        help="constrained plain vs constrained speculative vs unconstrained speculative decoding",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--target", required=True, help="target model: path, .gguf file or `specdec models` name")
     parser.add_argument("--draft", help="the draft model (for --method draft_model or hybrid)")
-    parser.add_argument("--method", default="draft_model",
-                        help="the drafting method of both speculative modes: draft_model (default), hybrid, "
-                             "suffix or ngram")
-    parser.add_argument("--prompts", required=True, type=Path,
-                        help='JSONL: {"prompt": "...", "schema": {...}} or {"prompt": "...", "tools": [...], '
-                             '"tool_choice": {...}} per line (optional "id", "system")')
+    parser.add_argument(
+        "--method",
+        default="draft_model",
+        help="the drafting method of both speculative modes: draft_model (default), hybrid, suffix or ngram",
+    )
+    parser.add_argument(
+        "--prompts",
+        required=True,
+        type=Path,
+        help='JSONL: {"prompt": "...", "schema": {...}} or {"prompt": "...", "tools": [...], '
+        '"tool_choice": {...}} per line (optional "id", "system")',
+    )
     parser.add_argument("--max-new-tokens", required=True, type=positive(int), help="per request")
     parser.add_argument("--num-prompts", type=positive(int), default=None, help="the first N requests (default all)")
     add_run_options(parser, seed_help="request i is sampled with seed + i")
@@ -38,8 +47,14 @@ def main(args: argparse.Namespace) -> int:
     from specdec_tools.reports import write_report
 
     config = StructuredBenchConfig(
-        target=args.target, draft=args.draft, method=args.method, prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens, limit=args.num_prompts, **run_options(args))
+        target=args.target,
+        draft=args.draft,
+        method=args.method,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        limit=args.num_prompts,
+        **run_options(args),
+    )
     report = run_structured_bench(config)
     write_report(report, args.json)
     print(format_table(report))

@@ -6,8 +6,9 @@ checked: one cut by max_tokens is unfinished, not invalid."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from jsonschema.exceptions import best_match
 from jsonschema.validators import validator_for

@@ -8,8 +8,9 @@ the token sampled after the forced run (from the masked p), except where the run
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from specdec_tools.bench.figures import add_speedups, ratio
 from specdec_tools.bench.structured_timing import DRAFTED_ROUND, FORCED_ROUND, ROUND_KINDS, StructuredRun
@@ -51,8 +52,13 @@ def _rounds(records: Sequence[Record], kind: str | None = None) -> list:
 
 def round_figures(rounds: Sequence) -> dict[str, Any]:
     seconds, tokens = sum(x.seconds for x in rounds), sum(x.tokens for x in rounds)
-    return {"rounds": len(rounds), "tokens": tokens, "seconds": seconds,
-            "seconds_per_round": ratio(seconds, len(rounds)), "tokens_per_round": ratio(tokens, len(rounds))}
+    return {
+        "rounds": len(rounds),
+        "tokens": tokens,
+        "seconds": seconds,
+        "seconds_per_round": ratio(seconds, len(rounds)),
+        "tokens_per_round": ratio(tokens, len(rounds)),
+    }
 
 
 def group_figures(records: Sequence[Record], baseline: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
@@ -103,15 +109,20 @@ def group_figures(records: Sequence[Record], baseline: Mapping[str, tuple[int, .
 def results(records: Sequence[Record], groups: Sequence[str]) -> dict[str, dict[str, Any]]:
     """{mode: {group: figures}}, each with its speedups over constrained plain decoding in the same group."""
     baseline = {r.item: r.run.token_ids for r in records if r.mode == CONSTRAINED_PLAIN}
-    out = {m: {g: group_figures([r for r in records if r.mode == m and g in (ALL, r.kind)], baseline)
-               for g in groups} for m in MODES}
+    out = {
+        m: {g: group_figures([r for r in records if r.mode == m and g in (ALL, r.kind)], baseline) for g in groups}
+        for m in MODES
+    }
     add_speedups(out, CONSTRAINED_PLAIN)
     return out
 
 
 def _versus(constrained: float | None, unconstrained: float | None) -> dict[str, Any]:
-    return {"constrained": constrained, "unconstrained": unconstrained,
-            "ratio": None if constrained is None or unconstrained is None else ratio(constrained, unconstrained)}
+    return {
+        "constrained": constrained,
+        "unconstrained": unconstrained,
+        "ratio": None if constrained is None or unconstrained is None else ratio(constrained, unconstrained),
+    }
 
 
 def headline(figures: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
@@ -120,11 +131,17 @@ def headline(figures: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str
     spec, plain, free = (figures[m][ALL] for m in (CONSTRAINED_SPEC, CONSTRAINED_PLAIN, UNCONSTRAINED_SPEC))
     drafted = [f["by_round_kind"][DRAFTED_ROUND]["seconds_per_round"] for f in (spec, free)]
     return {
-        "speedup": {"tokens_per_s": spec["speedup"], "decode_tokens_per_s": spec["decode_speedup"],
-                    "criterion": SPEEDUP_CRITERION,
-                    "meets_criterion": spec["speedup"] is not None and spec["speedup"] >= SPEEDUP_CRITERION},
-        "identical": {"requests": spec["requests"], "identical": spec["identical"],
-                      "all": spec["identical"] == spec["requests"] == plain["requests"]},
+        "speedup": {
+            "tokens_per_s": spec["speedup"],
+            "decode_tokens_per_s": spec["decode_speedup"],
+            "criterion": SPEEDUP_CRITERION,
+            "meets_criterion": spec["speedup"] is not None and spec["speedup"] >= SPEEDUP_CRITERION,
+        },
+        "identical": {
+            "requests": spec["requests"],
+            "identical": spec["identical"],
+            "all": spec["identical"] == spec["requests"] == plain["requests"],
+        },
         "grammar_cost": {
             "seconds_per_round": _versus(spec["seconds_per_round"], free["seconds_per_round"]),
             "seconds_per_drafted_round": _versus(*drafted),
@@ -141,14 +158,29 @@ def request_rows(records: Sequence[Record]) -> list[dict[str, Any]]:
     rows = []
     for r in records:
         forced = [x for x in r.run.rounds if x.kind == FORCED_ROUND]
-        rows.append({"mode": r.mode, "item": r.item, "kind": r.kind, "prompt_tokens": r.run.prompt_tokens,
-                     "output_tokens": len(r.run.token_ids), "finish_reason": r.run.finish_reason,
-                     "seconds": r.run.seconds, "decode_seconds": r.run.decode_seconds,
-                     "grammar_seconds": r.run.grammar_seconds, "rounds": len(r.run.rounds),
-                     "proposed": r.run.proposed, "accepted": r.run.accepted, "forced_rounds": len(forced),
-                     "forced_tokens": sum(x.accepted for x in forced), "valid": r.valid, "problem": r.problem,
-                     "identical": r.run.token_ids == baseline.get(r.item), "token_ids": list(r.run.token_ids),
-                     "text": r.run.text})
+        rows.append(
+            {
+                "mode": r.mode,
+                "item": r.item,
+                "kind": r.kind,
+                "prompt_tokens": r.run.prompt_tokens,
+                "output_tokens": len(r.run.token_ids),
+                "finish_reason": r.run.finish_reason,
+                "seconds": r.run.seconds,
+                "decode_seconds": r.run.decode_seconds,
+                "grammar_seconds": r.run.grammar_seconds,
+                "rounds": len(r.run.rounds),
+                "proposed": r.run.proposed,
+                "accepted": r.run.accepted,
+                "forced_rounds": len(forced),
+                "forced_tokens": sum(x.accepted for x in forced),
+                "valid": r.valid,
+                "problem": r.problem,
+                "identical": r.run.token_ids == baseline.get(r.item),
+                "token_ids": list(r.run.token_ids),
+                "text": r.run.text,
+            }
+        )
     return rows
 
 
@@ -157,17 +189,21 @@ def _num(x: float | None, spec: str, scale: float = 1.0) -> str:
 
 
 def format_table(report: Mapping[str, Any]) -> str:
-    lines = [f"{'mode':<19} {'group':<7} {'req':>4} {'out tok':>7} {'tok/s':>7} {'dec tok/s':>9} {'speedup':>7} "
-             f"{'rounds':>6} {'ms/rnd':>7} {'gram ms/rnd':>11} {'forced':>6} {'valid':>7} {'identical':>9}"]
+    lines = [
+        f"{'mode':<19} {'group':<7} {'req':>4} {'out tok':>7} {'tok/s':>7} {'dec tok/s':>9} {'speedup':>7} "
+        f"{'rounds':>6} {'ms/rnd':>7} {'gram ms/rnd':>11} {'forced':>6} {'valid':>7} {'identical':>9}"
+    ]
     for mode, groups in report["results"].items():
         for group, f in groups.items():
-            lines.append(f"{mode:<19} {group:<7} {f['requests']:>4} {f['output_tokens']:>7} "
-                         f"{f['tokens_per_s']:>7.2f} {f['decode_tokens_per_s']:>9.2f} "
-                         f"{_num(f['speedup'], '.2f') + 'x':>7} {f['rounds']:>6} "
-                         f"{_num(f['seconds_per_round'], '.1f', 1e3):>7} "
-                         f"{_num(f['grammar_seconds_per_round'], '.3f', 1e3):>11} {f['forced_share']:>6.2f} "
-                         f"{str(f['valid']) + '/' + str(f['complete']):>7} "
-                         f"{str(f['identical']) + '/' + str(f['requests']):>9}")
+            lines.append(
+                f"{mode:<19} {group:<7} {f['requests']:>4} {f['output_tokens']:>7} "
+                f"{f['tokens_per_s']:>7.2f} {f['decode_tokens_per_s']:>9.2f} "
+                f"{_num(f['speedup'], '.2f') + 'x':>7} {f['rounds']:>6} "
+                f"{_num(f['seconds_per_round'], '.1f', 1e3):>7} "
+                f"{_num(f['grammar_seconds_per_round'], '.3f', 1e3):>11} {f['forced_share']:>6.2f} "
+                f"{str(f['valid']) + '/' + str(f['complete']):>7} "
+                f"{str(f['identical']) + '/' + str(f['requests']):>9}"
+            )
     speedup, same, cost = report["speedup"], report["identical"], report["grammar_cost"]
     per_round, drafted = cost["seconds_per_round"], cost["seconds_per_drafted_round"]
     lines += [

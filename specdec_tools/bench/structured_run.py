@@ -71,8 +71,9 @@ def check_config(config: StructuredBenchConfig) -> int | str:
     if config.max_new_tokens <= 0:
         raise InvalidArgument("--max-new-tokens", f"must be > 0, got {config.max_new_tokens}")
     if config.method not in drafting_methods():
-        raise InvalidArgument("--method", f"unknown method {config.method!r}; choose from "
-                                          f"{', '.join(drafting_methods())}")
+        raise InvalidArgument(
+            "--method", f"unknown method {config.method!r}; choose from {', '.join(drafting_methods())}"
+        )
     if registry.resolve(config.method).runs_draft_model and config.draft is None:
         raise InvalidArgument("--draft", f"method {config.method} runs a draft model: give --draft")
     SamplingParams(temperature=config.temperature, seed=config.seed, max_tokens=config.max_new_tokens)
@@ -82,18 +83,26 @@ def check_config(config: StructuredBenchConfig) -> int | str:
 def read_workload(config: StructuredBenchConfig) -> tuple:
     items = read_structured(config.prompts)
     if config.limit is not None and not 0 < config.limit <= len(items):
-        raise InvalidArgument("--num-prompts", f"must be in [1, {len(items)}] ({config.prompts} holds "
-                                               f"{len(items)}), got {config.limit}")
-    return items[:config.limit]
+        raise InvalidArgument(
+            "--num-prompts", f"must be in [1, {len(items)}] ({config.prompts} holds {len(items)}), got {config.limit}"
+        )
+    return items[: config.limit]
 
 
 def build_engines(config: StructuredBenchConfig, target: Any, draft: Any) -> dict[str, SpecEngine]:
     """An engine per mode over the loaded models: each its own runners, caches and grammar compiler."""
     runner_config = RunnerConfig(num_slots=1, prefix_caching=False, max_seq_len=config.max_seq_len)
     method = {CONSTRAINED_PLAIN: registry.NONE}
-    return {mode: build_engine(target, draft, DraftSpec(method=method.get(mode, config.method)),
-                               runner_config=runner_config, max_speculative_tokens=MAX_K)
-            for mode in MODES}
+    return {
+        mode: build_engine(
+            target,
+            draft,
+            DraftSpec(method=method.get(mode, config.method)),
+            runner_config=runner_config,
+            max_speculative_tokens=MAX_K,
+        )
+        for mode in MODES
+    }
 
 
 def check_fits(requests: Sequence[StructuredRequest], limit: int, max_new_tokens: int) -> None:
@@ -101,9 +110,12 @@ def check_fits(requests: Sequence[StructuredRequest], limit: int, max_new_tokens
     for request in requests:
         need = len(request.prompt) + max_new_tokens
         if need > limit:
-            raise InvalidArgument("--max-seq-len", f"{request.name} needs {need} tokens with {max_new_tokens} new "
-                                                   f"tokens; the engines hold {limit} (--max-seq-len, at most the "
-                                                   "model's positions)")
+            raise InvalidArgument(
+                "--max-seq-len",
+                f"{request.name} needs {need} tokens with {max_new_tokens} new "
+                f"tokens; the engines hold {limit} (--max-seq-len, at most the "
+                "model's positions)",
+            )
 
 
 @dataclass(frozen=True)
@@ -116,9 +128,12 @@ class Runner:
     clock: GrammarClock
 
     def params(self, mode: str, request: StructuredRequest, index: int, max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=self.config.temperature, seed=self.config.seed + index,
-                              max_tokens=max_tokens,
-                              constraint=None if mode == UNCONSTRAINED_SPEC else request.constraint)
+        return SamplingParams(
+            temperature=self.config.temperature,
+            seed=self.config.seed + index,
+            max_tokens=max_tokens,
+            constraint=None if mode == UNCONSTRAINED_SPEC else request.constraint,
+        )
 
     def warm_up(self, requests: Sequence[StructuredRequest]) -> None:
         """Per engine: its grammar compiler's tables and every constraint compiled first, as the server compiles
@@ -129,16 +144,30 @@ class Runner:
                 for request in requests:
                     engine.compile(request.constraint)
             first = requests[0]
-            run_request(engine, f"{mode}-warm-up", list(first.prompt), self.params(mode, first, 0, WARM_UP_TOKENS),
-                        self.k, f"structured-{mode}-warm-up", self.clock)
+            run_request(
+                engine,
+                f"{mode}-warm-up",
+                list(first.prompt),
+                self.params(mode, first, 0, WARM_UP_TOKENS),
+                self.k,
+                f"structured-{mode}-warm-up",
+                self.clock,
+            )
 
     def run(self, requests: Sequence[StructuredRequest], progress: Any) -> list[Record]:
         records = []
         for i, request in enumerate(requests):
             for mode in rotated(MODES, i):
                 params = self.params(mode, request, i, self.config.max_new_tokens)
-                run = run_request(self.engines[mode], f"{mode}-{request.name}", list(request.prompt), params, self.k,
-                                  f"structured-{mode}", self.clock)
+                run = run_request(
+                    self.engines[mode],
+                    f"{mode}-{request.name}",
+                    list(request.prompt),
+                    params,
+                    self.k,
+                    f"structured-{mode}",
+                    self.clock,
+                )
                 problem = request.check.problem(run.text) if run.finish_reason in COMPLETE else None
                 records.append(Record(mode, request.name, request.kind, run, problem))
                 progress()
@@ -150,23 +179,31 @@ def run_structured_bench(config: StructuredBenchConfig) -> dict[str, Any]:
     k = check_config(config)
     items = read_workload(config)
     needs_draft = registry.resolve(config.method).runs_draft_model
-    target, draft = load_pair(config.target, config.draft if needs_draft else None, dtype=config.dtype,
-                              device=config.device, draft_quantization=config.draft_quantization,
-                              draft_vocabulary=config.draft_vocabulary)
+    target, draft = load_pair(
+        config.target,
+        config.draft if needs_draft else None,
+        dtype=config.dtype,
+        device=config.device,
+        draft_quantization=config.draft_quantization,
+        draft_vocabulary=config.draft_vocabulary,
+    )
     requests = [encode(item, target.tokenizer) for item in items]
     engines = build_engines(config, target, draft)
     check_fits(requests, engines[CONSTRAINED_PLAIN].target.max_seq_len, config.max_new_tokens)
     total = len(MODES) * len(requests)
-    with grammar_clock() as clock, tqdm(total=total, desc="bench structured", unit="req",
-                                        disable=not config.progress) as bar:
+    with (
+        grammar_clock() as clock,
+        tqdm(total=total, desc="bench structured", unit="req", disable=not config.progress) as bar,
+    ):
         runner = Runner(config, engines, k, clock)
         runner.warm_up(requests)
         records = runner.run(requests, lambda: bar.update(1))
     return report(config, requests, records)
 
 
-def report(config: StructuredBenchConfig, requests: Sequence[StructuredRequest],
-           records: Sequence[Record]) -> dict[str, Any]:
+def report(
+    config: StructuredBenchConfig, requests: Sequence[StructuredRequest], records: Sequence[Record]
+) -> dict[str, Any]:
     kinds = [kind for kind in (SCHEMA, TOOL) if any(r.kind == kind for r in requests)]
     figures = results(records, (ALL, *kinds))
     return {

@@ -13,18 +13,26 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from specdec_core.config import SamplingParams
-from specdec_core.engine import FORCED, RoundInfo, SpecEngine
+from specdec_core.engine import SpecEngine
 from specdec_core.grammar.bits import PackedMasks
 from specdec_core.grammar.state import GrammarState
+from specdec_core.outputs import RoundInfo
+from specdec_core.request import Request
+from specdec_core.structured import FORCED
 
-TIMED = ((GrammarState, ("advance", "rollback", "allowed_mask", "allowed_words", "forced", "is_terminated",
-                         "must_end", "can_end")),
-         (PackedMasks, ("dense",)))
+TIMED = (
+    (
+        GrammarState,
+        ("advance", "rollback", "allowed_mask", "allowed_words", "forced", "is_terminated", "must_end", "can_end"),
+    ),
+    (PackedMasks, ("dense",)),
+)
 FORCED_ROUND, DRAFTED_ROUND, PLAIN_ROUND = FORCED, "drafted", "plain"
 ROUND_KINDS = (FORCED_ROUND, DRAFTED_ROUND, PLAIN_ROUND)
 
@@ -51,6 +59,7 @@ class GrammarClock:
                 self.seconds += time.perf_counter() - start
                 self.calls += 1
                 self._depth -= 1
+
         return timed
 
 
@@ -82,7 +91,7 @@ class RoundRun:
     grammar_seconds: float
 
     @classmethod
-    def of(cls, info: RoundInfo, tokens: int, seconds: float, grammar_seconds: float) -> "RoundRun":
+    def of(cls, info: RoundInfo, tokens: int, seconds: float, grammar_seconds: float) -> RoundRun:
         kind = PLAIN_ROUND if info.method is None else FORCED_ROUND if info.method == FORCED else DRAFTED_ROUND
         return cls(kind, len(info.proposed_token_ids), info.num_accepted, tokens, seconds, grammar_seconds)
 
@@ -104,15 +113,22 @@ class StructuredRun:
     accepted: int
 
 
-def run_request(engine: SpecEngine, request_id: str, prompt: list[int], params: SamplingParams, k: int | str,
-                salt: str, clock: GrammarClock) -> StructuredRun:
+def run_request(
+    engine: SpecEngine,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    k: int | str,
+    salt: str,
+    clock: GrammarClock,
+) -> StructuredRun:
     """Generate one request alone on `engine`; every step yields its one output (its prefill or a round)."""
     tokens: list[int] = []
     text: list[str] = []
     rounds: list[RoundRun] = []
     first = last = None
     start, grammar_start = time.perf_counter(), clock.seconds
-    engine.add_request(request_id, prompt, params, k, cache_salt=salt)
+    engine.add_request(Request(request_id, tuple(prompt), params, num_speculative_tokens=k, cache_salt=salt))
     while engine.has_work:
         step_start, step_grammar = time.perf_counter(), clock.seconds
         outputs = engine.step()
@@ -127,6 +143,16 @@ def run_request(engine: SpecEngine, request_id: str, prompt: list[int], params: 
             first = first or time.perf_counter()
             last = out
     end = time.perf_counter()
-    return StructuredRun(tuple(tokens), "".join(text), last.finish_reason.value, last.num_prompt_tokens,
-                         end - start, end - (first or end), clock.seconds - grammar_start, tuple(rounds),
-                         last.stats.rounds, last.stats.proposed, last.stats.accepted)
+    return StructuredRun(
+        tuple(tokens),
+        "".join(text),
+        last.finish_reason.value,
+        last.num_prompt_tokens,
+        end - start,
+        end - (first or end),
+        clock.seconds - grammar_start,
+        tuple(rounds),
+        last.stats.rounds,
+        last.stats.proposed,
+        last.stats.accepted,
+    )

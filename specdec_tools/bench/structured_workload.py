@@ -13,9 +13,10 @@ its constraint compiled, before any model loads; an error names the file and the
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from deployments.openai.codec import decode_chat
 from deployments.openai.protocol import ChatCompletionRequest, parse_body
@@ -78,8 +79,10 @@ def _body(item: Any) -> tuple[str, dict[str, Any]]:
     body: dict[str, Any] = {"model": MODEL, "messages": [*messages, {"role": "user", "content": item["prompt"]}]}
     if kind == SCHEMA:
         # strict: a keyword the engine cannot enforce is refused here, so every output is held to the whole schema.
-        body["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "extraction", "schema": item["schema"], "strict": True}}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "extraction", "schema": item["schema"], "strict": True},
+        }
     else:
         body.update(tools=item["tools"], tool_choice=item.get("tool_choice"))
     return kind, body
@@ -89,7 +92,7 @@ def _item(number: int, item: Any) -> StructuredItem:
     kind, data = _body(item)
     body = parse_body(ChatCompletionRequest, data)
     call = decode_chat(body, _UNUSED_MAX_TOKENS)
-    constraint = call.generate.params.constraint
+    constraint = call.generate.request.params.constraint
     if constraint is None:
         raise InvalidArgument("tool_choice", 'must force a call: "required" or {"type": "function", ...}')
     check(constraint)  # markers as text here: their token ids need the tokenizer (`encode`)
@@ -120,10 +123,10 @@ def encode(item: StructuredItem, tokenizer: Any) -> StructuredRequest:
     call = decode_chat(item.body, _UNUSED_MAX_TOKENS, ToolCallFormat.of(tokenizer))
     prompt = call.generate.prompt
     ids = tuple(encode_chat(tokenizer, prompt.messages, prompt.tools))
-    constraint = call.generate.params.constraint
+    constraint = call.generate.request.params.constraint
     if item.kind == SCHEMA:
-        return StructuredRequest(item.name, item.kind, ids, constraint,
-                                 SchemaCheck(item.body.response_format.json_schema.json_schema))
+        return StructuredRequest(
+            item.name, item.kind, ids, constraint, SchemaCheck(item.body.response_format.json_schema.json_schema)
+        )
     schemas = {t.function.name: t.function.parameters for t in item.body.tools}
     return StructuredRequest(item.name, item.kind, ids, constraint, ToolCallCheck(call.tools, schemas))
-

@@ -22,9 +22,14 @@ from tqdm import tqdm
 
 from specdec_core.errors import InvalidArgument
 from specdec_tools.loadgen.client import LOADS, Concurrency, Load, RequestRate, Sampling
+from specdec_tools.loadgen.command import (
+    add_server_command,
+    non_negative_float,
+    non_negative_int,
+    positive,
+    run_to_report,
+)
 from specdec_tools.loadgen.metrics import SLO_KEYS, RequestRecord, summarize
-from specdec_tools.loadgen.command import (add_server_command, non_negative_float, non_negative_int, positive,
-                                          run_to_report)
 from specdec_tools.loadgen.transport import connect
 from specdec_tools.requests import Prompt, Speculation, parse_speculation, read_prompts
 
@@ -94,8 +99,9 @@ def _speculation(text: str) -> Speculation:
     except InvalidArgument:
         value = 0
     if value == 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer or auto, got {text!r} (for speculation off, "
-                                          "use --compare-off)")
+        raise argparse.ArgumentTypeError(
+            f"must be a positive integer or auto, got {text!r} (for speculation off, use --compare-off)"
+        )
     return value
 
 
@@ -114,59 +120,116 @@ def _slo(text: str) -> tuple[str, float]:
 
 def register(modes: Any) -> None:
     parser = add_server_command(
-        modes, "serve", "load generator for a running server's gRPC API: latency percentiles, throughput, goodput",
-        __doc__)
-    parser.add_argument("--prompts", required=True, type=Path,
-                        help='JSONL, one {"prompt": "...", "max_tokens": N (optional)} per line, cycled as needed')
-    parser.add_argument("--max-new-tokens", required=True, type=positive(int),
-                        help="output tokens per request, where a prompt line gives no max_tokens")
-    parser.add_argument("--concurrency", type=_positive_ints, default=[],
-                        help="load points: streams kept in flight, e.g. 1,4,8")
-    parser.add_argument("--request-rate", type=_positive_rates, default=[],
-                        help="load points: requests per second (open loop), e.g. 0.5,1,inf")
-    parser.add_argument("--burstiness", type=positive(float), default=1.0,
-                        help="gamma shape of the inter-arrival times with --request-rate: 1 = Poisson, <1 burstier")
-    parser.add_argument("--compare-off", action="store_true",
-                        help="run every point again with speculation off (num_speculative_tokens 0 per request)")
+        modes,
+        "serve",
+        "load generator for a running server's gRPC API: latency percentiles, throughput, goodput",
+        __doc__,
+    )
+    parser.add_argument(
+        "--prompts",
+        required=True,
+        type=Path,
+        help='JSONL, one {"prompt": "...", "max_tokens": N (optional)} per line, cycled as needed',
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        required=True,
+        type=positive(int),
+        help="output tokens per request, where a prompt line gives no max_tokens",
+    )
+    parser.add_argument(
+        "--concurrency", type=_positive_ints, default=[], help="load points: streams kept in flight, e.g. 1,4,8"
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=_positive_rates,
+        default=[],
+        help="load points: requests per second (open loop), e.g. 0.5,1,inf",
+    )
+    parser.add_argument(
+        "--burstiness",
+        type=positive(float),
+        default=1.0,
+        help="gamma shape of the inter-arrival times with --request-rate: 1 = Poisson, <1 burstier",
+    )
+    parser.add_argument(
+        "--compare-off",
+        action="store_true",
+        help="run every point again with speculation off (num_speculative_tokens 0 per request)",
+    )
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--duration", type=positive(float), help="seconds of sending per load point and mode")
-    length.add_argument("--num-requests", type=positive(int),
-                        help="requests per load point and mode (default: the number of prompts, at least the concurrency)")
-    parser.add_argument("--blocks", type=positive(int), default=1,
-                        help="split each point's requests (or duration) per mode into this many blocks, run "
-                             "interleaved A B B A ... so that drift in the machine's speed cancels in the ratio")
+    length.add_argument(
+        "--num-requests",
+        type=positive(int),
+        help="requests per load point and mode (default: the number of prompts, at least the concurrency)",
+    )
+    parser.add_argument(
+        "--blocks",
+        type=positive(int),
+        default=1,
+        help="split each point's requests (or duration) per mode into this many blocks, run "
+        "interleaved A B B A ... so that drift in the machine's speed cancels in the ratio",
+    )
     parser.add_argument("--warmup", type=non_negative_int, default=2, help="warm-up requests per mode, not measured")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="request i is sampled with seed + i")
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="generate exactly max_tokens per request, past the end-of-sequence token")
-    parser.add_argument("--num-speculative-tokens", type=_speculation, default=None,
-                        help="K or auto: what speculative requests ask (default: the server's setting)")
-    parser.add_argument("--goodput", nargs="+", type=_slo, default=[], metavar="KEY:MS",
-                        help="SLOs in milliseconds, keys ttft, tpot, e2el: goodput counts requests meeting all")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate exactly max_tokens per request, past the end-of-sequence token",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=_speculation,
+        default=None,
+        help="K or auto: what speculative requests ask (default: the server's setting)",
+    )
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        type=_slo,
+        default=[],
+        metavar="KEY:MS",
+        help="SLOs in milliseconds, keys ttft, tpot, e2el: goodput counts requests meeting all",
+    )
     parser.add_argument("--json", required=True, type=Path, help="where to write the report")
     parser.add_argument("--plot", type=Path, default=None, help="the PNG (default: the --json path with .png)")
     parser.set_defaults(func=main)
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
-    loads = [Concurrency(c) for c in args.concurrency] + \
-        [RequestRate(r, args.burstiness, args.seed) for r in args.request_rate]
+    loads = [Concurrency(c) for c in args.concurrency] + [
+        RequestRate(r, args.burstiness, args.seed) for r in args.request_rate
+    ]
     if not loads:
         raise InvalidArgument("--concurrency", "give --concurrency or --request-rate (or both)")
     if args.duration is not None and any(math.isinf(r) for r in args.request_rate):
         raise InvalidArgument("--request-rate", "inf sends every request at once: use --num-requests, not --duration")
     if args.num_requests is not None and args.blocks > args.num_requests:
-        raise InvalidArgument("--blocks", f"{args.blocks} blocks of {args.num_requests} requests: at most one block "
-                                          "per request")
+        raise InvalidArgument(
+            "--blocks", f"{args.blocks} blocks of {args.num_requests} requests: at most one block per request"
+        )
     _check_blocks_hold_concurrency(args.num_requests, args.blocks, args.concurrency)
     return LoadConfig(
-        address=args.address, prompts_path=args.prompts, prompts=read_prompts(args.prompts, args.max_new_tokens),
-        max_new_tokens=args.max_new_tokens, loads=tuple(loads),
-        sampling=Sampling(args.temperature, args.seed, args.ignore_eos), speculation=args.num_speculative_tokens,
-        compare_off=args.compare_off, burstiness=args.burstiness, warmup=args.warmup, duration_s=args.duration,
-        num_requests=args.num_requests, slos_ms=dict(args.goodput), timeout_s=args.timeout,
-        auth_token=args.auth_token, blocks=args.blocks, protocol=args.protocol)
+        address=args.address,
+        prompts_path=args.prompts,
+        prompts=read_prompts(args.prompts, args.max_new_tokens),
+        max_new_tokens=args.max_new_tokens,
+        loads=tuple(loads),
+        sampling=Sampling(args.temperature, args.seed, args.ignore_eos),
+        speculation=args.num_speculative_tokens,
+        compare_off=args.compare_off,
+        burstiness=args.burstiness,
+        warmup=args.warmup,
+        duration_s=args.duration,
+        num_requests=args.num_requests,
+        slos_ms=dict(args.goodput),
+        timeout_s=args.timeout,
+        auth_token=args.auth_token,
+        blocks=args.blocks,
+        protocol=args.protocol,
+    )
 
 
 def _check_blocks_hold_concurrency(num_requests: int | None, blocks: int, concurrency: list[int]) -> None:
@@ -176,9 +239,12 @@ def _check_blocks_hold_concurrency(num_requests: int | None, blocks: int, concur
         return
     smallest = num_requests // blocks
     if smallest < max(concurrency):
-        raise InvalidArgument("--num-requests", f"{num_requests} requests in {blocks} block(s) leave {smallest} a "
-                                                f"block, fewer than --concurrency {max(concurrency)}: give at least "
-                                                f"{max(concurrency) * blocks} requests, or fewer blocks")
+        raise InvalidArgument(
+            "--num-requests",
+            f"{num_requests} requests in {blocks} block(s) leave {smallest} a "
+            f"block, fewer than --concurrency {max(concurrency)}: give at least "
+            f"{max(concurrency) * blocks} requests, or fewer blocks",
+        )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -205,6 +271,7 @@ async def run(config: LoadConfig) -> dict[str, Any]:
             async def send_index(index: int) -> RequestRecord:
                 prompt = config.prompts[index % len(config.prompts)]
                 return await send(prompt, index, config.sampling, speculation)
+
             return send_index
 
         points = await run_points(config, sender)
@@ -217,8 +284,10 @@ async def run_points(config: LoadConfig, sender: Any) -> list[dict[str, Any]]:
     for send in senders.values():
         for index in range(config.warmup):
             await send(index)
-    return [await run_load(config, load, senders, speculative_first=number % 2 == 0)
-            for number, load in enumerate(config.loads)]
+    return [
+        await run_load(config, load, senders, speculative_first=number % 2 == 0)
+        for number, load in enumerate(config.loads)
+    ]
 
 
 async def run_load(config: LoadConfig, load: Load, senders: dict[str, Any], speculative_first: bool) -> dict[str, Any]:
@@ -276,7 +345,9 @@ def report_header(config: LoadConfig, server: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def run_block(config: LoadConfig, load: Load, send: Any, label: str, block: int) -> tuple[list[RequestRecord], float]:
+async def run_block(
+    config: LoadConfig, load: Load, send: Any, label: str, block: int
+) -> tuple[list[RequestRecord], float]:
     """One block of one mode of one load point: its requests' records and its duration. Blocks take consecutive
     request indices (prompts and seeds), so that every mode sees the same requests."""
     total = config.requests_per_point(load)
@@ -293,8 +364,10 @@ async def run_block(config: LoadConfig, load: Load, send: Any, label: str, block
 
 
 def format_summary(report: dict[str, Any]) -> str:
-    header = f"{'load':>18} {'mode':>11} {'done':>5} {'err':>4} {'out tok/s':>9} {'p50 ttft':>9} {'p50 tpot':>9} " \
-             f"{'p99 tpot':>9} {'p50 itl':>8} {'accept':>6} {'tok/rnd':>7}"
+    header = (
+        f"{'load':>18} {'mode':>11} {'done':>5} {'err':>4} {'out tok/s':>9} {'p50 ttft':>9} {'p50 tpot':>9} "
+        f"{'p99 tpot':>9} {'p50 itl':>8} {'accept':>6} {'tok/rnd':>7}"
+    )
     lines = [header]
     for point in report["points"]:
         key = next(kind.key for kind in LOADS if kind.key in point)
@@ -303,10 +376,12 @@ def format_summary(report: dict[str, Any]) -> str:
             if mode not in point:
                 continue
             m = point[mode]
-            lines.append(f"{label:>18} {mode:>11} {m['completed']:>5} {m['failed']:>4} "
-                         f"{m['output_tokens_per_s']:>9.2f} {m['median_ttft_ms']:>9.1f} {m['median_tpot_ms']:>9.1f} "
-                         f"{m['p99_tpot_ms']:>9.1f} {m['median_itl_ms']:>8.1f} {m['acceptance_rate']:>6.2f} "
-                         f"{m['mean_tokens_per_round']:>7.2f}")
+            lines.append(
+                f"{label:>18} {mode:>11} {m['completed']:>5} {m['failed']:>4} "
+                f"{m['output_tokens_per_s']:>9.2f} {m['median_ttft_ms']:>9.1f} {m['median_tpot_ms']:>9.1f} "
+                f"{m['p99_tpot_ms']:>9.1f} {m['median_itl_ms']:>8.1f} {m['acceptance_rate']:>6.2f} "
+                f"{m['mean_tokens_per_round']:>7.2f}"
+            )
             if m["errors"]:
                 lines.append(f"{'':>18} {'errors':>11} {m['errors']}")
         if "speedup" in point:

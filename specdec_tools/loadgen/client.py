@@ -7,14 +7,15 @@ import asyncio
 import itertools
 import math
 import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar
 
 import grpc
 import numpy as np
 
-from specdec_tools.loadgen.metrics import RequestRecord
 from specdec.v1 import generation_pb2 as pb
+from specdec_tools.loadgen.metrics import RequestRecord
 from specdec_tools.requests import Prompt, Speculation, generate_request
 
 Send = Callable[[int], Awaitable[RequestRecord]]  # request index -> its record
@@ -27,18 +28,33 @@ class Sampling:
     ignore_eos: bool
 
 
-def build_request(prompt: Prompt, index: int, sampling: Sampling, speculation: Speculation, *,
-                  history: Sequence[tuple[str, str]] = (), cache_salt: str = "") -> pb.GenerateRequest:
+def build_request(
+    prompt: Prompt,
+    index: int,
+    sampling: Sampling,
+    speculation: Speculation,
+    *,
+    history: Sequence[tuple[str, str]] = (),
+    cache_salt: str = "",
+) -> pb.GenerateRequest:
     """Request `index`: the prompt as one user turn, after the (role, content) messages of `history` when there
     are any (then sent as `messages`; either way the server applies the chat template)."""
     text, messages = (None, [*history, ("user", prompt.text)]) if history else (prompt.text, ())
-    return generate_request(text, messages=messages, temperature=sampling.temperature, seed=sampling.seed + index,
-                            max_tokens=prompt.max_tokens, ignore_eos=sampling.ignore_eos, speculation=speculation,
-                            cache_salt=cache_salt)
+    return generate_request(
+        text,
+        messages=messages,
+        temperature=sampling.temperature,
+        seed=sampling.seed + index,
+        max_tokens=prompt.max_tokens,
+        ignore_eos=sampling.ignore_eos,
+        speculation=speculation,
+        cache_salt=cache_salt,
+    )
 
 
-async def stream_one(stub: Any, request: pb.GenerateRequest, timeout_s: float,
-                     metadata: Sequence[tuple[str, str]] | None) -> RequestRecord:
+async def stream_one(
+    stub: Any, request: pb.GenerateRequest, timeout_s: float, metadata: Sequence[tuple[str, str]] | None
+) -> RequestRecord:
     """Send one GenerateStream request and time its chunks. A failed call is a record with its status name."""
     start = time.perf_counter()
     times: list[float] = []
@@ -58,9 +74,17 @@ async def stream_one(stub: Any, request: pb.GenerateRequest, timeout_s: float,
     if last is None or last.finish_reason == pb.FINISH_REASON_ERROR:
         return RequestRecord(e2el=e2el, error="FINISH_REASON_ERROR" if last is not None else "EMPTY_STREAM")
     stats = last.speculation
-    return RequestRecord(chunk_times=tuple(times), chunk_tokens=tuple(tokens), e2el=e2el,
-                         prompt_tokens=last.usage.prompt_tokens, cached_tokens=last.usage.cached_tokens,
-                         text="".join(text), rounds=stats.rounds, proposed=stats.proposed, accepted=stats.accepted)
+    return RequestRecord(
+        chunk_times=tuple(times),
+        chunk_tokens=tuple(tokens),
+        e2el=e2el,
+        prompt_tokens=last.usage.prompt_tokens,
+        cached_tokens=last.usage.cached_tokens,
+        text="".join(text),
+        rounds=stats.rounds,
+        proposed=stats.proposed,
+        accepted=stats.accepted,
+    )
 
 
 def inter_arrival_times(rate: float, burstiness: float, seed: int) -> Iterator[float]:
@@ -72,8 +96,9 @@ def inter_arrival_times(rate: float, burstiness: float, seed: int) -> Iterator[f
         yield 0.0 if math.isinf(rate) else float(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
 
 
-async def closed_loop(send: Send, concurrency: int, num_requests: int | None, deadline: float | None,
-                      on_done: Callable[[], None]) -> list[RequestRecord]:
+async def closed_loop(
+    send: Send, concurrency: int, num_requests: int | None, deadline: float | None, on_done: Callable[[], None]
+) -> list[RequestRecord]:
     """Keep `concurrency` requests in flight: each finished one is replaced at once, until `num_requests` were
     sent or `deadline` (perf_counter seconds) has passed; in-flight requests then finish."""
     indices = itertools.count()  # shared by the workers: one event loop, so no lock
@@ -91,8 +116,9 @@ async def closed_loop(send: Send, concurrency: int, num_requests: int | None, de
     return records
 
 
-async def open_loop(send: Send, gaps: Iterator[float], num_requests: int | None, deadline: float | None,
-                    on_done: Callable[[], None]) -> list[RequestRecord]:
+async def open_loop(
+    send: Send, gaps: Iterator[float], num_requests: int | None, deadline: float | None, on_done: Callable[[], None]
+) -> list[RequestRecord]:
     """Send request i at its arrival time, whatever is still in flight; the first goes at once. Stops sending
     after `num_requests` or at `deadline`; in-flight requests then finish."""
     tasks: list[asyncio.Task] = []
@@ -130,8 +156,9 @@ class Concurrency:
     def min_requests(self) -> int:
         return self.value
 
-    async def drive(self, send: Send, num_requests: int | None, deadline: float | None,
-                    on_done: Callable[[], None]) -> list[RequestRecord]:
+    async def drive(
+        self, send: Send, num_requests: int | None, deadline: float | None, on_done: Callable[[], None]
+    ) -> list[RequestRecord]:
         return await closed_loop(send, self.value, num_requests, deadline, on_done)
 
 
@@ -156,8 +183,9 @@ class RequestRate:
     def min_requests(self) -> int:
         return 0
 
-    async def drive(self, send: Send, num_requests: int | None, deadline: float | None,
-                    on_done: Callable[[], None]) -> list[RequestRecord]:
+    async def drive(
+        self, send: Send, num_requests: int | None, deadline: float | None, on_done: Callable[[], None]
+    ) -> list[RequestRecord]:
         gaps = inter_arrival_times(self.value, self.burstiness, self.seed)
         return await open_loop(send, gaps, num_requests, deadline, on_done)
 

@@ -8,8 +8,9 @@ import argparse
 import asyncio
 import math
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, Coroutine
+from typing import Any
 
 from specdec_tools.loadgen.transport import PROTOCOLS, Unreachable
 from specdec_tools.reports import write_report
@@ -18,12 +19,20 @@ from specdec_tools.reports import write_report
 def add_server_command(modes: Any, name: str, help: str, description: str) -> argparse.ArgumentParser:
     """The subcommand `name` of `modes`, with the server's flags: --address, --protocol, --timeout, --auth-token
     (where the server is, which API, and how each request goes)."""
-    parser = modes.add_parser(name, help=help, description=description,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--address", required=True,
-                        help="HOST:PORT of the server's gRPC endpoint, or of its HTTP API with --protocol openai")
-    parser.add_argument("--protocol", choices=PROTOCOLS, default="grpc",
-                        help="grpc: GenerateStream; openai: streamed /v1/chat/completions")
+    parser = modes.add_parser(
+        name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--address",
+        required=True,
+        help="HOST:PORT of the server's gRPC endpoint, or of its HTTP API with --protocol openai",
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="grpc",
+        help="grpc: GenerateStream; openai: streamed /v1/chat/completions",
+    )
     parser.add_argument("--timeout", type=positive(float), default=600.0, help="seconds per request")
     parser.add_argument("--auth-token", default=None, help="sent as `authorization: Bearer TOKEN`")
     return parser
@@ -36,8 +45,11 @@ def positive(kind: type) -> Any:
         except ValueError:
             value = None
         if value is None or not value > 0 or (kind is float and math.isinf(value)):
-            raise argparse.ArgumentTypeError(f"must be a positive {'integer' if kind is int else 'number'}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"must be a positive {'integer' if kind is int else 'number'}, got {text!r}"
+            )
         return value
+
     return parse
 
 

@@ -17,8 +17,8 @@ Names follow `vllm bench serve` where they overlap. Definitions (every time is m
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -132,15 +132,18 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slos_ms: Mapp
     figures["request_goodput"] = per_s(figures["good_requests"])
     figures.update(distribution_ms((r.ttft for r in done if r.ttft is not None), "ttft"))
     figures.update(distribution_ms((r.tpot for r in done if r.tpot is not None), "tpot"))
-    figures.update(distribution_ms((x for r in done for x in inter_token_latencies(r.chunk_times, r.chunk_tokens)),
-                                   "itl"))
+    figures.update(
+        distribution_ms((x for r in done for x in inter_token_latencies(r.chunk_times, r.chunk_tokens)), "itl")
+    )
     figures.update(distribution_ms((r.e2el for r in done), "e2el"))
-    figures.update({
-        "rounds": rounds,
-        "proposed": proposed,
-        "accepted": accepted,
-        "acceptance_rate": accepted / proposed if proposed else 0.0,
-        # The first token of a request comes from prefill, not from a round.
-        "mean_tokens_per_round": (output_tokens - len(done)) / rounds if rounds else 0.0,
-    })
+    figures.update(
+        {
+            "rounds": rounds,
+            "proposed": proposed,
+            "accepted": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            # The first token of a request comes from prefill, not from a round.
+            "mean_tokens_per_round": (output_tokens - len(done)) / rounds if rounds else 0.0,
+        }
+    )
     return figures

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import aiohttp
 
@@ -26,8 +27,16 @@ def base_url(address: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
-def chat_body(model: str, prompt: Prompt, index: int, sampling: Sampling, speculation: Speculation, *,
-              history: Sequence[tuple[str, str]] = (), cache_salt: str = "") -> dict[str, Any]:
+def chat_body(
+    model: str,
+    prompt: Prompt,
+    index: int,
+    sampling: Sampling,
+    speculation: Speculation,
+    *,
+    history: Sequence[tuple[str, str]] = (),
+    cache_salt: str = "",
+) -> dict[str, Any]:
     """Request `index` as a streamed chat completion: the (role, content) messages of `history`, then the prompt as
     a user turn; the same request as loadgen.client.build_request over gRPC."""
     body: dict[str, Any] = {
@@ -58,7 +67,7 @@ class OpenAIClient:
         self.session: aiohttp.ClientSession | None = None
         self.model = ""
 
-    async def __aenter__(self) -> "OpenAIClient":
+    async def __aenter__(self) -> OpenAIClient:
         self.session = aiohttp.ClientSession(headers=self.headers, timeout=self.timeout)
         return self
 
@@ -94,9 +103,11 @@ class OpenAIClient:
                     line = raw.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    event = json.loads(line[len("data: "):])
+                    event = json.loads(line[len("data: ") :])
                     if "error" in event:
-                        return RequestRecord(e2el=time.perf_counter() - start, error=event["error"].get("type", "error"))
+                        return RequestRecord(
+                            e2el=time.perf_counter() - start, error=event["error"].get("type", "error")
+                        )
                     choices = event.get("choices", [])
                     ids = [t for choice in choices for t in choice.get("token_ids", ())]
                     text.extend(choice.get("delta", {}).get("content") or "" for choice in choices)
@@ -111,8 +122,14 @@ class OpenAIClient:
         if final is None:
             return RequestRecord(e2el=e2el, error="NO_USAGE_CHUNK")
         spec, usage = final.get("speculation", {}), final["usage"]
-        return RequestRecord(chunk_times=tuple(times), chunk_tokens=tuple(tokens), e2el=e2el,
-                             prompt_tokens=usage["prompt_tokens"],
-                             cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-                             text="".join(text), rounds=spec.get("rounds", 0), proposed=spec.get("proposed", 0),
-                             accepted=spec.get("accepted", 0))
+        return RequestRecord(
+            chunk_times=tuple(times),
+            chunk_tokens=tuple(tokens),
+            e2el=e2el,
+            prompt_tokens=usage["prompt_tokens"],
+            cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+            text="".join(text),
+            rounds=spec.get("rounds", 0),
+            proposed=spec.get("proposed", 0),
+            accepted=spec.get("accepted", 0),
+        )

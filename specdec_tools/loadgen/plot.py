@@ -17,8 +17,10 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     from matplotlib.figure import Figure
 
     # A request rate of "inf" has no place on an axis.
-    placed = {kind: sorted((p for p in report["points"] if isinstance(p.get(kind), (int, float))), key=lambda p: p[kind])
-              for kind in KINDS}
+    placed = {
+        kind: sorted((p for p in report["points"] if isinstance(p.get(kind), (int, float))), key=lambda p: p[kind])
+        for kind in KINDS
+    }
     kinds = [kind for kind in KINDS if placed[kind]] or list(KINDS)[:1]
     figure = Figure(figsize=(11, 4 * len(kinds)), layout="constrained")
     FigureCanvasAgg(figure)  # Agg, without pyplot's global state
@@ -42,6 +44,8 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
             if points:
                 ax.set_xticks(loads)
                 ax.legend()
-    figure.suptitle(f"specdec bench serve: {report['address']}, {Path(report['server'].get('target_model') or report['server'].get('id', '')).name}")
+    figure.suptitle(
+        f"specdec bench serve: {report['address']}, {Path(report['server'].get('target_model') or report['server'].get('id', '')).name}"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)

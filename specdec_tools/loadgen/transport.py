@@ -6,8 +6,9 @@ The clients that use it (`bench serve`, `bench sessions`) thus never know which 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Protocol, Sequence
+from typing import Any, Protocol
 
 import grpc
 
@@ -21,8 +22,16 @@ class Unreachable(Exception):
 
 
 class Send(Protocol):
-    def __call__(self, prompt: Prompt, index: int, sampling: Sampling, speculation: Speculation, *,
-                 history: Sequence[tuple[str, str]] = (), cache_salt: str = "") -> Awaitable[RequestRecord]:
+    def __call__(
+        self,
+        prompt: Prompt,
+        index: int,
+        sampling: Sampling,
+        speculation: Speculation,
+        *,
+        history: Sequence[tuple[str, str]] = (),
+        cache_salt: str = "",
+    ) -> Awaitable[RequestRecord]:
         """Request `index` (its seed is sampling.seed + index): `prompt` as a user turn after the (role, content)
         messages of `history`, in the prefix-cache namespace `cache_salt` (empty: the shared one), streamed and
         timed. A failed request is a record with its error, never an exception."""
@@ -42,11 +51,19 @@ async def _grpc(address: str, auth_token: str | None, timeout_s: float) -> Async
         try:
             info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=min(timeout_s, 30.0), metadata=metadata)
         except grpc.aio.AioRpcError as exc:
-            raise Unreachable(f"--address {address}: GetModelInfo failed ({exc.code().name}: "
-                              f"{exc.details()})") from None
+            raise Unreachable(
+                f"--address {address}: GetModelInfo failed ({exc.code().name}: {exc.details()})"
+            ) from None
 
-        async def send(prompt: Prompt, index: int, sampling: Sampling, speculation: Speculation, *,
-                       history: Sequence[tuple[str, str]] = (), cache_salt: str = "") -> RequestRecord:
+        async def send(
+            prompt: Prompt,
+            index: int,
+            sampling: Sampling,
+            speculation: Speculation,
+            *,
+            history: Sequence[tuple[str, str]] = (),
+            cache_salt: str = "",
+        ) -> RequestRecord:
             request = build_request(prompt, index, sampling, speculation, history=history, cache_salt=cache_salt)
             return await stream_one(stub, request, timeout_s, metadata)
 
@@ -63,8 +80,15 @@ async def _openai(address: str, auth_token: str | None, timeout_s: float) -> Asy
         except Exception as exc:
             raise Unreachable(f"--address {address}: GET /v1/models failed ({exc})") from None
 
-        async def send(prompt: Prompt, index: int, sampling: Sampling, speculation: Speculation, *,
-                       history: Sequence[tuple[str, str]] = (), cache_salt: str = "") -> RequestRecord:
+        async def send(
+            prompt: Prompt,
+            index: int,
+            sampling: Sampling,
+            speculation: Speculation,
+            *,
+            history: Sequence[tuple[str, str]] = (),
+            cache_salt: str = "",
+        ) -> RequestRecord:
             body = chat_body(client.model, prompt, index, sampling, speculation, history=history, cache_salt=cache_salt)
             return await client.stream_one(body)
 
@@ -76,8 +100,9 @@ TRANSPORTS = {"grpc": _grpc, "openai": _openai}
 PROTOCOLS = tuple(TRANSPORTS)
 
 
-def connect(protocol: str, address: str, auth_token: str | None,
-            timeout_s: float) -> AbstractAsyncContextManager[tuple[dict[str, Any], Send]]:
+def connect(
+    protocol: str, address: str, auth_token: str | None, timeout_s: float
+) -> AbstractAsyncContextManager[tuple[dict[str, Any], Send]]:
     """`async with connect(...) as (server, send)`: `server` is what the server says it serves (GetModelInfo as a
     dict, or the model's card from GET /v1/models); raises Unreachable when it does not answer. The token goes as
     `authorization: Bearer TOKEN` (gRPC metadata or HTTP header); `timeout_s` bounds each request."""

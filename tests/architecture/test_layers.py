@@ -27,8 +27,14 @@ def tree(tmp_path_factory) -> Path:
 
 def lint(root: Path) -> subprocess.CompletedProcess:
     # Run from the copy with it first on the path, so the copy's modules are the ones analysed.
-    return subprocess.run([str(LINT), "--no-cache"], cwd=root, capture_output=True, text=True, timeout=300,
-                          env={"PYTHONPATH": str(root), "PATH": ""})
+    return subprocess.run(
+        [str(LINT), "--no-cache"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(root), "PATH": ""},
+    )
 
 
 def scratch(root: Path, module: str, source: str):
@@ -43,13 +49,16 @@ def test_the_checkout_keeps_every_contract(tree):
     assert "0 broken" in result.stdout
 
 
-@pytest.mark.parametrize(("module", "source", "broken"), [
-    ("specdec_core.scratch_upward", "import deployments.router\n", "Layers"),
-    ("deployments.scratch_upward", "from specdec_tools import cli\n", "Layers"),
-    ("specdec_core.scratch_grpc", "import grpc\n", "The engine is pure"),
-    # build imports kernels.cpu: kernels importing build back closes a cycle
-    ("specdec_core.kernels.scratch_cycle", "import specdec_core.build\n", "No import cycles"),
-])
+@pytest.mark.parametrize(
+    ("module", "source", "broken"),
+    [
+        ("specdec_core.scratch_upward", "import deployments.router\n", "Layers"),
+        ("deployments.scratch_upward", "from specdec_tools import cli\n", "Layers"),
+        ("specdec_core.scratch_grpc", "import grpc\n", "The engine is pure"),
+        # build imports kernels.cpu: kernels importing build back closes a cycle
+        ("specdec_core.kernels.scratch_cycle", "import specdec_core.build\n", "No import cycles"),
+    ],
+)
 def test_a_scratch_import_breaks_a_contract(tree, module, source, broken):
     path = scratch(tree, module, source)
     try:

@@ -71,26 +71,52 @@ def stack(tiny_dir, near_draft_dir):
 
     from deployments import worker_registry as registry
     from deployments.app import build_app, limit_public_messages
-    from deployments.serve_config import parse_config
     from deployments.launch import start_serve
+    from deployments.serve_config import parse_config
     from tests.conftest import free_port
 
     limit_public_messages()  # the proxies started below inherit it
     cluster = Cluster(initialize_head=True, head_node_args=ROLES["head"])
-    config = parse_config({
-        "app_name": APP,
-        "grpc_port": free_port(),
-        "http_port": free_port(),
-        # One machine: proxies on every node would all want the same ports.
-        "proxy_location": "HeadOnly",
-        "target": {"model": str(tiny_dir / "target"), "dtype": "float32", "num_cpus": 1, "threads": 1,
-                   "max_sequences": 4, "tensor_parallel_size": 2, "placement_strategy": "STRICT_SPREAD",
-                   "resources": {"target_node": 1}, "socket_ifname": "lo"},
-        "draft": {"method": "draft_model", "model": str(near_draft_dir), "dtype": "float32", "num_cpus": 1,
-                  "threads": 1, "max_sequences": 4, "num_speculative_tokens": 3, "resources": {"draft_node": 1}},
-        "router": {"num_cpus": 0.5, "resources": {"router_node": 1}, "max_seq_len": 512, "default_max_tokens": 16,
-                   "rpc_timeout_s": RPC_TIMEOUT_S, "draft_timeout_s": 2, "worker_refresh_s": 1, "calibrate": False},
-    })
+    config = parse_config(
+        {
+            "app_name": APP,
+            "grpc_port": free_port(),
+            "http_port": free_port(),
+            # One machine: proxies on every node would all want the same ports.
+            "proxy_location": "HeadOnly",
+            "target": {
+                "model": str(tiny_dir / "target"),
+                "dtype": "float32",
+                "num_cpus": 1,
+                "threads": 1,
+                "max_sequences": 4,
+                "tensor_parallel_size": 2,
+                "placement_strategy": "STRICT_SPREAD",
+                "resources": {"target_node": 1},
+                "socket_ifname": "lo",
+            },
+            "draft": {
+                "method": "draft_model",
+                "model": str(near_draft_dir),
+                "dtype": "float32",
+                "num_cpus": 1,
+                "threads": 1,
+                "max_sequences": 4,
+                "num_speculative_tokens": 3,
+                "resources": {"draft_node": 1},
+            },
+            "router": {
+                "num_cpus": 0.5,
+                "resources": {"router_node": 1},
+                "max_seq_len": 512,
+                "default_max_tokens": 16,
+                "rpc_timeout_s": RPC_TIMEOUT_S,
+                "draft_timeout_s": 2,
+                "worker_refresh_s": 1,
+                "calibrate": False,
+            },
+        }
+    )
     stack = Stack(cluster, cluster.head_node.node_id, f"127.0.0.1:{config.grpc_port}", config)
     try:
         for role in ("draft", "target", "target"):

@@ -41,8 +41,9 @@ def plain(tiny_dir):
 
 
 def request(prompt: list[int], max_tokens: int, k: int = K) -> pb.GenerateRequest:
-    message = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens,
-                                                                                      ignore_eos=True))
+    message = pb.GenerateRequest(
+        prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
     message.speculation.num_speculative_tokens = k
     return message
 
@@ -52,9 +53,13 @@ def placement() -> dict[str, list[dict]]:
     roles: dict[str, list[dict]] = {"router": [], "draft": [], "target": [], "rank": [], "proxy": [], "registry": []}
     for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000, raise_on_missing_output=False):
         name, entry = actor.name or "", {"node_id": actor.node_id, "pid": actor.pid, "name": actor.name}
-        for role, part in (("router", f"{APP}#Router"), ("draft", f"{APP}#DraftWorker#"),
-                           ("target", f"{APP}#TargetWorker#"), ("rank", "specdec-target-rank-"),
-                           ("registry", "specdec-registry")):
+        for role, part in (
+            ("router", f"{APP}#Router"),
+            ("draft", f"{APP}#DraftWorker#"),
+            ("target", f"{APP}#TargetWorker#"),
+            ("rank", "specdec-target-rank-"),
+            ("registry", "specdec-registry"),
+        ):
             if part in name:
                 roles[role].append(entry)
         if actor.class_name == "ProxyActor":
@@ -101,6 +106,7 @@ def sessions_held(config) -> dict[str, int]:
 
 def assert_idle(config) -> None:
     """Every answering worker, one of each kind at least, ends with no session."""
+
     def idle():
         held = sessions_held(config)
         kinds = {name.split()[0] for name in held}
@@ -163,8 +169,9 @@ def test_losing_the_draft_node_costs_speculation_not_the_stream(stack, generatio
     assert_idle(stack.config)
 
 
-def test_losing_a_target_rank_node_fails_its_requests_in_time_then_a_new_replica_serves(stack, generation, plain,
-                                                                                       record_property):
+def test_losing_a_target_rank_node_fails_its_requests_in_time_then_a_new_replica_serves(
+    stack, generation, plain, record_property
+):
     prompt = list(range(30, 50))
     (rank,) = placement()["rank"]
     (replica,) = placement()["target"]
@@ -195,7 +202,9 @@ def test_losing_a_target_rank_node_fails_its_requests_in_time_then_a_new_replica
 
     response = until("a request served by a replacement target replica", serving)
     assert list(response.token_ids) == plain([5, 6, 7, 8], 12)
-    until("Serve stopped the replica that lost its rank",
-          lambda: replica["name"] not in [a["name"] for a in placement()["target"]])
+    until(
+        "Serve stopped the replica that lost its rank",
+        lambda: replica["name"] not in [a["name"] for a in placement()["target"]],
+    )
     assert sorted(nodes_of("target") + nodes_of("rank")) == sorted([survivor, joined])
     assert_idle(stack.config)

@@ -12,6 +12,7 @@ from specdec_core.config import SamplingParams
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.engine import SpecEngine
 from specdec_core.grammar.compiler import GrammarCompiler
+from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
 
@@ -32,8 +33,11 @@ def target_servicer(pair, name="target"):
 def draft_servicer(pair, cls=DraftServicer, name="draft", grammars=True):
     target = pair[0]
     compiler = GrammarCompiler(target.tokenizer, target.model.vocab_size, sorted(target.eos_token_ids))
-    return cls(DraftModelDrafter(ModelRunner(pair[1].model, RUNNER), target.model.vocab_size), name,
-               grammars=compiler if grammars else None)
+    return cls(
+        DraftModelDrafter(ModelRunner(pair[1].model, RUNNER), target.model.vocab_size),
+        name,
+        grammars=compiler if grammars else None,
+    )
 
 
 def remote_engine(pair, target_addresses, draft_addresses, draft_timeout_s=30.0):
@@ -64,7 +68,7 @@ def structured_run(target, engine, params, k):
     """The structured prompts through `engine` under `params`: {id: (tokens, text, last output)}, and every round."""
     requests = [(str(i), target.tokenizer(p)["input_ids"], params, k) for i, p in enumerate(STRUCTURED_PROMPTS)]
     for request_id, prompt, p, kk in requests:
-        engine.add_request(request_id, prompt, p, kk)
+        engine.add_request(Request(request_id, tuple(prompt), p, num_speculative_tokens=kk))
     results, rounds = {r[0]: ([], "", None) for r in requests}, {r[0]: [] for r in requests}
     while engine.has_work:
         for out in engine.step():

@@ -48,8 +48,9 @@ def _rounds(watch: AcceptanceWatch, variant: str, n: int, rate: float, rng: rand
         accepted = 0
         while accepted < K and rng.random() < rate:
             accepted += 1
-        watch.record(RoundSample(variant=variant, k=K, proposed=K, accepted=accepted, committed=accepted + 1,
-                                 seconds=0.1))
+        watch.record(
+            RoundSample(variant=variant, k=K, proposed=K, accepted=accepted, committed=accepted + 1, seconds=0.1)
+        )
 
 
 RULE = Demotion(metric="either", margin=0.1, window_rounds=1000, min_rounds=200, consecutive_checks=3)
@@ -107,8 +108,11 @@ def test_the_configured_metric_is_the_one_judged(metric, demoted):
     for variant, seconds in (("control", 0.1), ("candidate", 0.2)):
         for _ in range(400):
             accepted = rng.randint(0, K)
-            watch.record(RoundSample(variant=variant, k=K, proposed=K, accepted=accepted, committed=accepted + 1,
-                                     seconds=seconds))
+            watch.record(
+                RoundSample(
+                    variant=variant, k=K, proposed=K, accepted=accepted, committed=accepted + 1, seconds=seconds
+                )
+            )
     rule = Demotion(metric=metric, margin=0.1, window_rounds=1000, min_rounds=200)
     verdict = judge(watch.snapshot("candidate"), watch.snapshot("control"), rule)
     assert verdict is not None and verdict.worse is demoted
@@ -131,13 +135,17 @@ def served_ab(served, tmp_path_factory):
     address, base = served
     directory = tmp_path_factory.mktemp("ab-proposals")
     draft = base.draft.model_dump(mode="json")
-    config = parse_config({
-        **{k: v for k, v in base.model_dump(mode="json").items() if k != "draft"},
-        "app_name": APP,
-        "drafts": [{**draft, "name": "model", "num_replicas": 1, "weight": 1},
-                   {"name": "lookup", "method": "ngram", "num_speculative_tokens": 3, "weight": 1}],
-        "proposal_log": {"directory": str(directory), "sample_rate": 1.0},
-    })
+    config = parse_config(
+        {
+            **{k: v for k, v in base.model_dump(mode="json").items() if k != "draft"},
+            "app_name": APP,
+            "drafts": [
+                {**draft, "name": "model", "num_replicas": 1, "weight": 1},
+                {"name": "lookup", "method": "ngram", "num_speculative_tokens": 3, "weight": 1},
+            ],
+            "proposal_log": {"directory": str(directory), "sample_rate": 1.0},
+        }
+    )
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     yield address, directory, config
     serve.delete(APP)
@@ -158,32 +166,52 @@ def test_served_variants_each_draft_and_are_named_in_responses_and_the_log(serve
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=60)
-        assert {(v.name, v.method, v.control) for v in info.draft_variants} == {("model", "draft_model", True),
-                                                                               ("lookup", "ngram", False)}
+        assert {(v.name, v.method, v.control) for v in info.draft_variants} == {
+            ("model", "draft_model", True),
+            ("lookup", "ngram", False),
+        }
         variants = {}
         for variant in ("model", "lookup"):
-            request = pb.GenerateRequest(request_id=f"ab-{variant}", prompt_token_ids=prompt, draft_variant=variant,
-                                         sampling=pb.SamplingParams(max_tokens=16, ignore_eos=True))
+            request = pb.GenerateRequest(
+                request_id=f"ab-{variant}",
+                prompt_token_ids=prompt,
+                draft_variant=variant,
+                sampling=pb.SamplingParams(max_tokens=16, ignore_eos=True),
+            )
             response = stub.Generate(request, metadata=metadata, timeout=120)
             variants[variant] = response
             assert response.speculation.draft_variant == variant
         assert list(variants["model"].token_ids) == list(variants["lookup"].token_ids)  # greedy: the target's
-        unary = [stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=2)),
-                               metadata=metadata, timeout=120).speculation.draft_variant for _ in range(16)]
+        unary = [
+            stub.Generate(
+                pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=2)),
+                metadata=metadata,
+                timeout=120,
+            ).speculation.draft_variant
+            for _ in range(16)
+        ]
         assert set(unary) == {"model", "lookup"}  # 1 : 1; both drawn in 16 but for 2 ** -15 of runs
     deadline = time.monotonic() + 30
     while True:
-        records = {r["request_id"]: r for r in read_records([directory / "proposals.jsonl"])
-                   if r["request_id"].startswith("ab-")} if (directory / "proposals.jsonl").exists() else {}
+        records = (
+            {
+                r["request_id"]: r
+                for r in read_records([directory / "proposals.jsonl"])
+                if r["request_id"].startswith("ab-")
+            }
+            if (directory / "proposals.jsonl").exists()
+            else {}
+        )
         if len(records) == 2 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert {rid: (r["draft_variant"], r["method"]) for rid, r in records.items()} == {
-        "ab-model": ("model", "draft_model"), "ab-lookup": ("lookup", "ngram")}
+        "ab-model": ("model", "draft_model"),
+        "ab-lookup": ("lookup", "ngram"),
+    }
 
 
-def test_served_weights_and_models_change_by_a_config_update_without_restarting_a_replica(served_ab,
-                                                                                          tmp_path_factory):
+def test_served_weights_and_models_change_by_a_config_update_without_restarting_a_replica(served_ab, tmp_path_factory):
     """Promotion (or demotion) by config, and a variant's hot swap: a redeploy that changes only weights and a
     variant's checkpoint reconfigures the routers and that variant's draft workers in place."""
     import grpc
@@ -204,7 +232,8 @@ def test_served_weights_and_models_change_by_a_config_update_without_restarting_
     def variants():
         with grpc.insecure_channel(address) as channel:
             info = pb_grpc.GenerationServiceStub(channel).GetModelInfo(
-                pb.GetModelInfoRequest(), metadata=[("application", APP)], timeout=60)
+                pb.GetModelInfoRequest(), metadata=[("application", APP)], timeout=60
+            )
         return {v.name: (v.model, v.weight) for v in info.draft_variants}
 
     old = config.variant("model").model

@@ -125,8 +125,14 @@ def test_sessions_stick_to_one_draft_replica_and_spread_over_both(stub, served):
         (pb.GenerateRequest(prompt_token_ids=[1, 99999]), "prompt_token_ids"),
         (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=-0.5)), "sampling.temperature"),
         (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=0.0)), "sampling.top_p"),
-        (pb.GenerateRequest(prompt_token_ids=list(range(5, 205)), sampling=pb.SamplingParams(max_tokens=100)), "sampling.max_tokens"),
-        (pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(num_speculative_tokens=99)), "speculation.num_speculative_tokens"),
+        (
+            pb.GenerateRequest(prompt_token_ids=list(range(5, 205)), sampling=pb.SamplingParams(max_tokens=100)),
+            "sampling.max_tokens",
+        ),
+        (
+            pb.GenerateRequest(prompt="hi", speculation=pb.SpeculationOptions(num_speculative_tokens=99)),
+            "speculation.num_speculative_tokens",
+        ),
     ],
 )
 def test_bad_input_is_invalid_argument_naming_the_field(stub, message, field):
@@ -152,11 +158,17 @@ def test_metrics_reach_the_prometheus_endpoint(stub, ray_cluster):
     for _ in range(2):
         stub.Generate(request(list(range(30, 50)), k=3, max_tokens=12, ignore_eos=True), timeout=120)
     port = next(n["MetricsExportPort"] for n in ray_cluster.nodes() if n["Alive"])
-    wanted = ("ray_specdec_acceptance_rate_bucket", "ray_gen_ai_server_time_to_first_token_bucket",
-              "ray_specdec_requests", "ray_specdec_accepted_tokens_per_round_bucket",
-              # the workers' prefix caches: the second request found the first one's prompt
-              "ray_specdec_prefix_cache_queried_tokens", "ray_specdec_prefix_cache_hit_tokens",
-              "ray_specdec_prefix_cache_bytes", "ray_specdec_prefix_cache_entries")
+    wanted = (
+        "ray_specdec_acceptance_rate_bucket",
+        "ray_gen_ai_server_time_to_first_token_bucket",
+        "ray_specdec_requests",
+        "ray_specdec_accepted_tokens_per_round_bucket",
+        # the workers' prefix caches: the second request found the first one's prompt
+        "ray_specdec_prefix_cache_queried_tokens",
+        "ray_specdec_prefix_cache_hit_tokens",
+        "ray_specdec_prefix_cache_bytes",
+        "ray_specdec_prefix_cache_entries",
+    )
     latencies = ("ray_specdec_draft_latency_seconds", "ray_specdec_verify_latency_seconds")
     deadline = time.monotonic() + 60
     text = ""

@@ -53,8 +53,11 @@ def test_the_serve_options_are_serves_own_and_name_the_session_policy():
     fixed = serve_options(_config(num_replicas=2, drain_timeout_s=30).target)
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
     assert fixed["graceful_shutdown_timeout_s"] > 30  # Serve kills a stopping replica only after the drain
-    options = serve_options(_config(autoscaling={"min_replicas": 1, "max_replicas": 3, "upscale_delay_s": 2,
-                                                 "target_sessions_per_replica": 5}).target)
+    options = serve_options(
+        _config(
+            autoscaling={"min_replicas": 1, "max_replicas": 3, "upscale_delay_s": 2, "target_sessions_per_replica": 5}
+        ).target
+    )
     assert "num_replicas" not in options
     serve_config = AutoscalingConfig(**options["autoscaling_config"])  # Serve validates it
     assert (serve_config.min_replicas, serve_config.max_replicas, serve_config.upscale_delay_s) == (1, 3, 2)
@@ -86,11 +89,24 @@ def _context(metrics, target_num_replicas=2):
     """A context as Serve's controller builds it for a deployment's policy."""
     replicas = sorted({r for by_replica in metrics.values() for r in by_replica})
     return AutoscalingContext(
-        deployment_id=None, deployment_name="TargetWorker", app_name="a", current_num_replicas=len(replicas),
-        target_num_replicas=target_num_replicas, running_replicas=replicas, total_num_requests=0.0,
-        total_queued_requests=0.0, aggregated_metrics=metrics, raw_metrics={}, capacity_adjusted_min_replicas=1,
-        capacity_adjusted_max_replicas=8, policy_state={}, last_scale_up_time=None, last_scale_down_time=None,
-        current_time=0.0, config=None)
+        deployment_id=None,
+        deployment_name="TargetWorker",
+        app_name="a",
+        current_num_replicas=len(replicas),
+        target_num_replicas=target_num_replicas,
+        running_replicas=replicas,
+        total_num_requests=0.0,
+        total_queued_requests=0.0,
+        aggregated_metrics=metrics,
+        raw_metrics={},
+        capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=8,
+        policy_state={},
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=0.0,
+        config=None,
+    )
 
 
 def test_the_policy_serve_unpickles_reads_what_the_replicas_report():
@@ -126,20 +142,37 @@ def scaling_app(served):
     from deployments.app import build_app
 
     address, base = served
-    fast = {"min_replicas": 1, "upscale_delay_s": 1, "downscale_delay_s": 3, "look_back_period_s": 2,
-            "metrics_interval_s": 0.5}
+    fast = {
+        "min_replicas": 1,
+        "upscale_delay_s": 1,
+        "downscale_delay_s": 3,
+        "look_back_period_s": 2,
+        "metrics_interval_s": 0.5,
+    }
     worker = {"max_sequences": SLOTS_PER_REPLICA, "num_cpus": 0.5, "threads": 1, "drain_timeout_s": 60}
-    config = parse_config({
-        **base.model_dump(mode="json"),
-        "app_name": APP,
-        "target": {**base.target.model_dump(mode="json"), **worker,
-                   "autoscaling": {**fast, "max_replicas": 3, "target_sessions_per_replica": 4}},
-        "draft": {**base.draft.model_dump(mode="json"), **worker,
-                  "autoscaling": {**fast, "max_replicas": 2, "target_sessions_per_replica": 2.5}},
-        # Requests wait for a slot while replicas start: longer than a start takes here.
-        "router": {**base.router.model_dump(mode="json"), "worker_refresh_s": 1, "calibrate": False,
-                   "queue_timeout_s": 300},
-    })
+    config = parse_config(
+        {
+            **base.model_dump(mode="json"),
+            "app_name": APP,
+            "target": {
+                **base.target.model_dump(mode="json"),
+                **worker,
+                "autoscaling": {**fast, "max_replicas": 3, "target_sessions_per_replica": 4},
+            },
+            "draft": {
+                **base.draft.model_dump(mode="json"),
+                **worker,
+                "autoscaling": {**fast, "max_replicas": 2, "target_sessions_per_replica": 2.5},
+            },
+            # Requests wait for a slot while replicas start: longer than a start takes here.
+            "router": {
+                **base.router.model_dump(mode="json"),
+                "worker_refresh_s": 1,
+                "calibrate": False,
+                "queue_timeout_s": 300,
+            },
+        }
+    )
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     yield address, config
     serve.delete(APP)
@@ -160,16 +193,19 @@ def greedy_reference(tiny_dir):
 def _request(stream: int, index: int):
     from specdec.v1 import generation_pb2 as pb
 
-    message = pb.GenerateRequest(prompt_token_ids=PROMPTS[(stream + index) % len(PROMPTS)],
-                                 sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
-                                 cache_salt=f"{stream}-{index}")  # no prefix shared: sessions spread by load
+    message = pb.GenerateRequest(
+        prompt_token_ids=PROMPTS[(stream + index) % len(PROMPTS)],
+        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+        cache_salt=f"{stream}-{index}",
+    )  # no prefix shared: sessions spread by load
     message.speculation.num_speculative_tokens = 3
     return message
 
 
 @pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")  # Serve's, at every status
-def test_workers_scale_up_under_load_and_drain_down_after_with_every_request_exact(scaling_app, greedy_reference,
-                                                                                   capsys):
+def test_workers_scale_up_under_load_and_drain_down_after_with_every_request_exact(
+    scaling_app, greedy_reference, capsys
+):
     from specdec.v1 import generation_pb2_grpc as pb_grpc
     from specdec_tools.scaling import ScalingTimeline, StepLoad
 
@@ -182,11 +218,19 @@ def test_workers_scale_up_under_load_and_drain_down_after_with_every_request_exa
         load.set_streams(PEAK_STREAMS)
         peak = timeline.wait_for(lambda s: s.running("target") == 3 and s.running("draft") == 2, 180)
         # On at the peak until every target replica has held sessions, so that the scale-down has some to drain.
-        every = timeline.wait_for(lambda s: len(s.registered["target"]) == 3 and
-                                  all(s.sessions["target"].get(a) for a in s.registered["target"]), 30)
+        every = timeline.wait_for(
+            lambda s: (
+                len(s.registered["target"]) == 3 and all(s.sessions["target"].get(a) for a in s.registered["target"])
+            ),
+            30,
+        )
         load.set_streams(LOW_STREAMS)
-        low = timeline.wait_for(lambda s: (s.running("target"), s.stopping("target"), s.running("draft"),
-                                           s.stopping("draft")) == (1, 0, 1, 0), 180)
+        low = timeline.wait_for(
+            lambda s: (
+                (s.running("target"), s.stopping("target"), s.running("draft"), s.stopping("draft")) == (1, 0, 1, 0)
+            ),
+            180,
+        )
         load.stop()
     finally:
         load.stop()

@@ -34,11 +34,11 @@ def test_bad_requests_name_the_field(request_kwargs, field):
 
 def test_defaults_and_speculation_options():
     call = generation_codec.decode_generate(pb.GenerateRequest(prompt="x"), default_max_tokens=33)
-    assert call.params == SamplingParams(max_tokens=33) and call.num_speculative_tokens is None
+    assert call.request.params == SamplingParams(max_tokens=33) and call.request.num_speculative_tokens is None
     off = pb.GenerateRequest(prompt="x", speculation=pb.SpeculationOptions(num_speculative_tokens=0))
-    assert generation_codec.decode_generate(off, 1).num_speculative_tokens == 0
+    assert generation_codec.decode_generate(off, 1).request.num_speculative_tokens == 0
     auto = pb.GenerateRequest(prompt="x", speculation=pb.SpeculationOptions(adaptive=True))
-    assert generation_codec.decode_generate(auto, 1).num_speculative_tokens == AUTO
+    assert generation_codec.decode_generate(auto, 1).request.num_speculative_tokens == AUTO
 
 
 def test_engine_errors_are_named_as_request_fields():
@@ -50,9 +50,14 @@ def test_engine_errors_are_named_as_request_fields():
 
 
 STRUCTURED = [
-    (pb.StructuredOutput(json_schema='{"type": "integer"}'), Constraint("json_schema", '{"type": "integer"}', compact=True)),
-    (pb.StructuredOutput(json_schema='{"type": "integer"}', lenient_schema=True),
-     Constraint("json_schema", '{"type": "integer"}', strict=False, compact=True)),
+    (
+        pb.StructuredOutput(json_schema='{"type": "integer"}'),
+        Constraint("json_schema", '{"type": "integer"}', compact=True),
+    ),
+    (
+        pb.StructuredOutput(json_schema='{"type": "integer"}', lenient_schema=True),
+        Constraint("json_schema", '{"type": "integer"}', strict=False, compact=True),
+    ),
     (pb.StructuredOutput(json_object=True), Constraint("json_object", compact=True)),
     (pb.StructuredOutput(regex="[a-z]+"), Constraint("regex", "[a-z]+")),
     (pb.StructuredOutput(grammar='start: "yes"'), Constraint("grammar", 'start: "yes"')),
@@ -61,23 +66,25 @@ STRUCTURED = [
 
 @pytest.mark.parametrize("structured, constraint", STRUCTURED)
 def test_structured_output_decodes_to_the_engines_constraint_and_back(structured, constraint):
-    request = pb.GenerateRequest.FromString(
-        pb.GenerateRequest(prompt="x", structured=structured).SerializeToString())
-    params = generation_codec.decode_generate(request, 8).params
+    request = pb.GenerateRequest.FromString(pb.GenerateRequest(prompt="x", structured=structured).SerializeToString())
+    params = generation_codec.decode_generate(request, 8).request.params
     assert params.constraint == constraint
     assert generation_codec.encode_structured(constraint) == structured
-    assert generation_codec.decode_generate(pb.GenerateRequest(prompt="x"), 8).params.constraint is None
+    assert generation_codec.decode_generate(pb.GenerateRequest(prompt="x"), 8).request.params.constraint is None
 
 
-@pytest.mark.parametrize("structured, sampling, field", [
-    (pb.StructuredOutput(), {}, "structured"),
-    (pb.StructuredOutput(lenient_schema=True), {}, "structured"),
-    (pb.StructuredOutput(json_object=False), {}, "structured.json_object"),
-    (pb.StructuredOutput(regex="a", lenient_schema=True), {}, "structured.lenient_schema"),
-    (pb.StructuredOutput(json_schema="  "), {}, "structured.json_schema"),
-    (pb.StructuredOutput(grammar=""), {}, "structured.grammar"),
-    (pb.StructuredOutput(json_object=True), {"ignore_eos": True}, "sampling.ignore_eos"),
-])
+@pytest.mark.parametrize(
+    "structured, sampling, field",
+    [
+        (pb.StructuredOutput(), {}, "structured"),
+        (pb.StructuredOutput(lenient_schema=True), {}, "structured"),
+        (pb.StructuredOutput(json_object=False), {}, "structured.json_object"),
+        (pb.StructuredOutput(regex="a", lenient_schema=True), {}, "structured.lenient_schema"),
+        (pb.StructuredOutput(json_schema="  "), {}, "structured.json_schema"),
+        (pb.StructuredOutput(grammar=""), {}, "structured.grammar"),
+        (pb.StructuredOutput(json_object=True), {"ignore_eos": True}, "sampling.ignore_eos"),
+    ],
+)
 def test_bad_structured_output_is_refused_naming_the_field(structured, sampling, field):
     request = pb.GenerateRequest(prompt="x", structured=structured, sampling=pb.SamplingParams(**sampling))
     with pytest.raises(InvalidArgument) as err:

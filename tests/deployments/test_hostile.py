@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc as pb_grpc
-from specdec_core.config import MAX_SEED, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MIN_TEMPERATURE
 from specdec_core.chat import encode_prompt
+from specdec_core.config import MAX_SEED, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MIN_TEMPERATURE
 from specdec_core.models.loader import load_tokenizer
 from tests.helpers import wait_until_idle
 
@@ -28,8 +28,9 @@ UINT32 = st.integers(0, 2**32 - 1)
 UINT64 = st.integers(0, 2**64 - 1)
 # Every float32, and the edges drawn often: NaN, +-inf, -0, the smallest subnormal, tiny normals, either side of
 # MIN_TEMPERATURE, the largest.
-FLOAT32 = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e-45, 1e-38, 1e-30, 9e-4, 1e-3, 3.4e38]),
-                    st.floats(width=32))
+FLOAT32 = st.one_of(
+    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e-45, 1e-38, 1e-30, 9e-4, 1e-3, 3.4e38]), st.floats(width=32)
+)
 TEXT = st.text(st.characters(codec="utf-8"), max_size=24)  # any code point but surrogates, control chars too
 
 
@@ -43,8 +44,12 @@ TOKEN_IDS = st.one_of(
     st.lists(UINT32, max_size=8),  # far beyond it
     st.lists(st.integers(0, 300), min_size=240, max_size=300),  # about the context's length
 )
-STOP = st.one_of(st.just(""), st.sampled_from([" ", "e", "\n", "the", "<|im_end|>"]), TEXT,
-                 st.builds(_repeat, TEXT.filter(bool), st.integers(250, 300)))
+STOP = st.one_of(
+    st.just(""),
+    st.sampled_from([" ", "e", "\n", "the", "<|im_end|>"]),
+    TEXT,
+    st.builds(_repeat, TEXT.filter(bool), st.integers(250, 300)),
+)
 
 
 # Each field: a cheap valid value, or (when the example picks the field as hostile) any value its wire type allows.
@@ -59,8 +64,10 @@ FIELDS = {
     "seed": (st.one_of(st.none(), st.integers(0, 2**63 - 1)), st.one_of(st.none(), UINT64)),
     "max_tokens": (st.one_of(st.none(), st.integers(1, 8)), st.one_of(st.none(), UINT32)),
     "stop": (st.lists(TEXT.filter(bool), max_size=4), st.lists(STOP, max_size=24)),
-    "speculation": (st.one_of(st.none(), st.integers(0, 8), st.booleans()),
-                    st.one_of(st.none(), UINT32, st.booleans())),
+    "speculation": (
+        st.one_of(st.none(), st.integers(0, 8), st.booleans()),
+        st.one_of(st.none(), UINT32, st.booleans()),
+    ),
 }
 
 
@@ -199,8 +206,14 @@ def still_serving(stub) -> None:
 def test_hostile_requests_get_ok_or_invalid_argument_naming_the_field(server, served):
     seen = Counter()
 
-    @settings(max_examples=80, deadline=None, derandomize=True, database=None, print_blob=False,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+    @settings(
+        max_examples=80,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        print_blob=False,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    )
     @given(msg=requests(), stream=st.booleans())
     @example(msg=_request([5, 6, 7], k=3, temperature=1e-45, max_tokens=4), stream=False)  # logits / T overflow
     @example(msg=_request([5, 6, 7], temperature=1e-38, top_k=5, max_tokens=4), stream=True)
@@ -236,8 +249,11 @@ def test_a_message_over_the_receive_limit_is_resource_exhausted(server):
 
 def _raw_generate(server: Served, payload: bytes) -> tuple[grpc.StatusCode, str]:
     """Generate with `payload` as the request's bytes on the wire, whatever they are."""
-    method = server.channel.unary_unary("/specdec.v1.GenerationService/Generate", request_serializer=bytes,
-                                        response_deserializer=pb.GenerateResponse.FromString)
+    method = server.channel.unary_unary(
+        "/specdec.v1.GenerationService/Generate",
+        request_serializer=bytes,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
     try:
         method(payload, timeout=CALL_TIMEOUT_S)
         return grpc.StatusCode.OK, ""
@@ -249,8 +265,9 @@ NOT_PROTOBUF = b"\xff\xff\xff\xff"
 BAD_UTF8_PROMPT = b"\x12\x02\xff\xfe"  # prompt (field 2): bytes that are not UTF-8
 # The proxy parses the request before any of our code runs: a parse error comes back as UNKNOWN ("Unexpected
 # DecodeError"), not INVALID_ARGUMENT.
-UNPARSED = pytest.mark.xfail(strict=True, raises=AssertionError,
-                             reason="Serve's proxy reports a request that does not parse as UNKNOWN")
+UNPARSED = pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="Serve's proxy reports a request that does not parse as UNKNOWN"
+)
 
 
 @pytest.mark.parametrize("payload", [NOT_PROTOBUF, BAD_UTF8_PROMPT])
@@ -260,9 +277,14 @@ def test_a_request_that_does_not_parse_is_refused_and_the_server_keeps_serving(s
     still_serving(server.stub)
 
 
-@pytest.mark.parametrize("payload", [pytest.param(NOT_PROTOBUF, marks=UNPARSED),
-                                     pytest.param(BAD_UTF8_PROMPT, marks=UNPARSED),
-                                     b"\x1a\x05\xff\xff\xff\xff\x7f"])  # a token id past uint32: truncated
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param(NOT_PROTOBUF, marks=UNPARSED),
+        pytest.param(BAD_UTF8_PROMPT, marks=UNPARSED),
+        b"\x1a\x05\xff\xff\xff\xff\x7f",
+    ],
+)  # a token id past uint32: truncated
 def test_a_malformed_request_is_invalid_argument(server, payload):
     code, details = _raw_generate(server, payload)
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)

@@ -19,6 +19,7 @@ from specdec_core.config import SamplingParams
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
+from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
 from tests.helpers import contrarian, make_engine, perturbed_checkpoint, run_to_completion, serve_pair
 
@@ -40,18 +41,25 @@ def test_only_the_user_config_changes_with_the_draft_model():
 
 
 def _variants(base="a", tuned="b", weights=(3, 1)):
-    return parse_config({"target": {"model": "t"}, "drafts": [
-        {"name": "base", "method": "draft_model", "model": base, "weight": weights[0]},
-        {"name": "tuned", "method": "draft_model", "model": tuned, "weight": weights[1]},
-        {"name": "lookup", "method": "suffix", "weight": 1}]})
+    return parse_config(
+        {
+            "target": {"model": "t"},
+            "drafts": [
+                {"name": "base", "method": "draft_model", "model": base, "weight": weights[0]},
+                {"name": "tuned", "method": "draft_model", "model": tuned, "weight": weights[1]},
+                {"name": "lookup", "method": "suffix", "weight": 1},
+            ],
+        }
+    )
 
 
 def test_each_variants_model_and_every_weight_swap_without_changing_the_args():
     a, b = swap.split(_variants()), swap.split(_variants(tuned="c", weights=(1, 0)))
     assert a.args == b.args and {v["model"] for v in a.args["drafts"][:2]} == {swap.SWAPPED_OUT}
     assert b.workers == {"DraftWorker-base": {"model": "a"}, "DraftWorker-tuned": {"model": "c"}}
-    assert b.router == {"variants": {"base": {"model": "a", "weight": 1}, "tuned": {"model": "c", "weight": 0},
-                                     "lookup": {"weight": 1}}}
+    assert b.router == {
+        "variants": {"base": {"model": "a", "weight": 1}, "tuned": {"model": "c", "weight": 0}, "lookup": {"weight": 1}}
+    }
     assert swap.apply(parse_config(a.args), b.router) == _variants(tuned="c", weights=(1, 0))
     with pytest.raises(InvalidArgument) as err:
         swap.apply(parse_config(a.args), {"variants": {"other": {"weight": 1}}})
@@ -97,7 +105,7 @@ def test_sessions_finish_on_the_draft_they_started_with_and_new_ones_use_the_new
     old = [(f"old{i}", list(range(5 + 7 * i, 20 + 7 * i)), GREEDY, 3) for i in range(3)]
     new = [(f"new{i}", list(range(90 + 7 * i, 101 + 7 * i)), GREEDY, 3) for i in range(2)]
     for request_id, prompt, params, k in old:
-        engine.add_request(request_id, prompt, params, k)
+        engine.add_request(Request(request_id, tuple(prompt), params, num_speculative_tokens=k))
     outputs = {request_id: [] for request_id, *_ in old + new}
     for _ in range(3):  # the old sessions hold the near draft's caches
         for out in engine.step():
@@ -108,7 +116,7 @@ def test_sessions_finish_on_the_draft_they_started_with_and_new_ones_use_the_new
     draft.swap(wrong, "contrarian")
     assert draft.model_name == "contrarian" and draft.retired_models == ["tiny-draft"]
     for request_id, prompt, params, k in new:
-        engine.add_request(request_id, prompt, params, k)
+        engine.add_request(Request(request_id, tuple(prompt), params, num_speculative_tokens=k))
     while engine.has_work:
         for out in engine.step():
             outputs[out.seq_id].append(out)
@@ -142,10 +150,13 @@ def swap_app(served, tiny_dir, near_draft_dir, tmp_path_factory):
 
     address, base = served
     worker = {"num_cpus": 0.5, "threads": 1, "max_sequences": 8, "num_replicas": 1}
-    args = {**base.model_dump(mode="json"), "app_name": APP,
-            "target": {**base.target.model_dump(mode="json"), **worker},
-            "draft": {**base.draft.model_dump(mode="json"), **worker},
-            "router": {**base.router.model_dump(mode="json"), "calibrate": False, "worker_refresh_s": 1}}
+    args = {
+        **base.model_dump(mode="json"),
+        "app_name": APP,
+        "target": {**base.target.model_dump(mode="json"), **worker},
+        "draft": {**base.draft.model_dump(mode="json"), **worker},
+        "router": {**base.router.model_dump(mode="json"), "calibrate": False, "worker_refresh_s": 1},
+    }
 
     def deploy(model):
         config = parse_config({**args, "draft": {**args["draft"], "model": str(model)}})
@@ -201,8 +212,9 @@ class _Stream(threading.Thread):
 
         while True:
             after = self.swapped.is_set()
-            message = pb.GenerateRequest(prompt_token_ids=PROMPTS[self.index],
-                                         sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+            message = pb.GenerateRequest(
+                prompt_token_ids=PROMPTS[self.index], sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+            )
             message.speculation.num_speculative_tokens = 3
             tokens, error = [], None
             try:
@@ -217,8 +229,9 @@ class _Stream(threading.Thread):
                 return
 
 
-def test_a_draft_swap_under_streaming_load_fails_no_request_and_restarts_no_replica(swap_app, other_draft_dir,
-                                                                                   plain_tokens, tmp_path):
+def test_a_draft_swap_under_streaming_load_fails_no_request_and_restarts_no_replica(
+    swap_app, other_draft_dir, plain_tokens, tmp_path
+):
     from specdec.v1 import generation_pb2 as pb
     from specdec.v1 import generation_pb2_grpc as pb_grpc
 
@@ -254,8 +267,9 @@ def test_a_draft_swap_under_streaming_load_fails_no_request_and_restarts_no_repl
         config = deploy(tmp_path / "not_a_model")
         assert _draft_models(config) == [str(other_draft_dir)]
         assert _replicas() == before
-        message = pb.GenerateRequest(prompt_token_ids=PROMPTS[0],
-                                     sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        message = pb.GenerateRequest(
+            prompt_token_ids=PROMPTS[0], sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        )
         response = stub.Generate(message, metadata=[("application", APP)], timeout=120)
         assert list(response.token_ids) == plain_tokens[0] and response.speculation.accepted > 0
     finally:

@@ -24,7 +24,10 @@ pytestmark = pytest.mark.skipif(
 def node(address: str, method: str, request: dict) -> object:
     result = subprocess.run(
         ["node", str(CLIENT / "client.js"), address, method, json.dumps(request)],
-        capture_output=True, text=True, timeout=180, check=True,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
     )
     return json.loads(result.stdout)
 
@@ -37,11 +40,19 @@ def stub(served):
 
 def test_node_client_gets_the_same_tokens_and_stats(served, stub):
     address, _ = served
-    ask = {"prompt_token_ids": list(range(20, 40)), "sampling": {"max_tokens": 18, "ignore_eos": True},
-           "speculation": {"num_speculative_tokens": 3}}
-    want = stub.Generate(pb.GenerateRequest(
-        prompt_token_ids=ask["prompt_token_ids"], sampling=pb.SamplingParams(max_tokens=18, ignore_eos=True),
-        speculation=pb.SpeculationOptions(num_speculative_tokens=3)), timeout=120)
+    ask = {
+        "prompt_token_ids": list(range(20, 40)),
+        "sampling": {"max_tokens": 18, "ignore_eos": True},
+        "speculation": {"num_speculative_tokens": 3},
+    }
+    want = stub.Generate(
+        pb.GenerateRequest(
+            prompt_token_ids=ask["prompt_token_ids"],
+            sampling=pb.SamplingParams(max_tokens=18, ignore_eos=True),
+            speculation=pb.SpeculationOptions(num_speculative_tokens=3),
+        ),
+        timeout=120,
+    )
     got = node(address, "Generate", ask)
     assert got["token_ids"] == list(want.token_ids) and got["text"] == want.text
     assert got["finish_reason"] == "FINISH_REASON_LENGTH"

@@ -7,7 +7,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
 import yaml
 
 from deployments.prometheus import ServingMetrics, WatchMetrics
@@ -15,12 +14,28 @@ from specdec_core.watch import WindowSnapshot
 
 RULES = Path(__file__).resolve().parents[2] / "k8s" / "monitoring" / "specdec-alerts.yaml"
 
-FULL = WindowSnapshot(variant="v1", rounds=10, proposed=30, accepted=15, acceptance_rate=0.5,
-                      position_acceptance=(0.8, 0.5, None), tokens_per_round=2.5, speculative_tokens_per_s=40.0,
-                      plain_tokens_per_s=25.0)
-EMPTY = WindowSnapshot(variant="v2", rounds=3, proposed=0, accepted=0, acceptance_rate=None,
-                       position_acceptance=(None, None, None), tokens_per_round=None, speculative_tokens_per_s=None,
-                       plain_tokens_per_s=None)
+FULL = WindowSnapshot(
+    variant="v1",
+    rounds=10,
+    proposed=30,
+    accepted=15,
+    acceptance_rate=0.5,
+    position_acceptance=(0.8, 0.5, None),
+    tokens_per_round=2.5,
+    speculative_tokens_per_s=40.0,
+    plain_tokens_per_s=25.0,
+)
+EMPTY = WindowSnapshot(
+    variant="v2",
+    rounds=3,
+    proposed=0,
+    accepted=0,
+    acceptance_rate=None,
+    position_acceptance=(None, None, None),
+    tokens_per_round=None,
+    speculative_tokens_per_s=None,
+    plain_tokens_per_s=None,
+)
 
 
 class RecordedGauge:
@@ -35,8 +50,15 @@ class RecordedGauge:
 
 
 def _recorded(metrics: WatchMetrics) -> WatchMetrics:
-    for name in ("acceptance", "position_acceptance", "tokens_per_round", "speculative_rate", "plain_rate",
-                 "replicas", "weight"):
+    for name in (
+        "acceptance",
+        "position_acceptance",
+        "tokens_per_round",
+        "speculative_rate",
+        "plain_rate",
+        "replicas",
+        "weight",
+    ):
         setattr(metrics, name, RecordedGauge())
     return metrics
 
@@ -56,8 +78,14 @@ def test_none_fields_leave_their_gauges_unset():
     metrics = _recorded(WatchMetrics("t", "d"))
     metrics.export(EMPTY, replicas=None, weight=0.25)  # a model-free variant, nothing proposed, no plain rounds
     assert metrics.weight.values == {(("variant", "v2"),): 0.25}
-    for gauge in (metrics.acceptance, metrics.position_acceptance, metrics.tokens_per_round, metrics.speculative_rate,
-                  metrics.plain_rate, metrics.replicas):
+    for gauge in (
+        metrics.acceptance,
+        metrics.position_acceptance,
+        metrics.tokens_per_round,
+        metrics.speculative_rate,
+        metrics.plain_rate,
+        metrics.replicas,
+    ):
         assert gauge.values == {}
 
 

@@ -12,9 +12,10 @@ import grpc
 import pytest
 
 from deployments.proposal_log import ProposalLog
-from specdec_tools.proposals import format_summary, read_records, summarize
 from specdec_core.config import SamplingParams
 from specdec_core.models.loader import load_model
+from specdec_core.request import Request
+from specdec_tools.proposals import format_summary, read_records, summarize
 from tests.helpers import logits_after, make_engine, reference_prob
 
 
@@ -26,7 +27,14 @@ def test_the_log_round_trips_through_proposals_stats(tmp_path, tiny_dir, near_dr
     for i in range(3):
         sid = f"s{i}"
         log.start(sid, f"req-{i}")
-        engine.add_request(sid, list(range(10 + i, 30 + i)), SamplingParams(max_tokens=15, ignore_eos=True), 3)
+        engine.add_request(
+            Request(
+                sid,
+                tuple(range(10 + i, 30 + i)),
+                SamplingParams(max_tokens=15, ignore_eos=True),
+                num_speculative_tokens=3,
+            )
+        )
     while engine.has_work:
         for out in engine.step():
             log.observe(out.seq_id, out)
@@ -48,7 +56,9 @@ def test_the_log_round_trips_through_proposals_stats(tmp_path, tiny_dir, near_dr
     assert all(rate <= first + 1e-9 for rate in summary["acceptance_by_position"].values())  # a prefix is kept
     result = subprocess.run(
         [sys.executable, "-m", "specdec_tools.cli", "proposals", "stats", "--json", str(tmp_path / "proposals.jsonl")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["accepted"] == summary["accepted"]
@@ -75,13 +85,19 @@ def served_logging(served, tmp_path_factory):
 
     address, base = served
     directory = tmp_path_factory.mktemp("proposals")
-    config = parse_config({
-        **base.model_dump(mode="json"),
-        "app_name": APP,
-        "draft": {**base.draft.model_dump(mode="json"), "method": "hybrid", "num_replicas": 1},
-        "proposal_log": {"directory": str(directory), "sample_rate": 1.0, "include_probs": True,
-                         "include_context_tokens": 6},
-    })
+    config = parse_config(
+        {
+            **base.model_dump(mode="json"),
+            "app_name": APP,
+            "draft": {**base.draft.model_dump(mode="json"), "method": "hybrid", "num_replicas": 1},
+            "proposal_log": {
+                "directory": str(directory),
+                "sample_rate": 1.0,
+                "include_probs": True,
+                "include_context_tokens": 6,
+            },
+        }
+    )
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     yield address, directory
     serve.delete(APP)
@@ -91,8 +107,12 @@ def _generate(address, request_id, prompt, **sampling):
     from specdec.v1 import generation_pb2 as pb
     from specdec.v1 import generation_pb2_grpc as pb_grpc
 
-    request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=pb.SamplingParams(**sampling),
-                                 speculation=pb.SpeculationOptions(num_speculative_tokens=3))
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(**sampling),
+        speculation=pb.SpeculationOptions(num_speculative_tokens=3),
+    )
     with grpc.insecure_channel(address) as channel:
         return pb_grpc.GenerationServiceStub(channel).Generate(request, metadata=[("application", APP)], timeout=120)
 
@@ -114,9 +134,11 @@ def test_served_records_carry_the_models_probabilities(served_logging, tiny_dir,
     prompt = list(range(5, 30))
     # top_k 50 < the drafter's q support (128): the q it draws from is exactly the processed distribution.
     # The greedy request again: its answer is in the router's suffix structure now, which proposes it.
-    cases = {"greedy": dict(max_tokens=20, ignore_eos=True),
-             "sampled": dict(max_tokens=20, temperature=0.8, top_k=50, seed=3, ignore_eos=True),
-             "greedy-again": dict(max_tokens=20, ignore_eos=True)}
+    cases = {
+        "greedy": dict(max_tokens=20, ignore_eos=True),
+        "sampled": dict(max_tokens=20, temperature=0.8, top_k=50, seed=3, ignore_eos=True),
+        "greedy-again": dict(max_tokens=20, ignore_eos=True),
+    }
     everything, accepted_with_probs = [], 0
     for name, sampling in cases.items():
         params = SamplingParams(**sampling)
@@ -159,7 +181,11 @@ def test_hybrid_records_say_which_method_proposed(tmp_path, tiny_dir, near_draft
     for i in range(2):
         log.start(f"s{i}", f"req-{i}")
         # A fixed k: which method proposes then follows the acceptance records (not `auto`'s timings).
-        engine.add_request(f"s{i}", list(range(10, 30)), SamplingParams(max_tokens=40, ignore_eos=True), 4)
+        engine.add_request(
+            Request(
+                f"s{i}", tuple(range(10, 30)), SamplingParams(max_tokens=40, ignore_eos=True), num_speculative_tokens=4
+            )
+        )
         while engine.has_work:
             for out in engine.step():
                 log.observe(out.seq_id, out)
@@ -177,7 +203,9 @@ def test_opted_in_records_carry_the_tokens_before_their_round(tmp_path, tiny_dir
     log = ProposalLog(tmp_path, sample_rate=1.0, target="t", draft="d", include_context_tokens=8)
     prompt = list(range(10, 30))
     log.start("s", "req", prompt)
-    engine.add_request("s", prompt, SamplingParams(max_tokens=20, ignore_eos=True), 3)
+    engine.add_request(
+        Request("s", tuple(prompt), SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=3)
+    )
     tokens = list(prompt)
     while engine.has_work:
         for out in engine.step():
@@ -188,7 +216,7 @@ def test_opted_in_records_carry_the_tokens_before_their_round(tmp_path, tiny_dir
     assert records
     for r in records:
         before = len(prompt) + r["position"]  # tokens committed before the round
-        assert r["context"] == tokens[before - 8:before]
+        assert r["context"] == tokens[before - 8 : before]
 
 
 def test_context_is_off_by_default(tmp_path, tiny_dir, near_draft_dir):
@@ -196,7 +224,9 @@ def test_context_is_off_by_default(tmp_path, tiny_dir, near_draft_dir):
     engine = make_engine(target, draft.model)
     log = ProposalLog(tmp_path, sample_rate=1.0, target="t", draft="d")
     log.start("s", "req", list(range(10, 30)))
-    engine.add_request("s", list(range(10, 30)), SamplingParams(max_tokens=12, ignore_eos=True), 3)
+    engine.add_request(
+        Request("s", tuple(range(10, 30)), SamplingParams(max_tokens=12, ignore_eos=True), num_speculative_tokens=3)
+    )
     while engine.has_work:
         for out in engine.step():
             log.observe(out.seq_id, out)

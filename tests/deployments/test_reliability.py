@@ -45,16 +45,28 @@ def rel(served, tiny_dir, tmp_path_factory):
     address, base = served
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN + "\n")
-    config = parse_config({
-        **base.model_dump(mode="json"),
-        "app_name": APP,
-        "auth_token_file": str(token_file),
-        "session_idle_timeout_s": IDLE_S,
-        "target": {**base.target.model_dump(mode="json"), "kv_cache_max_bytes": 2 * _per_slot_bytes(tiny_dir) + 100},
-        "draft": {**base.draft.model_dump(mode="json"), "num_replicas": 1},
-        "router": {**base.router.model_dump(mode="json"), "max_queued_requests": 1, "queue_timeout_s": 60,
-                   "max_prompt_tokens": 64, "max_output_tokens": 230, "draft_timeout_s": 2, "worker_refresh_s": 1},
-    })
+    config = parse_config(
+        {
+            **base.model_dump(mode="json"),
+            "app_name": APP,
+            "auth_token_file": str(token_file),
+            "session_idle_timeout_s": IDLE_S,
+            "target": {
+                **base.target.model_dump(mode="json"),
+                "kv_cache_max_bytes": 2 * _per_slot_bytes(tiny_dir) + 100,
+            },
+            "draft": {**base.draft.model_dump(mode="json"), "num_replicas": 1},
+            "router": {
+                **base.router.model_dump(mode="json"),
+                "max_queued_requests": 1,
+                "queue_timeout_s": 60,
+                "max_prompt_tokens": 64,
+                "max_output_tokens": 230,
+                "draft_timeout_s": 2,
+                "worker_refresh_s": 1,
+            },
+        }
+    )
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     channel = grpc.insecure_channel(address)
     yield pb_grpc.GenerationServiceStub(channel), (address, config)
@@ -80,11 +92,16 @@ def code_of(call):
 def test_the_public_api_wants_the_bearer_token(rel):
     stub, _ = rel
     small = request([5, 6, 7], max_tokens=3, ignore_eos=True)
-    for metadata in ([("application", APP)], [("application", APP), ("authorization", "Bearer wrong")],
-                     [("application", APP), ("authorization", TOKEN)]):
-        for call in (lambda: stub.Generate(small, metadata=metadata, timeout=60),
-                     lambda: list(stub.GenerateStream(small, metadata=metadata, timeout=60)),
-                     lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=60)):
+    for metadata in (
+        [("application", APP)],
+        [("application", APP), ("authorization", "Bearer wrong")],
+        [("application", APP), ("authorization", TOKEN)],
+    ):
+        for call in (
+            lambda: stub.Generate(small, metadata=metadata, timeout=60),
+            lambda: list(stub.GenerateStream(small, metadata=metadata, timeout=60)),
+            lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=60),
+        ):
             assert code_of(call)[0] == grpc.StatusCode.UNAUTHENTICATED
     assert len(stub.Generate(small, metadata=AUTH, timeout=60).token_ids) == 3
     assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=AUTH, timeout=60).draft_method == "draft_model"
@@ -103,8 +120,10 @@ def test_the_internal_services_refuse_calls_from_outside(rel):
     item = wpb.PrefillRequest.Item(seq_id="intruder", prompt_token_ids=[5, 6, 7])
     issued = worker_registry.credentials(APP, Role.CLIENT)
     assert issued.tls is not None
-    for credentials, refused in ((None, grpc.StatusCode.UNAVAILABLE),
-                                 (InternalCredentials("guessed", issued.tls), grpc.StatusCode.UNAUTHENTICATED)):
+    for credentials, refused in (
+        (None, grpc.StatusCode.UNAVAILABLE),
+        (InternalCredentials("guessed", issued.tls), grpc.StatusCode.UNAUTHENTICATED),
+    ):
         with dial(address, credentials) as channel:
             stub = wpb_grpc.TargetServiceStub(channel)
             assert code_of(lambda: stub.Prefill(wpb.PrefillRequest(items=[item]), timeout=10))[0] == refused
@@ -171,8 +190,14 @@ def test_over_http_beyond_the_kv_budget_requests_queue_then_are_429(rel):
     results: list = [None] * 4
 
     def run(i):
-        body = {"model": config.served_name, "prompt": list(range(10 + i, 30 + i)), "max_tokens": 200,
-                "temperature": 0, "ignore_eos": True, "num_speculative_tokens": 0}
+        body = {
+            "model": config.served_name,
+            "prompt": list(range(10 + i, 30 + i)),
+            "max_tokens": 200,
+            "temperature": 0,
+            "ignore_eos": True,
+            "num_speculative_tokens": 0,
+        }
         results[i] = _http(config, "POST", "/completions", body)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
@@ -217,8 +242,12 @@ def _until(check, timeout_s=180.0):
 
 def test_the_sessions_of_a_killed_router_are_reclaimed_by_the_workers(rel):
     stub, (_, config) = rel
-    streams = [stub.GenerateStream(request(list(range(5 + i, 25 + i)), k=0, max_tokens=220, ignore_eos=True),
-                                   metadata=AUTH, timeout=120) for i in range(2)]
+    streams = [
+        stub.GenerateStream(
+            request(list(range(5 + i, 25 + i)), k=0, max_tokens=220, ignore_eos=True), metadata=AUTH, timeout=120
+        )
+        for i in range(2)
+    ]
     next(streams[0])
     _kill_replica("Router")
     held = sum(s.active_sessions for kind in ("target", "draft") for s in worker_stats((None, config), kind))

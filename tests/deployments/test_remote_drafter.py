@@ -15,9 +15,19 @@ from deployments.workers import DraftServicer
 from specdec_core.config import SamplingParams
 from specdec_core.grammar.constraint import Constraint
 from specdec_core.grammar.state import GrammarState
+from specdec_core.request import Request
 from specdec_core.stopping import FinishReason
-from tests.deployments.loopback_workers import (GREEDY, PROMPT, draft_servicer, remote_engine, run_steps, serve_locally,
-                                                structured_remotely, structured_run, target_servicer)
+from tests.deployments.loopback_workers import (
+    GREEDY,
+    PROMPT,
+    draft_servicer,
+    remote_engine,
+    run_steps,
+    serve_locally,
+    structured_remotely,
+    structured_run,
+    target_servicer,
+)
 from tests.helpers import SERVED_SCHEMA, make_engine, run_to_completion
 
 
@@ -47,14 +57,16 @@ def test_a_dead_draft_replica_costs_speculation_not_the_request(pair, plain_toke
     spare_server, spare_addr = serve_locally(draft_servicer(pair, name="spare"))
     try:
         engine, dpool = remote_engine(pair, [taddr], [daddr])
-        engine.add_request("r", PROMPT, GREEDY, 3)
+        engine.add_request(Request("r", tuple(PROMPT), GREEDY, num_speculative_tokens=3))
         events = {"killed_at": None, "back_at": None}
 
         def chaos(rounds):
             if events["killed_at"] is None and len(rounds) == 3:
                 dserver.stop(0).wait()  # the draft replica dies mid-request
                 events["killed_at"] = len(rounds)
-            elif events["killed_at"] is not None and events["back_at"] is None and len(rounds) == events["killed_at"] + 3:
+            elif (
+                events["killed_at"] is not None and events["back_at"] is None and len(rounds) == events["killed_at"] + 3
+            ):
                 dpool.update([daddr, spare_addr])  # its replacement registers
                 events["back_at"] = len(rounds)
 
@@ -76,7 +88,7 @@ def test_a_stalled_draft_replica_times_out_into_target_only_rounds(pair, plain_t
     dserver, daddr = serve_locally(stalling)
     try:
         engine, _ = remote_engine(pair, [taddr], [daddr], draft_timeout_s=0.5)
-        engine.add_request("r", PROMPT, GREEDY, 3)
+        engine.add_request(Request("r", tuple(PROMPT), GREEDY, num_speculative_tokens=3))
 
         def stall(rounds):
             if len(rounds) == 2:
@@ -100,7 +112,7 @@ def test_a_draining_draft_replica_takes_no_new_session_and_speculation_goes_on(p
         engine, dpool = remote_engine(pair, [taddr], [a1, a2])
         draining.start_draining()
         for i in range(3):
-            engine.add_request(f"r{i}", PROMPT, GREEDY, 3)
+            engine.add_request(Request(f"r{i}", tuple(PROMPT), GREEDY, num_speculative_tokens=3))
         tokens, drafted = {f"r{i}": [] for i in range(3)}, set()
         while engine.has_work:
             for out in engine.step():
@@ -171,5 +183,7 @@ def test_a_draft_worker_without_a_compiler_costs_speculation_not_the_request(pai
     expected, _ = structured_run(target, make_engine(target), params, 0)
     got, rounds, _ = structured_remotely(pair, params, draft_servicer(pair, grammars=False))
     assert {r: g[0] for r, g in got.items()} == {r: e[0] for r, e in expected.items()}
-    methods = {info.method for per in rounds.values() for _, info in per if info is not None and info.proposed_token_ids}
+    methods = {
+        info.method for per in rounds.values() for _, info in per if info is not None and info.proposed_token_ids
+    }
     assert methods == {"forced"}  # the grammar's forced tokens still need no draft

@@ -16,9 +16,15 @@ from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.config import SamplingParams
 from specdec_core.engine import SpecEngine
 from specdec_core.grammar.constraint import Constraint
+from specdec_core.request import Request
 from specdec_core.stopping import FinishReason
-from tests.deployments.loopback_workers import (draft_servicer, serve_locally, structured_remotely, structured_run,
-                                                target_servicer)
+from tests.deployments.loopback_workers import (
+    draft_servicer,
+    serve_locally,
+    structured_remotely,
+    structured_run,
+    target_servicer,
+)
 from tests.helpers import SERVED_SCHEMA, make_engine, run_to_completion, satisfies_served_schema
 
 
@@ -38,7 +44,14 @@ def two_targets(pair):
 def test_a_dead_target_replica_fails_only_its_own_requests(two_targets):
     engine, pool, ((s1, a1), _), (_, second) = two_targets
     for i in range(4):
-        engine.add_request(f"r{i}", list(range(5 + i, 20 + i)), SamplingParams(max_tokens=30, ignore_eos=True), 0)
+        engine.add_request(
+            Request(
+                f"r{i}",
+                tuple(range(5 + i, 20 + i)),
+                SamplingParams(max_tokens=30, ignore_eos=True),
+                num_speculative_tokens=0,
+            )
+        )
     engine.step()
     on_first = {sid for sid in (f"r{i}" for i in range(4)) if pool.replica_of(sid).address == a1}
     assert 0 < len(on_first) < 4  # spread over both
@@ -56,8 +69,10 @@ def test_a_dead_target_replica_fails_only_its_own_requests(two_targets):
 def test_a_prefill_that_meets_a_dead_replica_is_retried_on_a_live_one(two_targets):
     engine, pool, ((s1, a1), _), (_, second) = two_targets
     s1.stop(0).wait()  # dead, but the router has not noticed yet
-    results = run_to_completion(engine, [(f"r{i}", list(range(5 + i, 20 + i)),
-                                          SamplingParams(max_tokens=5, ignore_eos=True), 0) for i in range(4)])
+    results = run_to_completion(
+        engine,
+        [(f"r{i}", list(range(5 + i, 20 + i)), SamplingParams(max_tokens=5, ignore_eos=True), 0) for i in range(4)],
+    )
     assert all(out.finish_reason == FinishReason.LENGTH for _, _, out in results.values())
     assert second.sessions_started == 4
     assert [r.usable for r in pool.replicas if r.address == a1] == [False]
@@ -70,13 +85,13 @@ def test_a_draining_target_replica_finishes_its_sessions_and_takes_no_new_one(tw
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     prompts = {f"r{i}": list(range(5 + i, 20 + i)) for i in range(8)}
     for i in range(4):
-        engine.add_request(f"r{i}", prompts[f"r{i}"], params, 0)
+        engine.add_request(Request(f"r{i}", tuple(prompts[f"r{i}"]), params, num_speculative_tokens=0))
     outputs = engine.step()
     held = {sid for sid in (f"r{i}" for i in range(4)) if pool.replica_of(sid).address == a1}
     assert 0 < len(held) < 4  # spread over both
     first.start_draining()
     for i in range(4, 8):  # new requests while it drains: the pool has not heard of it yet
-        engine.add_request(f"r{i}", prompts[f"r{i}"], params, 0)
+        engine.add_request(Request(f"r{i}", tuple(prompts[f"r{i}"]), params, num_speculative_tokens=0))
     finished, tokens = {}, {sid: [] for sid in prompts}
     while True:
         for out in outputs:

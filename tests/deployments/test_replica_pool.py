@@ -14,6 +14,7 @@ from deployments.workers import TargetServicer, start_server
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.config import SamplingParams
 from specdec_core.engine import SpecEngine
+from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
 from tests.deployments.loopback_workers import RUNNER, serve_locally, target_servicer
@@ -38,8 +39,9 @@ def test_the_internal_services_refuse_callers_without_the_secret(pair):
                 stub.GetStats(wpb.GetStatsRequest(), timeout=10, metadata=metadata)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert servicer.active_sessions == 0  # refused before any work
-        pool = ReplicaPool("target", [address], wpb_grpc.TargetServiceStub, timeout_s=10,
-                           credentials=InternalCredentials("s3cret"))
+        pool = ReplicaPool(
+            "target", [address], wpb_grpc.TargetServiceStub, timeout_s=10, credentials=InternalCredentials("s3cret")
+        )
         assert pool.info.num_slots == RUNNER.num_slots  # its probe (GetStats) carried the secret
         target, _ = pair
         engine = SpecEngine(RemoteTarget(pool), None, target.tokenizer, target.eos_token_ids)
@@ -64,7 +66,15 @@ def test_a_conversations_next_turn_goes_to_the_replica_that_holds_its_prefix(pai
         where: dict[str, str] = {}
 
         def turn(name, prompt, salt=None):
-            engine.add_request(name, prompt, SamplingParams(max_tokens=8, ignore_eos=True), 0, cache_salt=salt)
+            engine.add_request(
+                Request(
+                    name,
+                    tuple(prompt),
+                    SamplingParams(max_tokens=8, ignore_eos=True),
+                    num_speculative_tokens=0,
+                    cache_salt=salt,
+                )
+            )
             engine.step()  # the prefill: the session is pinned now
             where[name] = pool.replica_of(name).address
             outputs = []

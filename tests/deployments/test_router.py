@@ -81,30 +81,54 @@ def make_router(tiny_dir, near_draft_dir, pair):
     tiny models' 512 positions (a prompt that lists tools takes a few hundred)."""
     routers = []
 
-    def make(gated: bool = False, prefix_caching: bool = False, method: str = "draft_model",
-             max_seq_len: int = 256, proposals: ProposalLog | None = None,
-             **router: Any) -> tuple[Router, SpecEngine]:
+    def make(
+        gated: bool = False,
+        prefix_caching: bool = False,
+        method: str = "draft_model",
+        max_seq_len: int = 256,
+        proposals: ProposalLog | None = None,
+        **router: Any,
+    ) -> tuple[Router, SpecEngine]:
         """`router`: more router config keys."""
-        config = parse_config({
-            "target": {"model": str(tiny_dir / "target"), "dtype": "float32"},
-            "draft": {"method": method, "model": str(near_draft_dir), "dtype": "float32",
-                      "num_speculative_tokens": 3},
-            "router": {"max_seq_len": max_seq_len, "default_max_tokens": 16, "max_output_tokens": 100,
-                       "calibrate": False, **router},
-        })
+        config = parse_config(
+            {
+                "target": {"model": str(tiny_dir / "target"), "dtype": "float32"},
+                "draft": {
+                    "method": method,
+                    "model": str(near_draft_dir),
+                    "dtype": "float32",
+                    "num_speculative_tokens": 3,
+                },
+                "router": {
+                    "max_seq_len": max_seq_len,
+                    "default_max_tokens": 16,
+                    "max_output_tokens": 100,
+                    "calibrate": False,
+                    **router,
+                },
+            }
+        )
         target, draft = pair
         runner_config = RunnerConfig(num_slots=SLOTS, max_seq_len=max_seq_len, prefix_caching=prefix_caching)
         runner = ModelRunner(target.model, runner_config)
         context = DraftContext(config.draft.spec, runner.vocab_size, ModelRunner(draft.model, runner_config))
         tokenizer = load_tokenizer(tiny_dir / "target")
         drafter = methods.assemble(config.draft.drafting, config.draft.drafting.build(context), context)
-        engine = SpecEngine(GatedTarget(runner, gated), drafter, tokenizer.tokenizer,
-                            tokenizer.eos_token_ids,
-                            EngineConfig(config.draft.max_speculative_tokens, config.draft.num_speculative_tokens))
+        engine = SpecEngine(
+            GatedTarget(runner, gated),
+            drafter,
+            tokenizer.tokenizer,
+            tokenizer.eos_token_ids,
+            EngineConfig(config.draft.max_speculative_tokens, config.draft.num_speculative_tokens),
+        )
         parts = RouterParts(
-            config=config, engine=engine, tokenizer=tokenizer, auth=BearerAuth(TOKEN),
+            config=config,
+            engine=engine,
+            tokenizer=tokenizer,
+            auth=BearerAuth(TOKEN),
             tracer=RequestTracer(config.target.model, config.draft.label),
-            metrics=ServingMetrics(config.target.model, config.draft.label), max_seq_len=runner.max_seq_len,
+            metrics=ServingMetrics(config.target.model, config.draft.label),
+            max_seq_len=runner.max_seq_len,
             proposals=proposals,
         )
         router = Router(lambda: parts)
@@ -175,8 +199,11 @@ def test_hybrid_serves_each_speculation_method_with_plain_decodings_tokens(make_
     expected = run_to_completion(make_engine(pair[0]), [("r", PROMPT, params, 0)])["r"][0]
     proposed = {}
     for method in ("", "auto", "suffix", "draft_model", "none", "suffix"):  # suffix again: it read the earlier answers
-        message = pb.GenerateRequest(prompt_token_ids=PROMPT, speculation_method=method,
-                                     sampling=pb.SamplingParams(max_tokens=24, ignore_eos=True))
+        message = pb.GenerateRequest(
+            prompt_token_ids=PROMPT,
+            speculation_method=method,
+            sampling=pb.SamplingParams(max_tokens=24, ignore_eos=True),
+        )
         context = Context(AUTH)
         response = asyncio.run(router.Generate(message, context))
         assert list(response.token_ids) == expected and context.code is None, method
@@ -194,8 +221,12 @@ def test_hybrid_serves_each_speculation_method_with_plain_decodings_tokens(make_
         (AUTH, request(PROMPT, max_tokens=101), grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens"),
         # Refused by the engine, on its thread: the error comes back through the request's queue.
         (AUTH, request(PROMPT, k=99), grpc.StatusCode.INVALID_ARGUMENT, "speculation.num_speculative_tokens"),
-        (AUTH, pb.GenerateRequest(prompt_token_ids=PROMPT, speculation_method="ngram"),
-         grpc.StatusCode.INVALID_ARGUMENT, "speculation_method"),
+        (
+            AUTH,
+            pb.GenerateRequest(prompt_token_ids=PROMPT, speculation_method="ngram"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "speculation_method",
+        ),
     ],
 )
 def test_a_refused_request_sets_the_status_naming_why(make_router, metadata, message, code, named):
@@ -214,8 +245,11 @@ def test_a_cancelled_request_frees_its_sequence_in_target_and_drafter(make_route
     message = request(PROMPT, k=3, max_tokens=100, ignore_eos=True)  # more tokens than the permits below allow
 
     async def scenario() -> None:
-        call = router.Generate(message, Context(AUTH)) if handler == "Generate" else _stream(router, message,
-                                                                                             Context(AUTH))
+        call = (
+            router.Generate(message, Context(AUTH))
+            if handler == "Generate"
+            else _stream(router, message, Context(AUTH))
+        )
         task = asyncio.ensure_future(call)
         # Prefilled, drafting started: the first round waits at the gate.
         await _until(lambda: engine.target.active_sequences == 1 and engine.drafter.active_sequences == 1)
@@ -249,9 +283,13 @@ STRUCTURED_PROMPT = "class Counter:"
 
 
 def _structured_request(structured: pb.StructuredOutput, **sampling) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt=STRUCTURED_PROMPT, raw_prompt=True, structured=structured,
-                              sampling=pb.SamplingParams(**sampling), speculation=pb.SpeculationOptions(
-                                  num_speculative_tokens=3))
+    return pb.GenerateRequest(
+        prompt=STRUCTURED_PROMPT,
+        raw_prompt=True,
+        structured=structured,
+        sampling=pb.SamplingParams(**sampling),
+        speculation=pb.SpeculationOptions(num_speculative_tokens=3),
+    )
 
 
 def test_a_json_schema_request_gives_constrained_plain_decodings_json(make_router, pair):
@@ -281,14 +319,17 @@ def test_max_tokens_cuts_the_json_with_finish_reason_length(make_router):
     assert response.text.startswith("{")
 
 
-@pytest.mark.parametrize("structured, sampling, field", [
-    (pb.StructuredOutput(json_schema='{"type": "integer", "not": {"const": 3}}'), {}, "structured.json_schema"),
-    (pb.StructuredOutput(json_schema='{"type": '), {}, "structured.json_schema"),
-    (pb.StructuredOutput(regex="[a-"), {}, "structured.regex"),
-    (pb.StructuredOutput(grammar="start: item\n"), {}, "structured.grammar"),
-    (pb.StructuredOutput(lenient_schema=True), {}, "structured"),
-    (pb.StructuredOutput(json_object=True), {"ignore_eos": True}, "sampling.ignore_eos"),
-])
+@pytest.mark.parametrize(
+    "structured, sampling, field",
+    [
+        (pb.StructuredOutput(json_schema='{"type": "integer", "not": {"const": 3}}'), {}, "structured.json_schema"),
+        (pb.StructuredOutput(json_schema='{"type": '), {}, "structured.json_schema"),
+        (pb.StructuredOutput(regex="[a-"), {}, "structured.regex"),
+        (pb.StructuredOutput(grammar="start: item\n"), {}, "structured.grammar"),
+        (pb.StructuredOutput(lenient_schema=True), {}, "structured"),
+        (pb.StructuredOutput(json_object=True), {"ignore_eos": True}, "sampling.ignore_eos"),
+    ],
+)
 def test_a_bad_constraint_is_invalid_argument_naming_the_field(make_router, structured, sampling, field):
     router, engine = make_router()
     context = Context(AUTH)
@@ -309,8 +350,9 @@ def test_a_lenient_schema_drops_what_cannot_be_enforced(make_router):
 
 async def _post(app, path: str, body: dict) -> tuple[int, dict]:
     """One HTTP request through the router's ASGI app, in process (Serve's HTTP proxy does no more)."""
-    status, reply, _ = await asgi_post(app, path, json.dumps(body).encode(),
-                                       [(b"authorization", f"Bearer {TOKEN}".encode())])
+    status, reply, _ = await asgi_post(
+        app, path, json.dumps(body).encode(), [(b"authorization", f"Bearer {TOKEN}".encode())]
+    )
     return status, reply
 
 
@@ -320,21 +362,41 @@ def test_http_response_format_is_the_grpc_constraint(make_router):
     router, _ = make_router()
     app = router.__serve_build_asgi_app__()
     messages = [{"role": "user", "content": "a counter"}]
-    body = {"model": router.served_model_name, "messages": messages, "temperature": 0, "max_tokens": 80,
-            "return_token_ids": True, "num_speculative_tokens": 3,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "counter", "schema": SERVED_SCHEMA,
-                                                                       "strict": True}}}
+    body = {
+        "model": router.served_model_name,
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": 80,
+        "return_token_ids": True,
+        "num_speculative_tokens": 3,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "counter", "schema": SERVED_SCHEMA, "strict": True},
+        },
+    }
     status, reply = asyncio.run(_post(app, "/v1/chat/completions", body))
-    want = asyncio.run(router.Generate(pb.GenerateRequest(
-        messages=[pb.ChatMessage(**m) for m in messages], sampling=pb.SamplingParams(max_tokens=80),
-        structured=pb.StructuredOutput(json_schema=json.dumps(SERVED_SCHEMA))), Context(AUTH)))
+    want = asyncio.run(
+        router.Generate(
+            pb.GenerateRequest(
+                messages=[pb.ChatMessage(**m) for m in messages],
+                sampling=pb.SamplingParams(max_tokens=80),
+                structured=pb.StructuredOutput(json_schema=json.dumps(SERVED_SCHEMA)),
+            ),
+            Context(AUTH),
+        )
+    )
     assert status == 200, reply
     choice = reply["choices"][0]
     assert choice["token_ids"] == list(want.token_ids) and choice["message"]["content"] == want.text
     assert choice["finish_reason"] == "stop" and satisfies_served_schema(json.loads(want.text))
 
-    refused = {**body, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "counter", "schema": {"type": "integer", "not": {"const": 3}}, "strict": True}}}
+    refused = {
+        **body,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "counter", "schema": {"type": "integer", "not": {"const": 3}}, "strict": True},
+        },
+    }
     status, error = asyncio.run(_post(app, "/v1/chat/completions", refused))
     assert status == 400 and error["error"]["type"] == "invalid_request_error"
     assert error["error"]["param"] == "response_format.json_schema.schema" and "not" in error["error"]["message"]
@@ -397,13 +459,16 @@ def record_requests(router: Router) -> RecordedCounter:
     return recorded
 
 
-@pytest.mark.parametrize("message, field", [
-    (pb.GenerateRequest(prompt=BIG), "prompt"),
-    (pb.GenerateRequest(prompt=BIG, raw_prompt=True), "prompt"),
-    (pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=BIG)]), "messages"),
-    # Many messages, each small: their total counts.
-    (pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=BIG[:4000])] * 300), "messages"),
-])
+@pytest.mark.parametrize(
+    "message, field",
+    [
+        (pb.GenerateRequest(prompt=BIG), "prompt"),
+        (pb.GenerateRequest(prompt=BIG, raw_prompt=True), "prompt"),
+        (pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=BIG)]), "messages"),
+        # Many messages, each small: their total counts.
+        (pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=BIG[:4000])] * 300), "messages"),
+    ],
+)
 def test_a_prompt_over_max_prompt_bytes_is_refused_before_it_is_tokenized(make_router, message, field):
     router, engine = make_router()
     tokenizer = count_tokenizer(router)
@@ -416,8 +481,12 @@ def test_a_prompt_over_max_prompt_bytes_is_refused_before_it_is_tokenized(make_r
     assert tokenizer.calls == 0 and not engine.has_work
     # The next request is served (tokenized: the counter does count).
     context = Context(AUTH)
-    response = asyncio.run(router.Generate(pb.GenerateRequest(prompt="def add(a, b):", raw_prompt=True,
-                                                              sampling=pb.SamplingParams(max_tokens=4)), context))
+    response = asyncio.run(
+        router.Generate(
+            pb.GenerateRequest(prompt="def add(a, b):", raw_prompt=True, sampling=pb.SamplingParams(max_tokens=4)),
+            context,
+        )
+    )
     assert context.code is None and len(response.token_ids) == 4 and tokenizer.calls == 1
 
 
@@ -430,16 +499,22 @@ def test_max_prompt_bytes_counts_utf8_bytes_not_characters(make_router):
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT and context.details.startswith("prompt: 120 bytes")
     assert tokenizer.calls == 0
     context = Context(AUTH)  # 50 characters, 100 bytes: at the limit
-    response = asyncio.run(router.Generate(pb.GenerateRequest(prompt="é" * 50, raw_prompt=True,
-                                                              sampling=pb.SamplingParams(max_tokens=2)), context))
+    response = asyncio.run(
+        router.Generate(
+            pb.GenerateRequest(prompt="é" * 50, raw_prompt=True, sampling=pb.SamplingParams(max_tokens=2)), context
+        )
+    )
     assert context.code is None and len(response.token_ids) == 2
 
 
-@pytest.mark.parametrize("router_config, longest, key", [
-    ({}, 255, "context of 256"),  # by default the context, less one output token
-    ({"max_prompt_tokens": 64}, 64, "(router.max_prompt_tokens)"),
-    ({"max_prompt_tokens": 1000}, 255, "context of 256"),  # a limit beyond the context is the context
-])
+@pytest.mark.parametrize(
+    "router_config, longest, key",
+    [
+        ({}, 255, "context of 256"),  # by default the context, less one output token
+        ({"max_prompt_tokens": 64}, 64, "(router.max_prompt_tokens)"),
+        ({"max_prompt_tokens": 1000}, 255, "context of 256"),  # a limit beyond the context is the context
+    ],
+)
 def test_max_prompt_tokens_defaults_to_the_context(make_router, router_config, longest, key):
     router, engine = make_router(**router_config)
     tokenizer = count_tokenizer(router)
@@ -467,8 +542,11 @@ async def _every_way_a_request_ends(router: Router, engine: SpecEngine, timeout_
     response = await router.Generate(request(PROMPT, k=3, max_tokens=4, ignore_eos=True), Context(AUTH))
     assert len(response.token_ids) == 4
     engine.target.gated = True
-    for metadata, message in [((), request(PROMPT)), (AUTH, request(PROMPT, max_tokens=101)),
-                              (AUTH, request(PROMPT, k=99))]:
+    for metadata, message in [
+        ((), request(PROMPT)),
+        (AUTH, request(PROMPT, max_tokens=101)),
+        (AUTH, request(PROMPT, k=99)),
+    ]:
         with pytest.raises(RequestFailed):
             await router.Generate(message, Context(metadata))
 
@@ -482,8 +560,7 @@ async def _every_way_a_request_ends(router: Router, engine: SpecEngine, timeout_
             await asyncio.wait_for(anext(stream), WAIT_S)
     assert context.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
-    task = asyncio.ensure_future(router.Generate(request(PROMPT, k=3, max_tokens=100, ignore_eos=True),
-                                                 Context(AUTH)))
+    task = asyncio.ensure_future(router.Generate(request(PROMPT, k=3, max_tokens=100, ignore_eos=True), Context(AUTH)))
     await _until(lambda: engine.target.active_sequences == 1)
     if router.proposals is not None:
         assert router.proposals.num_pending == 1  # sampled while it runs
@@ -513,8 +590,13 @@ def test_every_request_is_counted_once_with_why_it_ended(make_router):
 
     asyncio.run(cancelled_counted())
     counts = {(dict(key)["finish_reason"], dict(key)["code"]): n for key, n in recorded.counts.items()}
-    assert counts == {("length", "ok"): 1, ("refused", "unauthenticated"): 1, ("refused", "invalid_argument"): 2,
-                      ("error", "deadline_exceeded"): 1, ("cancelled", "cancelled"): 1}
+    assert counts == {
+        ("length", "ok"): 1,
+        ("refused", "unauthenticated"): 1,
+        ("refused", "invalid_argument"): 2,
+        ("error", "deadline_exceeded"): 1,
+        ("cancelled", "cancelled"): 1,
+    }
 
 
 # -- A/B of draft variants ---------------------------------------------------------------------------------------------
@@ -553,24 +635,46 @@ def ab_router(tiny_dir, near_draft_dir, pair):
     from tests.helpers import contrarian
 
     variant = {"method": "draft_model", "model": str(near_draft_dir), "dtype": "float32", "num_speculative_tokens": 3}
-    config = parse_config({
-        "target": {"model": str(tiny_dir / "target"), "dtype": "float32"},
-        "drafts": [{"name": "good", "weight": 3, **variant}, {"name": "bad", "weight": 1, **variant}],
-        "ab": {"demotion": {"metric": "acceptance", "margin": 0.1, "window_rounds": 200, "min_rounds": 20,
-                            "consecutive_checks": 1}},
-        "router": {"max_seq_len": 256, "default_max_tokens": 16, "calibrate": False},
-    })
+    config = parse_config(
+        {
+            "target": {"model": str(tiny_dir / "target"), "dtype": "float32"},
+            "drafts": [{"name": "good", "weight": 3, **variant}, {"name": "bad", "weight": 1, **variant}],
+            "ab": {
+                "demotion": {
+                    "metric": "acceptance",
+                    "margin": 0.1,
+                    "window_rounds": 200,
+                    "min_rounds": 20,
+                    "consecutive_checks": 1,
+                }
+            },
+            "router": {"max_seq_len": 256, "default_max_tokens": 16, "calibrate": False},
+        }
+    )
     target, draft = pair
     runner_config = RunnerConfig(num_slots=SLOTS, max_seq_len=256)
     runner = ModelRunner(target.model, runner_config)
-    seen = {"good": Seen(DraftModelDrafter(ModelRunner(draft.model, runner_config), runner.vocab_size)),
-            "bad": Seen(DraftModelDrafter(ModelRunner(contrarian(draft.model), runner_config), runner.vocab_size))}
+    seen = {
+        "good": Seen(DraftModelDrafter(ModelRunner(draft.model, runner_config), runner.vocab_size)),
+        "bad": Seen(DraftModelDrafter(ModelRunner(contrarian(draft.model), runner_config), runner.vocab_size)),
+    }
     tokenizer = load_tokenizer(tiny_dir / "target")
-    engine = SpecEngine(LocalTarget(runner), VariantDrafter(seen, "good"), tokenizer.tokenizer,
-                        tokenizer.eos_token_ids, EngineConfig(config.draft.max_speculative_tokens, 3))
-    parts = RouterParts(config=config, engine=engine, tokenizer=tokenizer, auth=BearerAuth(TOKEN),
-                        tracer=RequestTracer(config.target.model, config.draft.label),
-                        metrics=ServingMetrics(config.target.model, config.draft.label), max_seq_len=256)
+    engine = SpecEngine(
+        LocalTarget(runner),
+        VariantDrafter(seen, "good"),
+        tokenizer.tokenizer,
+        tokenizer.eos_token_ids,
+        EngineConfig(config.draft.max_speculative_tokens, 3),
+    )
+    parts = RouterParts(
+        config=config,
+        engine=engine,
+        tokenizer=tokenizer,
+        auth=BearerAuth(TOKEN),
+        tracer=RequestTracer(config.target.model, config.draft.label),
+        metrics=ServingMetrics(config.target.model, config.draft.label),
+        max_seq_len=256,
+    )
     router = Router(lambda: parts)
     yield router, seen
     router.close()
@@ -587,8 +691,10 @@ def test_variants_are_assigned_by_weight_sticky_and_named_in_the_response(ab_rou
     router, seen = ab_router
     prompts = [[5 + i % 50, 6, 7 + i % 7, 8] for i in range(48)]
     responses = _generate_all(router, [request(p, max_tokens=6, ignore_eos=True) for p in prompts])
-    expected = run_to_completion(make_engine(pair[0]), [(str(i), p, SamplingParams(max_tokens=6, ignore_eos=True), 0)
-                                                        for i, p in enumerate(prompts)])
+    expected = run_to_completion(
+        make_engine(pair[0]),
+        [(str(i), p, SamplingParams(max_tokens=6, ignore_eos=True), 0) for i, p in enumerate(prompts)],
+    )
     assert [list(r.token_ids) for r in responses] == [expected[str(i)][0] for i in range(len(prompts))]
     names = [r.speculation.draft_variant for r in responses]
     assert set(names) == {"good", "bad"} and 24 <= names.count("good") <= 44  # 3 : 1 of 48, loosely
@@ -597,8 +703,11 @@ def test_variants_are_assigned_by_weight_sticky_and_named_in_the_response(ab_rou
     assert (len(seen["good"].seq_ids), len(seen["bad"].seq_ids)) == (names.count("good"), names.count("bad"))
     assert router.scheduler.engine.drafter._assigned == {}  # every assignment forgotten once its request ended
 
-    pinned = _generate_all(router, [pb.GenerateRequest(prompt_token_ids=[5, 6, 7], draft_variant="bad",
-                                                       sampling=pb.SamplingParams(max_tokens=4))] * 4)
+    pinned = _generate_all(
+        router,
+        [pb.GenerateRequest(prompt_token_ids=[5, 6, 7], draft_variant="bad", sampling=pb.SamplingParams(max_tokens=4))]
+        * 4,
+    )
     assert {r.speculation.draft_variant for r in pinned} == {"bad"}
     context = Context(AUTH)
     with pytest.raises(RequestFailed):

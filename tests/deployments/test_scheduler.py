@@ -16,6 +16,7 @@ from specdec_core.config import SamplingParams
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import ResourceExhausted
 from specdec_core.models.loader import load_model
+from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.stopping import FinishReason
 from specdec_core.target import LocalTarget
@@ -38,7 +39,9 @@ def one_slot(tiny_dir):
 
 def submit(scheduler, request_id, params=LONG, timeout_s=None):
     inbox: queue.Queue = queue.Queue()
-    scheduler.submit(request_id, list(range(5, 15)), params, 0, inbox.put, timeout_s=timeout_s)
+    scheduler.submit(
+        Request(request_id, tuple(range(5, 15)), params, num_speculative_tokens=0), inbox.put, timeout_s=timeout_s
+    )
     return inbox
 
 

@@ -25,20 +25,34 @@ def test_unknown_keys_are_named():
         ({}, "target"),
         ({"target": {"model": "m"}, "draft": {"method": "draft_model"}}, "draft"),
         ({"target": {"model": "m"}, "draft": {"method": "hybrid"}}, "draft"),  # hybrid runs a draft model too
-        ({"target": {"model": "m"}, "draft": {"method": "hybrid", "model": "d", "suffix_min_prob": 2}}, "draft.suffix_min_prob"),
+        (
+            {"target": {"model": "m"}, "draft": {"method": "hybrid", "model": "d", "suffix_min_prob": 2}},
+            "draft.suffix_min_prob",
+        ),
         ({"target": {"model": "m"}, "draft": {"method": "beam"}}, "draft.method"),
         ({"target": {"model": "m", "dtype": "int4"}}, "target.dtype"),
         ({"target": {"model": "m"}, "grpc_port": 0}, "grpc_port"),
-        ({"target": {"model": "m"}, "draft": {"method": "ngram", "num_speculative_tokens": "many"}}, "draft.num_speculative_tokens"),
+        (
+            {"target": {"model": "m"}, "draft": {"method": "ngram", "num_speculative_tokens": "many"}},
+            "draft.num_speculative_tokens",
+        ),
         ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_max_depth": 1}}, "draft.suffix_max_depth"),
         ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_min_prob": 2}}, "draft.suffix_min_prob"),
-        ({"target": {"model": "m"}, "draft": {"model": "d", "confidence_threshold": 1.0}}, "draft.confidence_threshold"),
+        (
+            {"target": {"model": "m"}, "draft": {"model": "d", "confidence_threshold": 1.0}},
+            "draft.confidence_threshold",
+        ),
         ({"target": {"model": "m"}, "draft": {"model": "d", "vocabulary": -1}}, "draft.vocabulary"),
-        ({"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_max_depth": 8, "suffix_min_match": 5}}, "suffix_min_match"),
+        (
+            {"target": {"model": "m"}, "draft": {"method": "suffix", "suffix_max_depth": 8, "suffix_min_match": 5}},
+            "suffix_min_match",
+        ),
         ({"target": {"model": "m"}, "internal_tls": False, "internal_tls_dir": "/etc/specdec/tls"}, "internal_tls_dir"),
         ({"target": {"model": "m"}, "internal_tls": "sometimes"}, "internal_tls"),
-        ({"target": {"model": "m"}, "proposal_log": {"directory": "/tmp/l", "include_context_tokens": -1}},
-         "proposal_log.include_context_tokens"),
+        (
+            {"target": {"model": "m"}, "proposal_log": {"directory": "/tmp/l", "include_context_tokens": -1}},
+            "proposal_log.include_context_tokens",
+        ),
     ],
 )
 def test_bad_values_name_the_key(config, field):
@@ -66,11 +80,26 @@ def test_the_confidence_threshold_reaches_the_spec_and_is_off_by_default():
 
 
 def test_suffix_options_reach_the_spec():
-    config = parse_config({"target": {"model": "m"}, "draft": {
-        "method": "suffix", "suffix_max_depth": 48, "suffix_min_match": 3, "suffix_max_requests": 10,
-        "suffix_min_prob": 0.25, "suffix_index_prompts": False}})
+    config = parse_config(
+        {
+            "target": {"model": "m"},
+            "draft": {
+                "method": "suffix",
+                "suffix_max_depth": 48,
+                "suffix_min_match": 3,
+                "suffix_max_requests": 10,
+                "suffix_min_prob": 0.25,
+                "suffix_index_prompts": False,
+            },
+        }
+    )
     spec = config.draft.spec
-    assert (spec.method, spec.suffix_max_depth, spec.suffix_min_match, spec.suffix_max_requests) == ("suffix", 48, 3, 10)
+    assert (spec.method, spec.suffix_max_depth, spec.suffix_min_match, spec.suffix_max_requests) == (
+        "suffix",
+        48,
+        3,
+        10,
+    )
     assert spec.suffix_min_prob == 0.25 and spec.suffix_index_prompts is False
 
 
@@ -150,8 +179,12 @@ def test_a_config_naming_only_the_models_gets_the_performing_defaults():
 
 @pytest.mark.parametrize("threads", [1, 4, "auto"])
 def test_threads_are_a_number_or_auto(threads):
-    config = parse_config({"target": {"model": "m", "threads": threads},
-                           "draft": {"method": "draft_model", "model": "d", "threads": threads}})
+    config = parse_config(
+        {
+            "target": {"model": "m", "threads": threads},
+            "draft": {"method": "draft_model", "model": "d", "threads": threads},
+        }
+    )
     assert config.target.threads == config.draft.threads == threads
 
 
@@ -163,11 +196,14 @@ def test_bad_threads_are_named(threads):
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4", "auto"])
 def test_draft_quantization_values(quantization):
-    config = parse_config({"target": {"model": "m"},
-                           "draft": {"method": "draft_model", "model": "d", "quantization": quantization}})
+    config = parse_config(
+        {"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d", "quantization": quantization}}
+    )
     assert config.draft.quantization == quantization
     with pytest.raises(InvalidArgument, match="draft.quantization"):
-        parse_config({"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d", "quantization": "int2"}})
+        parse_config(
+            {"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d", "quantization": "int2"}}
+        )
 
 
 # -- many nodes: where the ranks, the router and the proxies go --------------------------------------------------
@@ -192,8 +228,9 @@ def test_every_rank_reserves_what_the_replica_driving_them_reserves():
     """The replica is rank 0 and sits in bundle 0: each bundle holds a rank's num_cpus, num_gpus and resources."""
     from deployments.app import rank_group
 
-    target = parse_config({"target": {**TP2, "tensor_parallel_size": 3, "num_cpus": 2, "num_gpus": 1,
-                                      "resources": {"target_node": 1}}}).target
+    target = parse_config(
+        {"target": {**TP2, "tensor_parallel_size": 3, "num_cpus": 2, "num_gpus": 1, "resources": {"target_node": 1}}}
+    ).target
     group = rank_group(target)
     assert group["placement_group_bundles"] == [{"CPU": 2, "GPU": 1, "target_node": 1}] * 3
     cpu_only = rank_group(parse_config({"target": {**TP2, "resources": {"big": 0.5}}}).target)
@@ -206,15 +243,18 @@ def test_the_ranks_interface_reaches_gloo_and_nccl():
     assert parse_config({"target": TP2}).target.rank_environment == {}
 
 
-@pytest.mark.parametrize("target, field", [
-    ({**TP2, "placement_strategy": "STRICT"}, "target.placement_strategy"),
-    ({**TP2, "placement_strategy": "pack"}, "target.placement_strategy"),
-    ({**TP2, "socket_ifname": "eth 1"}, "target.socket_ifname"),
-    ({**TP2, "socket_ifname": ""}, "target.socket_ifname"),
-    ({**TP2, "socket_ifname": "eth1,"}, "target.socket_ifname"),
-    ({"model": "m", "placement_strategy": "SPREAD"}, "placement_strategy"),  # one rank: nothing to place
-    ({"model": "m", "socket_ifname": "eth1"}, "socket_ifname"),
-])
+@pytest.mark.parametrize(
+    "target, field",
+    [
+        ({**TP2, "placement_strategy": "STRICT"}, "target.placement_strategy"),
+        ({**TP2, "placement_strategy": "pack"}, "target.placement_strategy"),
+        ({**TP2, "socket_ifname": "eth 1"}, "target.socket_ifname"),
+        ({**TP2, "socket_ifname": ""}, "target.socket_ifname"),
+        ({**TP2, "socket_ifname": "eth1,"}, "target.socket_ifname"),
+        ({"model": "m", "placement_strategy": "SPREAD"}, "placement_strategy"),  # one rank: nothing to place
+        ({"model": "m", "socket_ifname": "eth1"}, "socket_ifname"),
+    ],
+)
 def test_bad_rank_settings_are_named(target, field):
     with pytest.raises(InvalidArgument) as err:
         parse_config({"target": target})
@@ -250,9 +290,11 @@ def test_a_proxy_location_in_a_serve_configs_args_is_called_out(caplog):
 
 # -- A/B of drafts -------------------------------------------------------------------------------------------------
 
-VARIANTS = [{"name": "base", "method": "draft_model", "model": "d1", "weight": 3, "num_cpus": 2},
-            {"name": "tuned", "method": "draft_model", "model": "d2", "weight": 1, "num_replicas": 2},
-            {"name": "lookup", "method": "suffix", "weight": 0}]
+VARIANTS = [
+    {"name": "base", "method": "draft_model", "model": "d1", "weight": 3, "num_cpus": 2},
+    {"name": "tuned", "method": "draft_model", "model": "d2", "weight": 1, "num_replicas": 2},
+    {"name": "lookup", "method": "suffix", "weight": 0},
+]
 
 
 def test_drafts_make_the_control_the_draft_and_a_deployment_per_model_variant():
@@ -266,7 +308,10 @@ def test_drafts_make_the_control_the_draft_and_a_deployment_per_model_variant():
     assert cpus_needed(config) == 1 + 0.5 + 2 + 1 * 2 + 1  # target, router, base, tuned x 2, Serve
     workers = [app._bound_deployment for app in build_app(config)._bound_deployment.init_args[1:]]
     assert [(w.name, w.init_args[1:]) for w in workers] == [
-        ("TargetWorker", ()), ("DraftWorker-base", ("base",)), ("DraftWorker-tuned", ("tuned",))]
+        ("TargetWorker", ()),
+        ("DraftWorker-base", ("base",)),
+        ("DraftWorker-tuned", ("tuned",)),
+    ]
 
 
 def test_a_single_draft_is_the_variant_default():
@@ -275,19 +320,22 @@ def test_a_single_draft_is_the_variant_default():
     assert (variant.name, variant.method, variant.weight) == ("default", "hybrid", 1.0)
 
 
-@pytest.mark.parametrize("change, field, words", [
-    ({"drafts": []}, "config", "at least one"),
-    ({"drafts": [{**VARIANTS[0], "method": "hybrid"}]}, "drafts.0.method", "one of draft_model, ngram, suffix"),
-    ({"drafts": [{**VARIANTS[0], "name": "Base"}]}, "drafts.0.name", "pattern"),
-    ({"drafts": [VARIANTS[0], VARIANTS[0]]}, "config", "unique"),
-    ({"drafts": [{**VARIANTS[0], "weight": 0}]}, "config", "weight > 0"),
-    ({"drafts": VARIANTS, "ab": {"control": "nope"}}, "config", "ab.control"),
-    ({"ab": {"control": "base"}}, "config", "there are none"),
-    ({"drafts": VARIANTS, "draft": {"method": "ngram"}}, "config", "give only drafts"),
-    ({"drafts": [VARIANTS[0], {**VARIANTS[1], "max_speculative_tokens": 4}]}, "config", "max_speculative_tokens"),
-    ({"drafts": VARIANTS, "ab": {"demotion": {"min_rounds": 5000}}}, "ab.demotion", "min_rounds"),
-    ({"drafts": VARIANTS, "ab": {"demotion": {"margin": 1.5}}}, "ab.demotion.margin", "less than 1"),
-])
+@pytest.mark.parametrize(
+    "change, field, words",
+    [
+        ({"drafts": []}, "config", "at least one"),
+        ({"drafts": [{**VARIANTS[0], "method": "hybrid"}]}, "drafts.0.method", "one of draft_model, ngram, suffix"),
+        ({"drafts": [{**VARIANTS[0], "name": "Base"}]}, "drafts.0.name", "pattern"),
+        ({"drafts": [VARIANTS[0], VARIANTS[0]]}, "config", "unique"),
+        ({"drafts": [{**VARIANTS[0], "weight": 0}]}, "config", "weight > 0"),
+        ({"drafts": VARIANTS, "ab": {"control": "nope"}}, "config", "ab.control"),
+        ({"ab": {"control": "base"}}, "config", "there are none"),
+        ({"drafts": VARIANTS, "draft": {"method": "ngram"}}, "config", "give only drafts"),
+        ({"drafts": [VARIANTS[0], {**VARIANTS[1], "max_speculative_tokens": 4}]}, "config", "max_speculative_tokens"),
+        ({"drafts": VARIANTS, "ab": {"demotion": {"min_rounds": 5000}}}, "ab.demotion", "min_rounds"),
+        ({"drafts": VARIANTS, "ab": {"demotion": {"margin": 1.5}}}, "ab.demotion.margin", "less than 1"),
+    ],
+)
 def test_bad_variants_are_named(change, field, words):
     with pytest.raises(InvalidArgument) as refused:
         parse_config({"target": {"model": "t"}, **change})

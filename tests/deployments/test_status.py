@@ -21,8 +21,13 @@ Code = grpc.StatusCode
     [
         (InvalidArgument("prompt", "empty"), Code.INVALID_ARGUMENT, 400, "invalid_request_error", "prompt: empty"),
         # the engine's field, named as the request's
-        (InvalidArgument("max_tokens", "too many"), Code.INVALID_ARGUMENT, 400, "invalid_request_error",
-         "sampling.max_tokens: too many"),
+        (
+            InvalidArgument("max_tokens", "too many"),
+            Code.INVALID_ARGUMENT,
+            400,
+            "invalid_request_error",
+            "sampling.max_tokens: too many",
+        ),
         (ResourceExhausted("kv_cache", "full"), Code.RESOURCE_EXHAUSTED, 429, "rate_limit_exceeded", "kv_cache: full"),
         (Unauthenticated("no token"), Code.UNAUTHENTICATED, 401, "authentication_error", "no token"),
         (DeadlineExceeded("late"), Code.DEADLINE_EXCEEDED, 504, "server_error", "late"),
@@ -43,8 +48,16 @@ def test_each_error_has_one_status_on_every_protocol(error, code, http, openai_t
 
 
 def test_every_row_of_the_table_is_tested():
-    tested = {InvalidArgument, ResourceExhausted, Unauthenticated, DeadlineExceeded, UnknownSession, UnknownModel,
-              Unavailable, WorkerUnavailable}
+    tested = {
+        InvalidArgument,
+        ResourceExhausted,
+        Unauthenticated,
+        DeadlineExceeded,
+        UnknownSession,
+        UnknownModel,
+        Unavailable,
+        WorkerUnavailable,
+    }
     assert {kind for kind, _ in status.TABLE} == tested
 
 

@@ -23,6 +23,7 @@ from specdec_core.config import SamplingParams
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.engine import SpecEngine
 from specdec_core.models.loader import load_model
+from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
 
@@ -53,11 +54,12 @@ def run_traced(stack, tracer: RequestTracer, parent=None, max_tokens=20):
     engine = SpecEngine(
         RemoteTarget(ReplicaPool("target", [taddr], wpb_grpc.TargetServiceStub, 30), tracer),
         RemoteDrafter(ReplicaPool("draft", [daddr], wpb_grpc.DraftServiceStub, 30), tracer),
-        target.tokenizer, target.eos_token_ids,
+        target.tokenizer,
+        target.eos_token_ids,
     )
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     tracer.start_request("s1", params, parent, "client-request-1")
-    engine.add_request("s1", list(range(5, 25)), params, 3)
+    engine.add_request(Request("s1", tuple(range(5, 25)), params, num_speculative_tokens=3))
     last = None
     while engine.has_work:
         for out in engine.step():
@@ -82,11 +84,16 @@ def test_a_request_span_and_one_span_per_round_in_one_trace(stack):
     assert all(r.parent.span_id == request.context.span_id for r in rounds)
     assert sum(r.attributes["specdec.round.committed"] for r in rounds) == 20 - 1  # the first token: prefill
     assert sum(r.attributes["specdec.round.accepted"] for r in rounds) == final.stats.accepted
-    assert all(r.attributes["specdec.round.verify_ms"] > 0 and r.attributes["specdec.round.bytes_sent"] > 0
-               for r in rounds)
+    assert all(
+        r.attributes["specdec.round.verify_ms"] > 0 and r.attributes["specdec.round.bytes_sent"] > 0 for r in rounds
+    )
     workers = [s for s in spans if s.name.startswith("specdec.target.") or s.name.startswith("specdec.draft.")]
-    assert {s.name for s in workers} >= {"specdec.target.Prefill", "specdec.target.Verify", "specdec.draft.Start",
-                                         "specdec.draft.Propose"}
+    assert {s.name for s in workers} >= {
+        "specdec.target.Prefill",
+        "specdec.target.Verify",
+        "specdec.draft.Start",
+        "specdec.draft.Propose",
+    }
     trace_id = request.context.trace_id
     assert all(s.context.trace_id == trace_id for s in workers)
     round_ids = {r.context.span_id for r in rounds}
@@ -135,8 +142,9 @@ def test_spans_arrive_at_an_otlp_receiver(stack):
     try:
         provider = TracerProvider()
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"127.0.0.1:{port}", insecure=True)))
-        final = run_traced(stack, RequestTracer("tiny-target", "tiny-draft", provider.get_tracer("specdec")),
-                           max_tokens=8)
+        final = run_traced(
+            stack, RequestTracer("tiny-target", "tiny-draft", provider.get_tracer("specdec")), max_tokens=8
+        )
         provider.force_flush()
         names = [s.name for s in receiver.spans]
         assert names.count("specdec.round") == final.stats.rounds

@@ -25,8 +25,15 @@ def kv_variants(tiny_dir):
     for kv in (1, 2):
         path = tiny_dir / f"tp_kv{kv}"
         if not path.exists():
-            build_tiny_model(path, family="qwen2", seed=10 + kv, tokenizer_dir=tiny_dir / "tokenizer",
-                             num_heads=4, num_kv_heads=kv, vocab_size=400)
+            build_tiny_model(
+                path,
+                family="qwen2",
+                seed=10 + kv,
+                tokenizer_dir=tiny_dir / "tokenizer",
+                num_heads=4,
+                num_kv_heads=kv,
+                vocab_size=400,
+            )
         paths[kv] = path
     return paths
 
@@ -117,12 +124,14 @@ def served_tp(served, tiny_dir, near_draft_dir):
     from deployments.serve_config import parse_config
 
     address, base = served
-    config = parse_config({
-        **base.model_dump(mode="json"),
-        "app_name": "specdec-tp",
-        "target": {**base.target.model_dump(mode="json"), "tensor_parallel_size": 2},
-        "draft": {**base.draft.model_dump(mode="json"), "num_replicas": 1},
-    })
+    config = parse_config(
+        {
+            **base.model_dump(mode="json"),
+            "app_name": "specdec-tp",
+            "target": {**base.target.model_dump(mode="json"), "tensor_parallel_size": 2},
+            "draft": {**base.draft.model_dump(mode="json"), "num_replicas": 1},
+        }
+    )
     serve.run(build_app(config), name="specdec-tp", route_prefix="/specdec-tp")
     yield address
     serve.delete("specdec-tp")
@@ -132,8 +141,11 @@ def _generate(address, app, prompt, **sampling):
     from specdec.v1 import generation_pb2 as pb
     from specdec.v1 import generation_pb2_grpc as pb_grpc
 
-    request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(**sampling),
-                                 speculation=pb.SpeculationOptions(num_speculative_tokens=3))
+    request = pb.GenerateRequest(
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(**sampling),
+        speculation=pb.SpeculationOptions(num_speculative_tokens=3),
+    )
     with grpc.insecure_channel(address) as channel:
         return pb_grpc.GenerationServiceStub(channel).Generate(request, metadata=[("application", app)], timeout=120)
 
@@ -175,8 +187,9 @@ def test_served_tp2_reuses_cached_prefixes_on_every_rank_alike(served_tp):
 def test_a_dead_rank_fails_requests_as_unavailable(served_tp, ray_cluster):
     from deployments.tensor_parallel import RANK_NAME_PREFIX
 
-    ranks = [a for a in ray_cluster.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(RANK_NAME_PREFIX)]
+    ranks = [
+        a for a in ray_cluster.util.list_named_actors(all_namespaces=True) if a["name"].startswith(RANK_NAME_PREFIX)
+    ]
     assert ranks, "no tensor-parallel rank actors found"
     for actor in ranks:
         ray_cluster.kill(ray_cluster.get_actor(actor["name"], namespace=actor["namespace"]))

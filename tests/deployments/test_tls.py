@@ -53,18 +53,26 @@ def servers(pair, authority):
 def _session_call(kind, stub, metadata):
     """The call that starts a session on a `kind` worker (what an intruder would send first)."""
     if kind == "target":
-        return lambda: stub.Prefill(wpb.PrefillRequest(items=[wpb.PrefillRequest.Item(
-            seq_id="intruder", prompt_token_ids=[5, 6, 7])]), timeout=10, metadata=metadata)
-    return lambda: stub.Start(wpb.StartRequest(items=[wpb.StartRequest.Item(
-        seq_id="intruder", prompt_token_ids=[5, 6, 7])]), timeout=10, metadata=metadata)
+        return lambda: stub.Prefill(
+            wpb.PrefillRequest(items=[wpb.PrefillRequest.Item(seq_id="intruder", prompt_token_ids=[5, 6, 7])]),
+            timeout=10,
+            metadata=metadata,
+        )
+    return lambda: stub.Start(
+        wpb.StartRequest(items=[wpb.StartRequest.Item(seq_id="intruder", prompt_token_ids=[5, 6, 7])]),
+        timeout=10,
+        metadata=metadata,
+    )
 
 
 def _codes(kind, channel, metadata=None):
     """The status of a session call and of GetStats on `channel` (OK when served)."""
     stub = STUBS[kind](channel)
     codes = []
-    for call in (_session_call(kind, stub, metadata),
-                 lambda: stub.GetStats(wpb.GetStatsRequest(), timeout=10, metadata=metadata)):
+    for call in (
+        _session_call(kind, stub, metadata),
+        lambda: stub.GetStats(wpb.GetStatsRequest(), timeout=10, metadata=metadata),
+    ):
         try:
             call()
             codes.append(grpc.StatusCode.OK)
@@ -78,9 +86,11 @@ WITH_SECRET = [(INTERNAL_KEY, SECRET)]  # for channels built here by hand: `dial
 
 def _tls_channel(address, bundle, client_cert=True):
     """A TLS channel trusting `bundle`'s CA, with `bundle`'s certificate when `client_cert`."""
-    credentials = grpc.ssl_channel_credentials(root_certificates=bundle.ca,
-                                               private_key=bundle.key if client_cert else None,
-                                               certificate_chain=bundle.cert if client_cert else None)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=bundle.ca,
+        private_key=bundle.key if client_cert else None,
+        certificate_chain=bundle.cert if client_cert else None,
+    )
     return grpc.secure_channel(address, credentials, options=tls.channel_options(bundle))
 
 
@@ -146,8 +156,12 @@ def test_get_stats_wants_the_secret_as_well_as_the_certificate(kind, servers, cl
 
 REQUESTS = [
     ("greedy-k3", list(range(5, 25)), SamplingParams(max_tokens=20, ignore_eos=True), 3),
-    ("sampled", list(range(60, 75)),
-     SamplingParams(temperature=1.0, top_k=50, seed=3, max_tokens=16, ignore_eos=True), 4),
+    (
+        "sampled",
+        list(range(60, 75)),
+        SamplingParams(temperature=1.0, top_k=50, seed=3, max_tokens=16, ignore_eos=True),
+        4,
+    ),
     ("greedy-auto", list(range(40, 47)), SamplingParams(max_tokens=12, ignore_eos=True), "auto"),
 ]
 
@@ -206,8 +220,9 @@ def test_a_mounted_certificate_serves_both_ends(pair, tmp_path):
     served = next(servers)
     try:
         target, _ = pair
-        pool = ReplicaPool("target", [served["target"][1]], wpb_grpc.TargetServiceStub, timeout_s=30,
-                           credentials=credentials)
+        pool = ReplicaPool(
+            "target", [served["target"][1]], wpb_grpc.TargetServiceStub, timeout_s=30, credentials=credentials
+        )
         engine = SpecEngine(RemoteTarget(pool), None, target.tokenizer, target.eos_token_ids)
         out = run_to_completion(engine, [("r", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), 0)])["r"]
         assert len(out[0]) == 4 and out[2].error is None
@@ -218,11 +233,14 @@ def test_a_mounted_certificate_serves_both_ends(pair, tmp_path):
         next(servers, None)
 
 
-@pytest.mark.parametrize(("make", "names"), [
-    (lambda d: d.mkdir(), "ca.crt, tls.crt, tls.key"),
-    (lambda d: operator_tls_dir(d, key_of_other=True), "tls.key is not the key of tls.crt"),
-    (lambda d: operator_tls_dir(d, usages=[ExtendedKeyUsageOID.SERVER_AUTH]), "both server auth and client auth"),
-])
+@pytest.mark.parametrize(
+    ("make", "names"),
+    [
+        (lambda d: d.mkdir(), "ca.crt, tls.crt, tls.key"),
+        (lambda d: operator_tls_dir(d, key_of_other=True), "tls.key is not the key of tls.crt"),
+        (lambda d: operator_tls_dir(d, usages=[ExtendedKeyUsageOID.SERVER_AUTH]), "both server auth and client auth"),
+    ],
+)
 def test_a_bad_mounted_directory_is_refused_naming_what_is_wrong(tmp_path, make, names):
     make(tmp_path / "secret")
     with pytest.raises(InvalidArgument) as err:

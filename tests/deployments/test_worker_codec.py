@@ -27,7 +27,9 @@ def _sparse_q(k: int, vocab: int, support: int, seed: int = 0) -> SparseQ:
 
 def test_draft_distributions_cross_the_wire_exactly_and_stay_sparse():
     q = _sparse_q(3, 50, 10)
-    item = VerifyItem("s", 4, [1, 2, 3], q, TokenShaping(temperature=0.7, top_k=5), torch.rand(3, dtype=torch.float64), 0.25)
+    item = VerifyItem(
+        "s", 4, [1, 2, 3], q, TokenShaping(temperature=0.7, top_k=5), torch.rand(3, dtype=torch.float64), 0.25
+    )
     message = worker_codec.encode_verify([item])
     assert [len(row.token_ids) for row in message.items[0].q] == [10, 10, 8]  # padding is not sent
     back = worker_codec.decode_verify(message, vocab_size=50)[0]
@@ -58,8 +60,7 @@ def test_the_router_passes_q_on_as_it_came():
 )
 def test_bad_draft_distributions_are_refused_naming_q(row):
     message = wpb.VerifyRequest()
-    item = message.items.add(seq_id="s", last_token_id=1, draft_token_ids=[1], uniform_accept=[0.5],
-                             uniform_sample=0.5)
+    item = message.items.add(seq_id="s", last_token_id=1, draft_token_ids=[1], uniform_accept=[0.5], uniform_sample=0.5)
     item.sampling.temperature = 1.0
     item.q.append(row)
     with pytest.raises(InvalidArgument) as err:
@@ -83,8 +84,8 @@ def test_the_smallest_temperature_survives_both_float32_hops():
     """Client -> router and router -> worker each carry temperature as a float32: MIN_TEMPERATURE passes both."""
     message = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(temperature=MIN_TEMPERATURE))
     call = generation_codec.decode_generate(message, default_max_tokens=16)
-    worker = worker_codec.decode_token_sampling(worker_codec.encode_token_sampling(call.params.shaping))
-    assert worker.temperature == call.params.temperature >= MIN_TEMPERATURE
+    worker = worker_codec.decode_token_sampling(worker_codec.encode_token_sampling(call.request.params.shaping))
+    assert worker.temperature == call.request.params.temperature >= MIN_TEMPERATURE
 
 
 def test_workers_get_the_token_shaping_only():
@@ -100,7 +101,10 @@ def test_workers_get_the_token_shaping_only():
 def test_cache_salts_and_cached_counts_cross_to_the_workers_and_back():
     from specdec_core.target import Prefilled, PrefillItem
 
-    items = [PrefillItem("a", [1, 2, 3], TokenShaping(), None, "tenant-1"), PrefillItem("b", [4, 5], TokenShaping(), None)]
+    items = [
+        PrefillItem("a", [1, 2, 3], TokenShaping(), None, "tenant-1"),
+        PrefillItem("b", [4, 5], TokenShaping(), None),
+    ]
     message = wpb.PrefillRequest.FromString(worker_codec.encode_prefill(items).SerializeToString())
     back = worker_codec.decode_prefill(message, 400)
     assert [item.cache_salt for item in back] == ["tenant-1", None]  # no salt stays the shared namespace
@@ -135,7 +139,10 @@ def _same(a: PackedMasks, b: PackedMasks) -> bool:
 def test_a_grammars_masks_cross_to_the_target_worker_bit_for_bit():
     """Prefill (one position) and verify (drafts + 1 positions) rows carry their masks as bytes; unconstrained rows
     beside them carry none."""
-    prefill = [PrefillItem("a", [1, 2], TokenShaping(), None, allowed=_masks(1)), PrefillItem("b", [3], TokenShaping(), None)]
+    prefill = [
+        PrefillItem("a", [1, 2], TokenShaping(), None, allowed=_masks(1)),
+        PrefillItem("b", [3], TokenShaping(), None),
+    ]
     message = wpb.PrefillRequest.FromString(worker_codec.encode_prefill(prefill).SerializeToString())
     assert len(message.items[0].allowed.words) == 4 * 13 and message.items[0].allowed.words_per_position == 13
     back = worker_codec.decode_prefill(message, 400)
@@ -143,8 +150,10 @@ def test_a_grammars_masks_cross_to_the_target_worker_bit_for_bit():
     assert torch.equal(back[0].allowed.dense(), prefill[0].allowed.dense())
 
     masks = _masks(4, seed=1)
-    verify = [VerifyItem("a", 1, [5, 6, 7], None, TokenShaping(), None, None, allowed=masks),
-              VerifyItem("b", 1, [5], None, TokenShaping(), None, None)]
+    verify = [
+        VerifyItem("a", 1, [5, 6, 7], None, TokenShaping(), None, None, allowed=masks),
+        VerifyItem("b", 1, [5], None, TokenShaping(), None, None),
+    ]
     message = wpb.VerifyRequest.FromString(worker_codec.encode_verify(verify).SerializeToString())
     back = worker_codec.decode_verify(message, 400)
     assert _same(back[0].allowed, masks) and back[1].allowed is None
@@ -161,13 +170,16 @@ def test_a_tokenizer_narrower_than_the_logits_sends_fewer_words():
     assert not back.dense()[:, 384:].any()
 
 
-@pytest.mark.parametrize("allowed, why", [
-    (wpb.TokenMasks(words_per_position=13, words=bytes(4 * 13 * 2)), "allows no token"),
-    (wpb.TokenMasks(words_per_position=13, words=b"\xff" * (4 * 13 * 2 - 1)), "bytes"),
-    (wpb.TokenMasks(words_per_position=13, words=b"\xff" * (4 * 13 * 3)), "bytes"),  # a position too many
-    (wpb.TokenMasks(words_per_position=14, words=b"\xff" * (4 * 14 * 2)), "words a position"),  # wider than V
-    (wpb.TokenMasks(words_per_position=0, words=b""), "words a position"),
-])
+@pytest.mark.parametrize(
+    "allowed, why",
+    [
+        (wpb.TokenMasks(words_per_position=13, words=bytes(4 * 13 * 2)), "allows no token"),
+        (wpb.TokenMasks(words_per_position=13, words=b"\xff" * (4 * 13 * 2 - 1)), "bytes"),
+        (wpb.TokenMasks(words_per_position=13, words=b"\xff" * (4 * 13 * 3)), "bytes"),  # a position too many
+        (wpb.TokenMasks(words_per_position=14, words=b"\xff" * (4 * 14 * 2)), "words a position"),  # wider than V
+        (wpb.TokenMasks(words_per_position=0, words=b""), "words a position"),
+    ],
+)
 def test_malformed_masks_are_refused_naming_allowed(allowed, why):
     message = worker_codec.encode_verify([VerifyItem("a", 1, [5], None, TokenShaping(), None, None)])
     message.items[0].allowed.CopyFrom(allowed)

@@ -20,6 +20,7 @@ from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.config import SamplingParams
 from specdec_core.engine import SpecEngine
 from specdec_core.grammar.constraint import Constraint
+from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.stopping import FinishReason
 from specdec_core.target import LocalTarget
@@ -44,8 +45,18 @@ REQUESTS = [
     ("greedy-k3", list(range(5, 25)), SamplingParams(max_tokens=24, ignore_eos=True), 3),
     ("greedy-auto", list(range(40, 47)), SamplingParams(max_tokens=17, ignore_eos=True), "auto"),
     ("greedy-off", list(range(9, 30)), SamplingParams(max_tokens=9, ignore_eos=True), 0),
-    ("sampled", list(range(60, 75)), SamplingParams(temperature=1.0, top_k=50, seed=3, max_tokens=20, ignore_eos=True), 4),
-    ("nucleus", list(range(80, 84)), SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=15, ignore_eos=True), 2),
+    (
+        "sampled",
+        list(range(60, 75)),
+        SamplingParams(temperature=1.0, top_k=50, seed=3, max_tokens=20, ignore_eos=True),
+        4,
+    ),
+    (
+        "nucleus",
+        list(range(80, 84)),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=15, ignore_eos=True),
+        2,
+    ),
 ]
 
 
@@ -67,10 +78,21 @@ def test_constrained_sampled_requests_through_the_workers_match_the_in_process_e
     target, draft = pair
     constraint = Constraint("json_schema", json.dumps(SERVED_SCHEMA), compact=True)
     requests = [
-        ("json-sampled", list(range(5, 25)), SamplingParams(temperature=1.0, seed=5, max_tokens=40, constraint=constraint), 3),
+        (
+            "json-sampled",
+            list(range(5, 25)),
+            SamplingParams(temperature=1.0, seed=5, max_tokens=40, constraint=constraint),
+            3,
+        ),
         ("json-greedy", list(range(30, 44)), SamplingParams(max_tokens=40, constraint=constraint), 4),
-        ("regex-sampled", list(range(50, 60)), SamplingParams(temperature=0.9, seed=9, max_tokens=30,
-                                                              constraint=Constraint("regex", "[a-c]{2,9}( [a-c]+)*")), 3),
+        (
+            "regex-sampled",
+            list(range(50, 60)),
+            SamplingParams(
+                temperature=0.9, seed=9, max_tokens=30, constraint=Constraint("regex", "[a-c]{2,9}( [a-c]+)*")
+            ),
+            3,
+        ),
     ]
     local = run_to_completion(make_engine(target, draft.model, num_slots=8), requests)
     remote = run_to_completion(remote_engine(pair, servers), requests)
@@ -88,8 +110,13 @@ def test_a_draft_worker_refuses_a_grammar_its_session_left(pair, servers):
     stub = wpb_grpc.DraftServiceStub(grpc.insecure_channel(address))
     stub.Start(wpb.StartRequest(items=[wpb.StartRequest.Item(seq_id="g", prompt_token_ids=[5, 6, 7])]), timeout=10)
     try:
-        item = wpb.ProposeRequest.Item(seq_id="g", new_token_ids=[8], num_committed=4, num_tokens=2,
-                                       grammar=wpb.Grammar(kind="regex", value="[0-9]+", output_start=3))
+        item = wpb.ProposeRequest.Item(
+            seq_id="g",
+            new_token_ids=[8],
+            num_committed=4,
+            num_tokens=2,
+            grammar=wpb.Grammar(kind="regex", value="[0-9]+", output_start=3),
+        )
         item.sampling.temperature = 0.0
         with pytest.raises(grpc.RpcError) as err:
             stub.Propose(wpb.ProposeRequest(items=[item]), timeout=10)
@@ -105,7 +132,9 @@ def test_a_draft_worker_refuses_a_grammar_its_session_left(pair, servers):
 
 def test_aborted_requests_free_both_workers(pair, servers):
     engine = remote_engine(pair, servers)
-    engine.add_request("long", list(range(5, 25)), SamplingParams(max_tokens=200, ignore_eos=True), 3)
+    engine.add_request(
+        Request("long", tuple(range(5, 25)), SamplingParams(max_tokens=200, ignore_eos=True), num_speculative_tokens=3)
+    )
     engine.step()
     engine.step()
     assert all(servicer.active_sessions == 1 for servicer, _ in servers.values())
@@ -133,7 +162,9 @@ def test_a_worker_that_goes_away_fails_its_requests_as_unavailable(pair):
     server, port = start_server(servicer, "127.0.0.1")
     pool = ReplicaPool("target", [f"127.0.0.1:{port}"], wpb_grpc.TargetServiceStub, timeout_s=10)
     engine = SpecEngine(RemoteTarget(pool), None, target.tokenizer, target.eos_token_ids)
-    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), 0)
+    engine.add_request(
+        Request("r", (5, 6, 7), SamplingParams(max_tokens=50, ignore_eos=True), num_speculative_tokens=0)
+    )
     engine.step()
     server.stop(0).wait()
     outputs = engine.step()
@@ -202,7 +233,9 @@ def cached_servers(pair):
 
 def _stats(servers, kind):
     _, address = servers[kind]
-    stub = (wpb_grpc.TargetServiceStub if kind == "target" else wpb_grpc.DraftServiceStub)(grpc.insecure_channel(address))
+    stub = (wpb_grpc.TargetServiceStub if kind == "target" else wpb_grpc.DraftServiceStub)(
+        grpc.insecure_channel(address)
+    )
     return stub.GetStats(wpb.GetStatsRequest(), timeout=10)
 
 

@@ -15,7 +15,7 @@ K8S = ROOT / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _render_dir(path: str) -> tuple[dict, ...]:
     out = subprocess.run(["kubectl", "kustomize", path], capture_output=True, text=True, check=True, timeout=60).stdout
     return tuple(doc for doc in yaml.safe_load_all(out) if doc)
@@ -29,8 +29,11 @@ def render(overlay: str) -> list[dict]:
 def render_with(tmp_path: Path, overlay: str, component: str) -> list[dict]:
     """An overlay with one more component, as a user would write it: a kustomization beside the repo's."""
     rel = lambda p: os.path.relpath(p, tmp_path)  # kustomize takes no absolute paths
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "resources": [rel(K8S / "overlays" / overlay)], "components": [rel(K8S / "components" / component)]}))
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {"resources": [rel(K8S / "overlays" / overlay)], "components": [rel(K8S / "components" / component)]}
+        )
+    )
     return copy.deepcopy(list(_render_dir(str(tmp_path))))
 
 
@@ -46,8 +49,10 @@ def of_group(docs: list[dict], group: str) -> list[dict]:
 def pod_templates(service: dict) -> dict[str, dict]:
     """The RayService's pod templates by group: `head`, then each worker group's name."""
     cluster = service["spec"]["rayClusterConfig"]
-    return {"head": cluster["headGroupSpec"]["template"],
-            **{g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}}
+    return {
+        "head": cluster["headGroupSpec"]["template"],
+        **{g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]},
+    }
 
 
 def env(container: dict) -> dict[str, dict]:
@@ -56,8 +61,7 @@ def env(container: dict) -> dict[str, dict]:
 
 def volume_at(template: dict, container: dict, path: str) -> tuple[dict, dict] | None:
     """The (mount, volume) a file path of the container lies on: the deepest mount that contains it."""
-    mounts = [m for m in container.get("volumeMounts", [])
-              if PurePosixPath(path).is_relative_to(m["mountPath"])]
+    mounts = [m for m in container.get("volumeMounts", []) if PurePosixPath(path).is_relative_to(m["mountPath"])]
     if not mounts:
         return None
     mount = max(mounts, key=lambda m: len(m["mountPath"]))

@@ -32,8 +32,11 @@ def promtool() -> str:
         return path
     if os.environ.get("SPECDEC_NO_PROMTOOL") == "1":
         pytest.skip("promtool is missing and SPECDEC_NO_PROMTOOL=1: the alert rules are NOT checked")
-    pytest.fail("promtool is missing: run `make setup` (it installs Debian's prometheus package where apt-get is), "
-                "or set SPECDEC_NO_PROMTOOL=1 to skip the alert rules' tests", pytrace=False)
+    pytest.fail(
+        "promtool is missing: run `make setup` (it installs Debian's prometheus package where apt-get is), "
+        "or set SPECDEC_NO_PROMTOOL=1 to skip the alert rules' tests",
+        pytrace=False,
+    )
 
 
 def run_promtool(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
@@ -41,8 +44,7 @@ def run_promtool(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def alerts() -> list[dict]:
-    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]
-            if "alert" in rule]
+    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"] if "alert" in rule]
 
 
 def test_promtool_checks_the_rules():
@@ -97,8 +99,9 @@ def test_without_promtool_the_tests_fail_unless_told_to_skip(monkeypatch, tmp_pa
 def test_the_prometheus_rule_carries_the_plain_files_groups(tmp_path):
     rule = one(render_with(tmp_path, "gpu", "monitoring"), "PrometheusRule")
     jsonschema.Draft7Validator(SHAPES[rule["apiVersion"], rule["kind"]]).validate(rule)
-    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"], \
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"], (
         "the PrometheusRule differs from k8s/monitoring/specdec-alerts.yaml: run scripts/prometheus_rule.py"
+    )
 
 
 def test_the_prometheus_rule_shape_catches_a_misspelt_key(tmp_path):

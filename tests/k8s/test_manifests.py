@@ -40,14 +40,16 @@ def _no_unknown_fields(schema: dict) -> dict:
     return schema
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def crd_schema(kind: str) -> dict:
     path = CRDS / "ray.io_rayservices.yaml"
     if not path.exists():
         pytest.skip(f"KubeRay CRDs not found at {CRDS}")
     crd = yaml.safe_load(path.read_text())
     assert crd["spec"]["names"]["kind"] == kind
-    return _no_unknown_fields(next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"])
+    return _no_unknown_fields(
+        next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+    )
 
 
 def test_there_are_the_three_overlays():
@@ -79,8 +81,12 @@ def test_core_resources_and_pod_templates_match_kubernetes_schemas(overlay):
     cluster = service["spec"]["rayClusterConfig"]
     templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
     for template in templates:
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x", **template.get("metadata", {})},
-               "spec": template["spec"]}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "x", **template.get("metadata", {})},
+            "spec": template["spec"],
+        }
         kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     serve_service = {"apiVersion": "v1", "kind": "Service", **service["spec"]["serveService"]}
     kubernetes_validate.validate(serve_service, K8S_VERSION, strict=True)
@@ -96,15 +102,18 @@ def test_gateway_api_and_cert_manager_resources_match_their_hand_written_shapes(
             jsonschema.Draft7Validator(SHAPES[doc["apiVersion"], doc["kind"]]).validate(doc)
 
 
-@pytest.mark.parametrize(("kind", "path", "value", "error"), [
-    ("Gateway", ["spec", "listeners", 0, "tls", "mode"], "Terminated", "Terminated"),
-    ("Gateway", ["spec", "listeners", 0, "allowedRoute"], {}, "allowedRoute"),
-    ("Gateway", ["spec", "gatewayClassName"], None, "gatewayClassName"),
-    ("GRPCRoute", ["spec", "rules", 0, "matches", 0, "method"], {"type": "Exact"}, "required"),
-    ("HTTPRoute", ["spec", "rules", 0, "backendRefs", 0, "port"], 70000, "70000"),
-    ("Certificate", ["spec", "secretName"], None, "secretName"),
-    ("Certificate", ["spec", "privateKey", "rotationPolicy"], "Sometimes", "Sometimes"),
-])
+@pytest.mark.parametrize(
+    ("kind", "path", "value", "error"),
+    [
+        ("Gateway", ["spec", "listeners", 0, "tls", "mode"], "Terminated", "Terminated"),
+        ("Gateway", ["spec", "listeners", 0, "allowedRoute"], {}, "allowedRoute"),
+        ("Gateway", ["spec", "gatewayClassName"], None, "gatewayClassName"),
+        ("GRPCRoute", ["spec", "rules", 0, "matches", 0, "method"], {"type": "Exact"}, "required"),
+        ("HTTPRoute", ["spec", "rules", 0, "backendRefs", 0, "port"], 70000, "70000"),
+        ("Certificate", ["spec", "secretName"], None, "secretName"),
+        ("Certificate", ["spec", "privateKey", "rotationPolicy"], "Sometimes", "Sometimes"),
+    ],
+)
 def test_the_hand_written_shapes_catch_a_broken_resource(kind, path, value, error):
     doc = next(d for d in render("gpu-tls-gateway") if d["kind"] == kind)
     parent = doc
@@ -155,12 +164,15 @@ def test_every_ray_container_caches_kernels_in_its_own_pod(overlay):
         assert kernel_dir_problems(template) == [], group
 
 
-@pytest.mark.parametrize(("value", "problem"), [
-    ("/models/kernels", "models volume"),
-    ("/home/ray/.cache/specdec/kernels", "not on an emptyDir"),
-    ("/var/cache/specdec", "mount point itself"),
-    (None, "no SPECDEC_KERNEL_DIR"),
-])
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("/models/kernels", "models volume"),
+        ("/home/ray/.cache/specdec/kernels", "not on an emptyDir"),
+        ("/var/cache/specdec", "mount point itself"),
+        (None, "no SPECDEC_KERNEL_DIR"),
+    ],
+)
 def test_the_kernel_dir_check_catches_a_shared_or_missing_directory(value, problem):
     template = pod_templates(one(render("cpu-dev"), "RayService"))["draft"]
     ray = template["spec"]["containers"][0]
@@ -175,8 +187,9 @@ def test_the_kernel_dir_check_catches_a_shared_or_missing_directory(value, probl
 def test_serve_config_is_valid_for_ray_serve_and_for_specdec(overlay):
     service = one(render(overlay), "RayService")
     serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
-    ServeDeploySchema.model_validate(serve_config) if hasattr(ServeDeploySchema, "model_validate") \
-        else ServeDeploySchema.parse_obj(serve_config)
+    ServeDeploySchema.model_validate(serve_config) if hasattr(
+        ServeDeploySchema, "model_validate"
+    ) else ServeDeploySchema.parse_obj(serve_config)
     assert serve_config["grpc_options"]["port"] == 9000
     [app] = serve_config["applications"]
     assert app["import_path"] == "deployments.app:build" and app["name"] == "specdec"

@@ -42,10 +42,13 @@ def test_every_listener_terminates_tls_with_a_secret_that_cert_manager_keeps():
             assert listener["hostname"] in certificate["dnsNames"]  # what clients check
 
 
-@pytest.mark.parametrize(("kind", "port_name", "serve_option"), [
-    ("GRPCRoute", "serve-grpc", "grpc_options"),
-    ("HTTPRoute", "serve", "http_options"),
-])
+@pytest.mark.parametrize(
+    ("kind", "port_name", "serve_option"),
+    [
+        ("GRPCRoute", "serve-grpc", "grpc_options"),
+        ("HTTPRoute", "serve", "http_options"),
+    ],
+)
 def test_routes_attach_to_their_own_listener_and_reach_the_serve_service(kind, port_name, serve_option):
     docs = render(GATEWAY_OVERLAY)
     gateway, route, service = one(docs, "Gateway"), one(docs, kind), one(docs, "RayService")
@@ -98,12 +101,15 @@ def ray_tls_problems(docs: list[dict]) -> list[str]:
         for mount in ray.get("volumeMounts", []):
             volume = volume_at(template, ray, mount["mountPath"])[1]
             if volume.get("secret", {}).get("secretName") in cas and any(
-                    item["key"] != "ca.crt" for item in volume["secret"].get("items", [{"key": "all"}])):
+                item["key"] != "ca.crt" for item in volume["secret"].get("items", [{"key": "all"}])
+            ):
                 problems.append(f"{group}: the Ray container can read the CA's key ({mount['mountPath']})")
         ca_path = variables["RAY_TLS_CA_CERT"]["value"]
         secret = (volume_at(template, ray, ca_path) or ({}, {}))[1].get("secret", {})
-        if secret.get("secretName") not in cas or {"key": "ca.crt", "path": PurePosixPath(ca_path).name} not in \
-                secret.get("items", []):
+        if secret.get("secretName") not in cas or {
+            "key": "ca.crt",
+            "path": PurePosixPath(ca_path).name,
+        } not in secret.get("items", []):
             problems.append(f"{group}: {ca_path} is not ca.crt of the CA's Secret")
         pair = [volume_at(template, ray, variables[name]["value"]) for name in TLS_FILES[:2]]
         if None in pair or pair[0][1] != pair[1][1] or pair[0][1].get("emptyDir", {}).get("medium") != "Memory":
@@ -128,8 +134,12 @@ def autoscaler_problems(service: dict) -> list[str]:
 
 def signer_problems(group: str, template: dict, node_mount: dict, cas: set[str]) -> list[str]:
     """The init container that writes the node's pair: exactly one, into the Ray container's directory, from the CA."""
-    writers = [c for c in template["spec"].get("initContainers", []) for m in c.get("volumeMounts", [])
-               if m["name"] == node_mount["name"] and not m.get("readOnly")]
+    writers = [
+        c
+        for c in template["spec"].get("initContainers", [])
+        for m in c.get("volumeMounts", [])
+        if m["name"] == node_mount["name"] and not m.get("readOnly")
+    ]
     if len(writers) != 1:
         return [f"{group}: {len(writers)} init containers write the node's certificate"]
     [signer] = writers
@@ -182,14 +192,17 @@ def _no_signer(docs, group):
     template["spec"]["initContainers"] = [c for c in template["spec"]["initContainers"] if c["name"] != "ray-tls-cert"]
 
 
-@pytest.mark.parametrize(("breakage", "group", "problem"), [
-    (lambda docs, group: _drop_env(docs, group, "RAY_USE_TLS"), "draft", "draft: RAY_USE_TLS"),
-    (lambda docs, group: _drop_env(docs, group, "RAY_TLS_CA_CERT"), "target", "target: missing"),
-    (_whole_ca_secret, "target", "target: the Ray container can read the CA's key"),
-    (_writable_certificate, "head", "head: the Ray container can rewrite"),
-    (_no_autoscaler_tls, "head", "autoscaler"),
-    (_no_signer, "draft", "draft: 0 init containers"),
-])
+@pytest.mark.parametrize(
+    ("breakage", "group", "problem"),
+    [
+        (lambda docs, group: _drop_env(docs, group, "RAY_USE_TLS"), "draft", "draft: RAY_USE_TLS"),
+        (lambda docs, group: _drop_env(docs, group, "RAY_TLS_CA_CERT"), "target", "target: missing"),
+        (_whole_ca_secret, "target", "target: the Ray container can read the CA's key"),
+        (_writable_certificate, "head", "head: the Ray container can rewrite"),
+        (_no_autoscaler_tls, "head", "autoscaler"),
+        (_no_signer, "draft", "draft: 0 init containers"),
+    ],
+)
 def test_the_ray_tls_check_catches_a_gap(breakage, group, problem):
     docs = render("gpu")
     breakage(docs, group)
@@ -197,8 +210,10 @@ def test_the_ray_tls_check_catches_a_gap(breakage, group, problem):
 
 
 def test_the_cpu_dev_overlay_runs_ray_without_tls():
-    assert not any("RAY_USE_TLS" in env(t["spec"]["containers"][0])
-                   for t in pod_templates(one(render("cpu-dev"), "RayService")).values())
+    assert not any(
+        "RAY_USE_TLS" in env(t["spec"]["containers"][0])
+        for t in pod_templates(one(render("cpu-dev"), "RayService")).values()
+    )
 
 
 def test_the_optional_internal_tls_component_mounts_its_secret_on_every_ray_container(tmp_path):
@@ -226,10 +241,28 @@ def openssl(*args: str, cwd: Path | None = None) -> str:
 def make_ca(directory: Path, name: str) -> Path:
     """A CA's Secret as cert-manager writes it for an isCA Certificate: tls.crt, tls.key and ca.crt."""
     directory.mkdir()
-    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
-            "-subj", f"/CN={name}", "-keyout", "tls.key", "-out", "tls.crt",
-            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-            cwd=directory)
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        "tls.key",
+        "-out",
+        "tls.crt",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=directory,
+    )
     shutil.copy(directory / "tls.crt", directory / "ca.crt")
     return directory
 
@@ -243,12 +276,22 @@ def sign(ca: Path, out: Path, node_type: str, pod_ip: str) -> Path:
     """Run the gpu overlay's ray-tls-cert init container (its command, as rendered) with the env the pod gives it."""
     head = pod_templates(one(render("gpu"), "RayService"))["head"]
     init = next(c for c in head["spec"]["initContainers"] if c["name"] == "ray-tls-cert")
-    given = {"POD_IP": pod_ip, "POD_NAME": f"pod-{pod_ip}", "RAY_NODE_TYPE": node_type,
-             "RAY_TLS_DIR": str(out), "RAY_TLS_SIGNER_DIR": str(ca)}
+    given = {
+        "POD_IP": pod_ip,
+        "POD_NAME": f"pod-{pod_ip}",
+        "RAY_NODE_TYPE": node_type,
+        "RAY_TLS_DIR": str(out),
+        "RAY_TLS_SIGNER_DIR": str(ca),
+    }
     assert set(given) == set(env(init))  # the test stands in for exactly what the pod sets
     out.mkdir()
-    subprocess.run(init["command"] + init["args"], check=True, capture_output=True, text=True,
-                   env={"PATH": os.environ["PATH"], "FQ_RAY_IP": HEAD_SERVICE, **given})  # FQ_RAY_IP: from KubeRay
+    subprocess.run(
+        init["command"] + init["args"],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"], "FQ_RAY_IP": HEAD_SERVICE, **given},
+    )  # FQ_RAY_IP: from KubeRay
     return out
 
 
@@ -278,8 +321,11 @@ def test_the_init_container_fails_the_pod_without_its_node_type(ca, tmp_path):
 def serve_tls(address: str, node: Path, ca: Path) -> tuple[grpc.Server, int]:
     """A gRPC server with the credentials Ray's servers build from RAY_TLS_* (client certificates required)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    credentials = grpc.ssl_server_credentials([((node / "tls.key").read_bytes(), (node / "tls.crt").read_bytes())],
-                                              root_certificates=(ca / "ca.crt").read_bytes(), require_client_auth=True)
+    credentials = grpc.ssl_server_credentials(
+        [((node / "tls.key").read_bytes(), (node / "tls.crt").read_bytes())],
+        root_certificates=(ca / "ca.crt").read_bytes(),
+        require_client_auth=True,
+    )
     port = server.add_secure_port(f"{address}:0", credentials)
     server.start()
     return server, port
@@ -287,9 +333,11 @@ def serve_tls(address: str, node: Path, ca: Path) -> tuple[grpc.Server, int]:
 
 def handshake(address: str, port: int, node: Path, ca: Path) -> grpc.StatusCode:
     """One call over a channel built as Ray builds its own: UNIMPLEMENTED means TLS went through both ways."""
-    credentials = grpc.ssl_channel_credentials(root_certificates=(ca / "ca.crt").read_bytes(),
-                                               private_key=(node / "tls.key").read_bytes(),
-                                               certificate_chain=(node / "tls.crt").read_bytes())
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=(ca / "ca.crt").read_bytes(),
+        private_key=(node / "tls.key").read_bytes(),
+        certificate_chain=(node / "tls.crt").read_bytes(),
+    )
     with grpc.secure_channel(f"{address}:{port}", credentials) as channel:
         try:
             channel.unary_unary("/probe.Probe/Call")(b"", timeout=5)

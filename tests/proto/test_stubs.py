@@ -13,8 +13,14 @@ PROTO_ROOT = Path(__file__).resolve().parents[2] / "proto"
 def test_checked_in_stubs_match_the_protos(tmp_path):
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / "specdec" / "v1").glob("*.proto"))
     assert protos, "no .proto files found"
-    args = ["protoc", f"-I{PROTO_ROOT}", f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
-            f"--grpc_python_out={tmp_path}", *protos]
+    args = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"--python_out={tmp_path}",
+        f"--pyi_out={tmp_path}",
+        f"--grpc_python_out={tmp_path}",
+        *protos,
+    ]
     assert protoc.main(args) == 0
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.py*"))
     assert generated

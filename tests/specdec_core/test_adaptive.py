@@ -192,14 +192,15 @@ def test_a_fixed_draft_call_cost_is_not_charged_to_small_k_alone():
 
 def test_new_requests_start_from_recent_acceptance(tiny_target):
     from specdec_core.config import SamplingParams
+    from specdec_core.request import Request
     from tests.helpers import make_engine
 
     engine = make_engine(tiny_target, tiny_target.model)  # a draft that is the target: every draft is accepted
-    engine.add_request("first", list(range(5, 15)), SamplingParams(max_tokens=40, ignore_eos=True), 4)
+    engine.add_request(Request("first", tuple(range(5, 15)), SamplingParams(max_tokens=40, ignore_eos=True), 4))
     while engine.has_work:
         engine.step()
     assert engine.acceptance.alpha > 0.9
-    engine.add_request("next", list(range(20, 30)), SamplingParams(max_tokens=4, ignore_eos=True), "auto")
+    engine.add_request(Request("next", tuple(range(20, 30)), SamplingParams(max_tokens=4, ignore_eos=True), "auto"))
     assert engine._waiting[0].estimate.rates(4) == pytest.approx(engine.acceptance.rates(4))
 
 
@@ -389,15 +390,17 @@ def test_a_weak_free_proposal_loses_to_a_good_draft_model():
 def test_with_a_dear_draft_model_a_modest_free_proposal_is_still_taken():
     """The draft model would not pay (a step costs as much as a verify, acceptance 0.5), but a free proposal
     expected to add 0.6 tokens for a nearly free verify does: k = 0 with the free proposal, not plain decoding."""
-    choice = AdaptivePolicy(max_k=16).choose_round([(_estimate(0.5), None)], _hybrid_costs(0.1), 1,
-                                                   free=[FreeProposal(1.6, 3)])
+    choice = AdaptivePolicy(max_k=16).choose_round(
+        [(_estimate(0.5), None)], _hybrid_costs(0.1), 1, free=[FreeProposal(1.6, 3)]
+    )
     assert choice == RoundChoice(0, True)
 
 
 def test_neither_pays_plain_decoding():
     """Neither a poor free proposal nor poor drafts beat plain decoding by the margin: neither is verified."""
-    choice = AdaptivePolicy(max_k=16).choose_round([(_estimate(0.0), None)], _hybrid_costs(0.1), 1,
-                                                   free=[FreeProposal(1.01, 4)])
+    choice = AdaptivePolicy(max_k=16).choose_round(
+        [(_estimate(0.0), None)], _hybrid_costs(0.1), 1, free=[FreeProposal(1.01, 4)]
+    )
     assert choice == RoundChoice(0, False)
 
 
@@ -418,8 +421,14 @@ def test_a_free_proposal_is_weighed_per_row():
     assert policy.takes_free(expected, choice.k, offers[0]) and not policy.takes_free(expected, choice.k, offers[1])
 
 
-def _drive(policy: AdaptivePolicy, costs: CostModel, est: AcceptanceEstimate, rounds: int,
-           true_draft: float, true_verify: float) -> list[int]:
+def _drive(
+    policy: AdaptivePolicy,
+    costs: CostModel,
+    est: AcceptanceEstimate,
+    rounds: int,
+    true_draft: float,
+    true_verify: float,
+) -> list[int]:
     """`rounds` rounds at batch size 1: the k chosen each round, each round's costs observed at their true values
     (a draft call of k steps k * true_draft; a verify of t tokens true_verify * (1 + 0.05 * (t - 1)))."""
     chosen = []

@@ -7,6 +7,7 @@ import pytest
 
 from specdec_core.calibration import batch_sizes, calibrate
 from specdec_core.config import SamplingParams
+from specdec_core.request import Request
 from tests.helpers import make_engine, perturbed, run_to_completion
 
 
@@ -65,7 +66,7 @@ def test_a_context_too_small_for_every_round_stops_early_and_cleanly(tiny_target
 
 def test_a_busy_engine_is_not_calibrated(tiny_target):
     engine = make_engine(tiny_target)
-    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4))
+    engine.add_request(Request("r", (1, 2, 3), SamplingParams(max_tokens=4)))
     with pytest.raises(RuntimeError, match="idle"):
         calibrate(engine)
 
@@ -74,7 +75,7 @@ def test_set_speculation_changes_a_running_requests_k(tiny_target):
     engine = make_engine(tiny_target, "ngram")
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     prompt = tiny_target.tokenizer("x = 1\ny = 2\nx = 1\ny = 2\nx = 1\n")["input_ids"] * 2
-    engine.add_request("r", prompt, params, 4)
+    engine.add_request(Request("r", tuple(prompt), params, 4))
     engine.step()
     assert engine.set_speculation("r", 0) and not engine.set_speculation("nobody", 0)
     while engine.has_work:

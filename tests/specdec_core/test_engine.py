@@ -7,6 +7,7 @@ import pytest
 from specdec_core.adaptive import AcceptanceEstimate, CostModel
 from specdec_core.config import MIN_TEMPERATURE, SamplingParams
 from specdec_core.errors import InvalidArgument
+from specdec_core.request import Request
 from specdec_core.stopping import FinishReason
 from tests.helpers import contrarian, logits_after, make_engine, perturbed, reference_prob, run_to_completion
 
@@ -52,7 +53,7 @@ def test_drafts_stopped_by_the_drafts_confidence_leave_greedy_output_unchanged(t
         ids = _ids(tiny_target, text)
         expected, _, _ = _plain(tiny_target, ids, params)
         engine = make_engine(tiny_target, draft, confidence_threshold=0.05)
-        engine.add_request("r", ids, params, 4)
+        engine.add_request(Request("r", tuple(ids), params, 4))
         tokens = []
         while engine.has_work:
             for out in engine.step():
@@ -123,7 +124,7 @@ def test_labelled_proposals_are_cut_to_what_their_label_earns(tiny_target):
     engine = make_engine(tiny_target)
     engine.drafter = _LabelledOracle(prompt, expected, engine.target.vocab_size)
     engine.costs = _FixedCosts()  # the tiny model's timings are noise: verify costs 2% more per token
-    engine.add_request("r", prompt, params, 6)
+    engine.add_request(Request("r", tuple(prompt), params, 6))
     tokens, lengths = [], {"span": [], "first": []}
     while engine.has_work:
         for out in engine.step():
@@ -144,7 +145,12 @@ def test_concurrent_requests_do_not_disturb_each_other(tiny_target):
     requests = [
         ("a", _ids(tiny_target, PROMPTS[0]), SamplingParams(max_tokens=30, ignore_eos=True), 3),
         ("b", _ids(tiny_target, PROMPTS[1]), SamplingParams(max_tokens=12, ignore_eos=True), 1),
-        ("c", _ids(tiny_target, PROMPTS[2]), SamplingParams(max_tokens=25, temperature=0.9, seed=5, ignore_eos=True), 2),
+        (
+            "c",
+            _ids(tiny_target, PROMPTS[2]),
+            SamplingParams(max_tokens=25, temperature=0.9, seed=5, ignore_eos=True),
+            2,
+        ),
         ("d", _ids(tiny_target, "import os"), SamplingParams(max_tokens=20, temperature=1.0, top_k=5, seed=9), 0),
     ]
     together = run_to_completion(make_engine(tiny_target, draft), requests)
@@ -161,7 +167,9 @@ def test_stop_string_inside_accepted_drafts_ends_where_plain_decoding_does(tiny_
     params = SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,))
     plain_tokens, plain_text, plain_last = _plain(tiny_target, ids, params)
     # The draft is the target itself: every draft is accepted, so the stop is met inside an accepted run.
-    tokens, spec_text, last = run_to_completion(make_engine(tiny_target, tiny_target.model), [("r", ids, params, 6)])["r"]
+    tokens, spec_text, last = run_to_completion(make_engine(tiny_target, tiny_target.model), [("r", ids, params, 6)])[
+        "r"
+    ]
     assert (tokens, spec_text) == (plain_tokens, plain_text)
     assert last.finish_reason == plain_last.finish_reason == FinishReason.STOP
     assert stop not in spec_text and len(tokens) < 40
@@ -191,8 +199,12 @@ def test_eos_ends_output_like_plain_decoding(tiny_target):
 
 def test_cancel_frees_caches_in_target_and_draft(tiny_target):
     engine = make_engine(tiny_target, tiny_target.model, num_slots=2)
-    engine.add_request("a", _ids(tiny_target, PROMPTS[0]), SamplingParams(max_tokens=50, ignore_eos=True), 2)
-    engine.add_request("b", _ids(tiny_target, PROMPTS[1]), SamplingParams(max_tokens=50, ignore_eos=True), 2)
+    engine.add_request(
+        Request("a", tuple(_ids(tiny_target, PROMPTS[0])), SamplingParams(max_tokens=50, ignore_eos=True), 2)
+    )
+    engine.add_request(
+        Request("b", tuple(_ids(tiny_target, PROMPTS[1])), SamplingParams(max_tokens=50, ignore_eos=True), 2)
+    )
     engine.step(), engine.step()
     assert engine.target.runner.cache.slots_in_use == 2 and engine.drafter.active_sequences == 2
     final = engine.abort("a")
@@ -237,8 +249,8 @@ def test_the_drafter_starts_a_sequence_only_when_it_first_drafts(tiny_target):
     engine = make_engine(tiny_target, draft)
     engine.drafter = recorder = _Recording(engine.drafter)
     prompt = _ids(tiny_target, PROMPTS[2])
-    engine.add_request("plain", prompt, params, 0)
-    engine.add_request("spec", prompt, params, 3)
+    engine.add_request(Request("plain", tuple(prompt), params, 0))
+    engine.add_request(Request("spec", tuple(prompt), params, 3))
     engine.step()  # admission: prefill only
     assert recorder.started == []
     engine.step()  # the first round: "spec" drafts, and is started with all it has (prompt and first token)
@@ -278,10 +290,10 @@ def test_drafts_are_not_started_for_a_batch_about_to_grow_past_where_they_pay(ti
     engine.drafter = recorder = _Recording(engine.drafter)
     engine.costs = _PaysAloneOnly()
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    engine.add_request("first", _ids(tiny_target, PROMPTS[0]), params, "auto")
+    engine.add_request(Request("first", tuple(_ids(tiny_target, PROMPTS[0])), params, "auto"))
     engine.step()
     for name in ["a", "b", "c"][:joining]:
-        engine.add_request(name, _ids(tiny_target, PROMPTS[1]), params, "auto")
+        engine.add_request(Request(name, tuple(_ids(tiny_target, PROMPTS[1])), params, "auto"))
     engine.step(), engine.step()
     assert [seq_id for seq_id, _ in recorder.started] == ([] if joining else ["first"])
 
@@ -331,7 +343,9 @@ def test_auto_chooses_up_to_the_engines_max_speculative_tokens_and_no_further(ti
     engine = make_engine(tiny_target, tiny_target.model, max_speculative_tokens=largest)
     engine.costs = _nearly_free_verification(engine.config.policy.explore_samples)
     engine.acceptance = AcceptanceEstimate.starting_at(0.99, weight=1e6)  # where a new request's estimate starts
-    engine.add_request("r", _ids(tiny_target, PROMPTS[0]), SamplingParams(max_tokens=40, ignore_eos=True), "auto")
+    engine.add_request(
+        Request("r", tuple(_ids(tiny_target, PROMPTS[0])), SamplingParams(max_tokens=40, ignore_eos=True), "auto")
+    )
     engine.step()  # admission: prefill only
     (output,) = engine.step()
     assert output.round.k == largest
@@ -456,8 +470,9 @@ def test_a_sequence_back_from_plain_rounds_catches_up_exactly(tiny_target):
 
 def test_waiting_requests_are_admitted_as_slots_free(tiny_target):
     engine = make_engine(tiny_target, tiny_target.model, num_slots=2)
-    requests = [(f"r{i}", _ids(tiny_target, PROMPTS[i % 3]), SamplingParams(max_tokens=8, ignore_eos=True), 2)
-                for i in range(5)]
+    requests = [
+        (f"r{i}", _ids(tiny_target, PROMPTS[i % 3]), SamplingParams(max_tokens=8, ignore_eos=True), 2) for i in range(5)
+    ]
     results = run_to_completion(engine, requests)
     assert all(len(tokens) == 8 for tokens, _, _ in results.values())
 
@@ -477,7 +492,7 @@ def test_waiting_requests_are_admitted_as_slots_free(tiny_target):
 def test_bad_requests_fail_before_any_work(tiny_target, prompt, params, k, field):
     engine = make_engine(tiny_target, tiny_target.model)
     with pytest.raises(InvalidArgument) as err:
-        engine.add_request("r", prompt, params, k)
+        engine.add_request(Request("r", tuple(prompt), params, k))
     assert err.value.field == field and field in str(err.value)
     assert not engine.has_work and engine.target.runner.cache.slots_in_use == 0
 
@@ -522,12 +537,14 @@ def test_return_probs_reports_the_models_probabilities_of_the_proposals(tiny_tar
     draft = perturbed(tiny_target.model, 0.2, seed=3)
     ids = _ids(tiny_target, PROMPTS[0])
     # top_k 50 < the drafter's q support (128): the q it draws from is exactly the processed distribution.
-    cases = {"greedy": SamplingParams(max_tokens=30, ignore_eos=True),
-             "sampled": SamplingParams(max_tokens=30, temperature=0.8, top_k=50, seed=4, ignore_eos=True)}
+    cases = {
+        "greedy": SamplingParams(max_tokens=30, ignore_eos=True),
+        "sampled": SamplingParams(max_tokens=30, temperature=0.8, top_k=50, seed=4, ignore_eos=True),
+    }
     engine = make_engine(tiny_target, draft)
     for name, params in cases.items():
-        engine.add_request(name, ids, params, 3, return_probs=True)
-    engine.add_request("off", ids, cases["sampled"], 3)
+        engine.add_request(Request(name, tuple(ids), params, 3, return_probs=True))
+    engine.add_request(Request("off", tuple(ids), cases["sampled"], 3))
     rounds, outputs = {name: [] for name in (*cases, "off")}, {name: [] for name in (*cases, "off")}
     while engine.has_work:
         for out in engine.step():
@@ -570,7 +587,7 @@ def test_a_conversations_second_turn_computes_only_its_new_tokens(tiny_target):
     new = [40, 41, 42, 43]
     second = first + reply + new
     before = runner.computed_tokens
-    engine.add_request("t2", second, GREEDY, 0)
+    engine.add_request(Request("t2", tuple(second), GREEDY, 0))
     (out,) = engine.step()  # the prefill alone: nothing else runs
     # The target held turn one's prompt and every reply token but the last (sampled, never read): that one and
     # the new tokens are computed, nothing else.
@@ -621,8 +638,13 @@ def test_the_draft_model_reuses_its_cache_too(tiny_target):
 def test_salts_share_cached_prefixes_only_within_themselves(tiny_target):
     engine = make_engine(tiny_target, prefix_caching=True)
     prompt = _ids(tiny_target, PROMPTS[0])
-    runs = [("alice", "alice", 0), ("bob", "bob", 0), ("anonymous", None, 0), ("alice again", "alice", len(prompt) - 1),
-            ("anonymous again", None, len(prompt) - 1)]
+    runs = [
+        ("alice", "alice", 0),
+        ("bob", "bob", 0),
+        ("anonymous", None, 0),
+        ("alice again", "alice", len(prompt) - 1),
+        ("anonymous again", None, len(prompt) - 1),
+    ]
     outputs = []
     for request_id, salt, cached in runs:
         tokens, _, last = run_to_completion(engine, [(request_id, prompt, GREEDY, 0, salt)])[request_id]
@@ -635,7 +657,7 @@ def test_a_cancelled_request_leaves_a_usable_cache_entry(tiny_target):
     draft = perturbed(tiny_target.model, 0.2, seed=3)
     engine = make_engine(tiny_target, draft, prefix_caching=True)
     prompt = _ids(tiny_target, PROMPTS[2])
-    engine.add_request("cut", prompt, SamplingParams(max_tokens=60, ignore_eos=True), 3)
+    engine.add_request(Request("cut", tuple(prompt), SamplingParams(max_tokens=60, ignore_eos=True), 3))
     partial = []
     for _ in range(4):
         for out in engine.step():

@@ -12,11 +12,12 @@ import pytest
 
 from specdec_core.config import SamplingParams
 from specdec_core.drafters.base import Proposal
-from specdec_core.engine import FORCED
 from specdec_core.errors import InvalidArgument
 from specdec_core.grammar.constraint import Constraint
 from specdec_core.grammar.state import GrammarState
+from specdec_core.request import Request
 from specdec_core.stopping import FinishReason
+from specdec_core.structured import FORCED
 from tests.helpers import contrarian, make_engine, one_torch_thread, perturbed, run_to_completion
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "class Counter:", "x = 1\ny = 2\n"]
@@ -30,8 +31,12 @@ SCHEMA = {
         "name": {"enum": ["add", "mean", "count"]},
         "size": {"type": "number", "minimum": 0, "maximum": 99},
         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-        "pos": {"type": "object", "additionalProperties": False, "required": ["x"],
-                "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}, "ok": {"type": "boolean"}}},
+        "pos": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["x"],
+            "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}, "ok": {"type": "boolean"}},
+        },
         "note": {"type": "string", "maxLength": 6},  # optional
     },
     # Compact JSON: by default any whitespace may come between tokens, where a random tiny model loops forever.
@@ -49,10 +54,16 @@ def _one_thread():
 def _schema_valid(text: str) -> bool:
     value = json.loads(text)
     keys = {"name", "size", "tags", "pos", "note"}
-    return (set(value) <= keys and {"name", "size", "tags", "pos"} <= set(value)
-            and value["name"] in ("add", "mean", "count") and 0 <= value["size"] <= 99
-            and all(tag in ("a", "b") for tag in value["tags"]) and len(value["tags"]) <= 3
-            and set(value["pos"]) <= {"x", "ok"} and -9 <= value["pos"]["x"] <= 9)
+    return (
+        set(value) <= keys
+        and {"name", "size", "tags", "pos"} <= set(value)
+        and value["name"] in ("add", "mean", "count")
+        and 0 <= value["size"] <= 99
+        and all(tag in ("a", "b") for tag in value["tags"])
+        and len(value["tags"]) <= 3
+        and set(value["pos"]) <= {"x", "ok"}
+        and -9 <= value["pos"]["x"] <= 9
+    )
 
 
 CONSTRAINTS = {  # kind -> (constraint, is a complete output valid)
@@ -61,8 +72,12 @@ CONSTRAINTS = {  # kind -> (constraint, is a complete output valid)
     "json_object": (Constraint("json_object"), lambda text: isinstance(json.loads(text), dict)),
 }
 # method -> (make_engine's draft and hybrid, k): hybrid lets `auto` weigh suffix proposals against the draft model's.
-METHODS = {"draft_model": (True, False, 3), "ngram": ("ngram", False, 3), "suffix": ("suffix", False, 3),
-           "hybrid": (True, True, "auto")}
+METHODS = {
+    "draft_model": (True, False, 3),
+    "ngram": ("ngram", False, 3),
+    "suffix": ("suffix", False, 3),
+    "hybrid": (True, True, "auto"),
+}
 
 
 def _ids(loaded, text):
@@ -82,7 +97,7 @@ def test_greedy_constrained_speculation_equals_constrained_plain_decoding(pair, 
     target, draft = pair
     constraint, valid = CONSTRAINTS[kind]
     expected = run_to_completion(make_engine(target), _requests(target, constraint, 0))
-    for request_id, (tokens, text, last) in expected.items():
+    for request_id, (_tokens, text, last) in expected.items():
         if request_id != "free" and last.finish_reason != FinishReason.LENGTH:
             assert last.finish_reason == FinishReason.EOS and valid(text), (request_id, text)
     if kind != "json_object":  # a random model writes any object's strings on and on: it never closes one
@@ -93,7 +108,7 @@ def test_greedy_constrained_speculation_equals_constrained_plain_decoding(pair, 
             got = run_to_completion(engine, _requests(target, constraint, k, tag))
             proposed = sum(last.stats.proposed for _, _, last in got.values())
             assert proposed > 0, method
-            for request_id, (tokens, text, last) in expected.items():
+            for request_id, (tokens, _text, last) in expected.items():
                 assert got[tag + request_id][0] == tokens, (method, tag + request_id)
                 assert got[tag + request_id][2].finish_reason == last.finish_reason
 
@@ -102,7 +117,7 @@ def _run_checking_grammar(engine, requests):
     """`run_to_completion`, checking after every step that each running sequence's grammar has taken exactly its
     committed output (never a draft) and the round's masks were rolled back."""
     for request_id, prompt, params, k in requests:
-        engine.add_request(request_id, prompt, params, k)
+        engine.add_request(Request(request_id, tuple(prompt), params, k))
     outputs, rounds = {r[0]: [] for r in requests}, 0
     while engine.has_work:
         for out in engine.step():
@@ -181,9 +196,9 @@ def test_forced_tokens_are_verified_without_a_draft_call(pair, temperature):
     constraint = Constraint("regex", r"[ab] the quick brown fox=[xy]")
     params = SamplingParams(temperature=temperature, seed=1, max_tokens=32, constraint=constraint)
     prompt = _ids(target, PROMPTS[0])
-    (expected, _, _), = run_to_completion(make_engine(target), [("r", prompt, params, 0)]).values()
+    ((expected, _, _),) = run_to_completion(make_engine(target), [("r", prompt, params, 0)]).values()
     engine = _counted(target, draft.model)
-    engine.add_request("r", prompt, params, 3)
+    engine.add_request(Request("r", tuple(prompt), params, 3))
     tokens, rounds = [], []
     while engine.has_work:
         for out in engine.step():
@@ -202,7 +217,7 @@ def test_plain_decoding_stays_token_by_token(pair):
     target, draft = pair
     params = SamplingParams(max_tokens=32, constraint=Constraint("regex", r"[ab] the quick brown fox"))
     engine = _counted(target, draft.model)
-    (tokens, _, last), = run_to_completion(engine, [("r", _ids(target, PROMPTS[0]), params, 0)]).values()
+    ((tokens, _, last),) = run_to_completion(engine, [("r", _ids(target, PROMPTS[0]), params, 0)]).values()
     assert last.finish_reason == FinishReason.EOS
     assert all(drafts == [] for drafts in engine.target.verified) and len(engine.target.verified) == len(tokens) - 1
 
@@ -232,12 +247,12 @@ class _FixedDrafter:
 
 
 def test_point_mass_proposals_are_cut_where_they_leave_the_grammar(tiny_target):
-    """"ab!" proposed after "a" under `a[ab]+`: "a" and "b" are verified, "!" never reaches the target."""
+    """ "ab!" proposed after "a" under `a[ab]+`: "a" and "b" are verified, "!" never reaches the target."""
     a, b, bang = tiny_target.tokenizer.convert_tokens_to_ids(["a", "b", "!"])
     params = SamplingParams(max_tokens=6, constraint=Constraint("regex", "a[ab]+"))
-    (expected, _, _), = run_to_completion(make_engine(tiny_target), [("r", [a], params, 0)]).values()
+    ((expected, _, _),) = run_to_completion(make_engine(tiny_target), [("r", [a], params, 0)]).values()
     engine = _counted(tiny_target, _FixedDrafter([a, b, bang]))
-    engine.add_request("r", [a], params, 3)
+    engine.add_request(Request("r", (a,), params, 3))
     tokens = []
     while engine.has_work:
         for out in engine.step():
@@ -258,16 +273,19 @@ def test_a_grammar_ends_the_output_and_max_tokens_cuts_it(tiny_target):
     assert last.finish_reason == FinishReason.LENGTH and len(tokens) == 5 and text.startswith('{"')
 
 
-@pytest.mark.parametrize("constraint,field", [
-    (Constraint("regex", "(unclosed"), "regex"),
-    (Constraint("json_schema", "{not json"), "json_schema"),
-    (Constraint("json_schema", json.dumps({"type": "object", "not": {"required": ["a"]}})), "json_schema"),
-    (Constraint("grammar", "start: missing_rule"), "grammar"),
-])
+@pytest.mark.parametrize(
+    "constraint,field",
+    [
+        (Constraint("regex", "(unclosed"), "regex"),
+        (Constraint("json_schema", "{not json"), "json_schema"),
+        (Constraint("json_schema", json.dumps({"type": "object", "not": {"required": ["a"]}})), "json_schema"),
+        (Constraint("grammar", "start: missing_rule"), "grammar"),
+    ],
+)
 def test_a_bad_constraint_fails_before_any_work(tiny_target, constraint, field):
     engine = make_engine(tiny_target, "ngram")
     with pytest.raises(InvalidArgument) as caught:
-        engine.add_request("r", _ids(tiny_target, PROMPTS[0]), SamplingParams(constraint=constraint))
+        engine.add_request(Request("r", tuple(_ids(tiny_target, PROMPTS[0])), SamplingParams(constraint=constraint)))
     assert caught.value.field == field
     assert not engine.has_work
 

@@ -17,6 +17,7 @@ from specdec_core import rejection
 from specdec_core import target as target_module
 from specdec_core.config import SamplingParams
 from specdec_core.models.vocab_head import cut_vocabulary
+from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.sampling import processed_probs
 from tests.helpers import chi_square_p_value, make_engine, perturbed
@@ -38,25 +39,38 @@ def _exact_law(loaded) -> dict[tuple[int, ...], float]:
             slot = runner.allocate()
             logits = runner.extend([slot], [PROMPT + list(prefix)])  # [1, V]
             runner.release(slot)
-            p = processed_probs(logits.double(), torch.tensor([1.0]), torch.tensor([PARAMS["top_k"]]),
-                                torch.tensor([PARAMS["top_p"]], dtype=torch.float64))[0]
+            p = processed_probs(
+                logits.double(),
+                torch.tensor([1.0]),
+                torch.tensor([PARAMS["top_k"]]),
+                torch.tensor([PARAMS["top_p"]], dtype=torch.float64),
+            )[0]
             for token in torch.nonzero(p).flatten().tolist():
                 nxt[prefix + (token,)] = mass * p[token].item()
         law = nxt
     return law
 
 
-def _sample(loaded, draft, hybrid: bool = False, mixed: list[int] | None = None, confidence_threshold: float = 0.0,
-            lengths: list[int] | None = None) -> tuple[dict[tuple[int, ...], int], float]:
+def _sample(
+    loaded,
+    draft,
+    hybrid: bool = False,
+    mixed: list[int] | None = None,
+    confidence_threshold: float = 0.0,
+    lengths: list[int] | None = None,
+) -> tuple[dict[tuple[int, ...], int], float]:
     """Counts of each 4-token output over SAMPLES seeded requests, and the acceptance rate. `hybrid`: requests
     alternate between the suffix structure and the draft model (`speculation_method`), so batches mix point-mass
     and model-drafted rows; `mixed`, when given, gets 1 for each step whose rounds verified both kinds together;
     `lengths`, each round's number of drafts."""
-    engine = make_engine(loaded, draft, num_slots=256, max_seq_len=64, hybrid=hybrid,
-                         confidence_threshold=confidence_threshold)
+    engine = make_engine(
+        loaded, draft, num_slots=256, max_seq_len=64, hybrid=hybrid, confidence_threshold=confidence_threshold
+    )
     for i in range(SAMPLES):
         method = ("suffix", "draft_model")[i % 2] if hybrid else None
-        engine.add_request(str(i), PROMPT, SamplingParams(seed=i, **PARAMS), 2, speculation_method=method)
+        engine.add_request(
+            Request(str(i), tuple(PROMPT), SamplingParams(seed=i, **PARAMS), 2, speculation_method=method)
+        )
     outputs: dict[str, list[int]] = {}
     proposed = accepted = 0
     while engine.has_work:

@@ -26,13 +26,14 @@ import torch
 
 from specdec_core.config import SamplingParams
 from specdec_core.drafters.draft_model import DraftModelDrafter
-from specdec_core.engine import FORCED, SpecEngine
 from specdec_core.grammar.compiler import GrammarCompiler
 from specdec_core.grammar.constraint import Constraint
 from specdec_core.grammar.masks import draft_masks
 from specdec_core.grammar.state import GrammarState
+from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.sampling import processed_probs
+from specdec_core.structured import FORCED
 from tests.helpers import chi_square_p_value, logits_after, make_engine, one_torch_thread, perturbed
 
 pytestmark = pytest.mark.slow  # thousands of seeded requests a test: `make test` runs them, `make test-fast` not
@@ -72,8 +73,13 @@ def _exact_law(loaded, regex: str, max_tokens: int) -> dict[tuple[int, ...], flo
                 slot = runner.allocate()
                 logits = runner.extend([slot], [PROMPT + list(prefix)])  # [1, V]
                 runner.release(slot)
-                p = processed_probs(logits.double(), torch.tensor([1.0]), torch.tensor([TOP_K]),
-                                    torch.tensor([1.0], dtype=torch.float64), state.allowed_mask().unsqueeze(0))[0]
+                p = processed_probs(
+                    logits.double(),
+                    torch.tensor([1.0]),
+                    torch.tensor([TOP_K]),
+                    torch.tensor([1.0], dtype=torch.float64),
+                    state.allowed_mask().unsqueeze(0),
+                )[0]
                 for token in torch.nonzero(p).flatten().tolist():
                     grown[prefix + (token,)] = mass * p[token].item()
             state.rollback(len(prefix))
@@ -88,8 +94,15 @@ def _sample(loaded, draft, regex: str, max_tokens: int, hybrid: bool = False):
     constraint = Constraint("regex", regex)
     for i in range(SAMPLES):
         params = SamplingParams(temperature=1.0, top_k=TOP_K, seed=i, max_tokens=max_tokens, constraint=constraint)
-        engine.add_request(str(i), PROMPT, params, 2, speculation_method=("suffix", "draft_model")[i % 2] if hybrid
-                           else None)
+        engine.add_request(
+            Request(
+                str(i),
+                tuple(PROMPT),
+                params,
+                2,
+                speculation_method=("suffix", "draft_model")[i % 2] if hybrid else None,
+            )
+        )
     outputs: dict[str, list[int]] = {}
     methods: dict[str | None, int] = {}
     while engine.has_work:
@@ -142,21 +155,22 @@ def test_plain_constrained_sampling_matches_the_masked_target(tiny_target, gramm
 def _drafting_unmasked(monkeypatch):
     """The draft model drafts from its unmasked q: the grammar is dropped from its requests."""
     propose = DraftModelDrafter.propose
-    monkeypatch.setattr(DraftModelDrafter, "propose",
-                        lambda self, requests: propose(self, [replace(r, grammar=None) for r in requests]))
+    monkeypatch.setattr(
+        DraftModelDrafter, "propose", lambda self, requests: propose(self, [replace(r, grammar=None) for r in requests])
+    )
 
 
-def _cut_everything(seq, proposal):
+def _cut_everything(grammar, proposal):
     """The engine cutting every proposal where it leaves the grammar, those with a q too."""
-    if seq.grammar is None or not proposal.token_ids:
+    if grammar is None or not proposal.token_ids:
         return proposal
-    return proposal.prefix(draft_masks(seq.grammar, proposal.token_ids).num_valid)
+    return proposal.prefix(draft_masks(grammar, proposal.token_ids).num_valid)
 
 
 def test_unmasked_drafts_cut_at_the_grammar_fail_the_same_test(tiny_target, draft, monkeypatch):
     regex, max_tokens = GRAMMARS["forbidding"]
     _drafting_unmasked(monkeypatch)
-    monkeypatch.setattr(SpecEngine, "_cut", staticmethod(_cut_everything))
+    monkeypatch.setattr("specdec_core.structured.cut_to_grammar", _cut_everything)
     counts, _ = _sample(tiny_target, draft, regex, max_tokens)
     assert chi_square_p_value(counts, _exact_law(tiny_target, regex, max_tokens), SAMPLES) < 1e-6
 

@@ -24,8 +24,10 @@ def taught_target(tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     words, rng = _CORPUS.split(" "), random.Random(5)
-    lines = [json.dumps({"prompt": corpus_prompt(words, rng.randrange(len(words) - 30), rng.randint(2, 6))})
-             for _ in range(200)]
+    lines = [
+        json.dumps({"prompt": corpus_prompt(words, rng.randrange(len(words) - 30), rng.randint(2, 6))})
+        for _ in range(200)
+    ]
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -35,17 +37,38 @@ def prompts(tmp_path_factory):
 def proposal_log(tmp_path_factory):
     """Three rounds as a served log with context writes them: two rejected (taught), one all accepted (not)."""
     path = tmp_path_factory.mktemp("log") / "proposals.jsonl"
-    records = [{"proposed": [40, 41, 42], "accepted": 1, "context": [1, 30, 31, 32]},
-               {"proposed": [50, 51], "accepted": 0, "context": [33, 34]},
-               {"proposed": [60, 61], "accepted": 2, "context": [35, 36]}]
+    records = [
+        {"proposed": [40, 41, 42], "accepted": 1, "context": [1, 30, 31, 32]},
+        {"proposed": [50, 51], "accepted": 0, "context": [33, 34]},
+        {"proposed": [60, 61], "accepted": 2, "context": [35, 36]},
+    ]
     path.write_text("".join(json.dumps({"ts": 0, "request_id": "r", "round": 0, "k": 3, **r}) + "\n" for r in records))
     return path
 
 
 def _distill(taught_target, tiny_dir, prompts, out, *extra):
-    args = ["distill", "--target", taught_target, "--draft", tiny_dir / "draft", "--prompts", prompts, "--out", out,
-            "--steps", 400, "--max-new-tokens", 32, "--lora-rank", 0, "--learning-rate", 1e-2, "--dtype", "float32",
-            *extra]
+    args = [
+        "distill",
+        "--target",
+        taught_target,
+        "--draft",
+        tiny_dir / "draft",
+        "--prompts",
+        prompts,
+        "--out",
+        out,
+        "--steps",
+        400,
+        "--max-new-tokens",
+        32,
+        "--lora-rank",
+        0,
+        "--learning-rate",
+        1e-2,
+        "--dtype",
+        "float32",
+        *extra,
+    ]
     with one_torch_thread():
         return main([str(a) for a in args])
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from specdec_tools.soak import make_variant, run_soak, verdict
 from specdec_tools.cli import build_parser
+from specdec_tools.soak import make_variant, run_soak, verdict
 
 
 def test_a_short_soak_has_no_errors_and_leaves_no_session(served):

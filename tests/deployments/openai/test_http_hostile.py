@@ -18,21 +18,37 @@ from hypothesis import strategies as st
 from tests.helpers import wait_until_idle
 
 TIMEOUT_S = 60
-JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
-                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))
-ANY_JSON = st.recursive(JSON_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                              st.dictionaries(st.text(max_size=6), inner, max_size=3)),
-                        max_leaves=6)
-MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "developer"]),
-                                 "content": st.one_of(st.text(max_size=40), st.lists(st.fixed_dictionaries(
-                                     {"type": st.just("text"), "text": st.text(max_size=20)}), min_size=1,
-                                     max_size=2))})
+JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+)
+ANY_JSON = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=6,
+)
+MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "user", "assistant", "tool", "developer"]),
+        "content": st.one_of(
+            st.text(max_size=40),
+            st.lists(
+                st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)}), min_size=1, max_size=2
+            ),
+        ),
+    }
+)
 
 # Each field: a valid value, or (when the example picks it as hostile) anything JSON can say, or edge values.
 FIELDS = {
     "messages": (st.lists(MESSAGE, min_size=1, max_size=3), ANY_JSON),
-    "prompt": (st.one_of(st.text(min_size=1, max_size=40), st.lists(st.integers(0, 383), min_size=1, max_size=20)),
-               st.one_of(ANY_JSON, st.lists(st.integers(-5, 2**33), max_size=5))),
+    "prompt": (
+        st.one_of(st.text(min_size=1, max_size=40), st.lists(st.integers(0, 383), min_size=1, max_size=20)),
+        st.one_of(ANY_JSON, st.lists(st.integers(-5, 2**33), max_size=5)),
+    ),
     "max_tokens": (st.integers(1, 6), st.one_of(ANY_JSON, st.integers(-3, 10**6))),
     "temperature": (st.one_of(st.just(0), st.floats(0.1, 2.0)), st.one_of(ANY_JSON, st.floats(-1, 1e-3))),
     "top_p": (st.floats(0.1, 1.0), ANY_JSON),
@@ -48,8 +64,9 @@ FIELDS = {
     "logprobs": (st.just(False), ANY_JSON),
     "user": (st.text(max_size=8), ANY_JSON),
 }
-UNKNOWN = st.dictionaries(st.text(min_size=1, max_size=8).filter(lambda k: k not in FIELDS and k != "model"),
-                          ANY_JSON, max_size=1)
+UNKNOWN = st.dictionaries(
+    st.text(min_size=1, max_size=8).filter(lambda k: k not in FIELDS and k != "model"), ANY_JSON, max_size=1
+)
 
 
 @st.composite
@@ -82,8 +99,9 @@ def api(served):
     return f"http://127.0.0.1:{config.http_port}/v1", config
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                 HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(case=bodies())
 def test_every_body_gets_200_or_a_4xx_naming_a_parameter(api, case):
     base, config = api
@@ -103,7 +121,10 @@ def test_every_body_gets_200_or_a_4xx_naming_a_parameter(api, case):
 
 def test_the_server_still_serves_and_holds_no_session(api, served):
     base, config = api
-    status, reply = post(base, "/completions", {"model": config.served_name, "prompt": [5, 6, 7], "max_tokens": 3,
-                                                "temperature": 0, "ignore_eos": True})
+    status, reply = post(
+        base,
+        "/completions",
+        {"model": config.served_name, "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+    )
     assert status == 200 and reply["usage"]["completion_tokens"] == 3
     assert wait_until_idle(served)

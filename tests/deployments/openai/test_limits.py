@@ -10,8 +10,7 @@ import json
 import pytest
 
 from deployments.openai.http import MAX_BODY_BYTES
-from tests.deployments.test_router import (  # noqa: F401 (make_router is a fixture)
-    BIG, TOKEN, count_tokenizer, make_router, record_requests)
+from tests.deployments.test_router import BIG, TOKEN, count_tokenizer, make_router, record_requests  # noqa: F401 (make_router is a fixture)
 from tests.helpers import asgi_post
 
 AUTH = [(b"authorization", f"Bearer {TOKEN}".encode())]
@@ -22,12 +21,18 @@ def _post(app, path: str, body: dict, headers=AUTH) -> tuple[int, dict]:
     return status, reply
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": BIG}]}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": BIG}]}]},
-     "messages"),
-    ("/v1/completions", {"prompt": BIG}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": BIG}]}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": BIG}]}]},
+            "messages",
+        ),
+        ("/v1/completions", {"prompt": BIG}, "prompt"),
+    ],
+)
 def test_a_prompt_over_max_prompt_bytes_is_400_before_it_is_tokenized(make_router, path, body, param):
     router, engine = make_router()
     tokenizer = count_tokenizer(router)
@@ -39,8 +44,11 @@ def test_a_prompt_over_max_prompt_bytes_is_400_before_it_is_tokenized(make_route
     assert tokenizer.calls == 0 and not engine.has_work
     assert recorded.by(finish_reason="refused", code="invalid_argument") == 1
     # The next request is served.
-    status, reply = _post(app, "/v1/chat/completions", {"model": router.served_model_name, "max_tokens": 4,
-                                                        "messages": [{"role": "user", "content": "hello"}]})
+    status, reply = _post(
+        app,
+        "/v1/chat/completions",
+        {"model": router.served_model_name, "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]},
+    )
     assert status == 200 and reply["usage"]["completion_tokens"] == 4 and tokenizer.calls > 0, reply
 
 
@@ -49,8 +57,11 @@ def test_the_tools_count_towards_the_prompt(make_router):
     tokenizer = count_tokenizer(router)
     app = router.__serve_build_asgi_app__()
     tools = [{"type": "function", "function": {"name": "f", "description": "d" * 3000}}]
-    status, error = _post(app, "/v1/chat/completions", {"model": router.served_model_name, "tools": tools,
-                                                        "messages": [{"role": "user", "content": "hello"}]})
+    status, error = _post(
+        app,
+        "/v1/chat/completions",
+        {"model": router.served_model_name, "tools": tools, "messages": [{"role": "user", "content": "hello"}]},
+    )
     assert status == 400 and error["error"]["param"] == "tools"
     assert "router.max_prompt_bytes" in error["error"]["message"]
     assert tokenizer.calls == 0

@@ -14,12 +14,19 @@ import openai
 
 from tests.deployments.test_router import TOKEN, _post, make_router  # noqa: F401 (make_router is a fixture)
 
-COUNT_ARGS = {"type": "object", "properties": {"op": {"enum": ["add", "mean", "count"]},
-                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["op", "n"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "count", "description": "Count things", "parameters": COUNT_ARGS,
-                                           "strict": True}},
-         {"type": "function", "function": {"name": "noop", "strict": True}}]
+COUNT_ARGS = {
+    "type": "object",
+    "properties": {"op": {"enum": ["add", "mean", "count"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["op", "n"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "count", "description": "Count things", "parameters": COUNT_ARGS, "strict": True},
+    },
+    {"type": "function", "function": {"name": "noop", "strict": True}},
+]
 NAMED = {"type": "function", "function": {"name": "count"}}
 MESSAGES = [{"role": "user", "content": "count to three"}]
 MAX_SEQ_LEN = 512  # the tiny models' positions: the tools' JSON takes ~400 of them (about a token a character)
@@ -27,8 +34,15 @@ MAX_TOKENS = 80  # a call to count takes ~70
 
 
 def body(router, **extra) -> dict:
-    return {"model": router.served_model_name, "messages": MESSAGES, "temperature": 0, "max_tokens": MAX_TOKENS,
-            "return_token_ids": True, "tools": TOOLS, **extra}
+    return {
+        "model": router.served_model_name,
+        "messages": MESSAGES,
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        "return_token_ids": True,
+        "tools": TOOLS,
+        **extra,
+    }
 
 
 def valid_count(arguments: str) -> bool:
@@ -47,8 +61,9 @@ def test_a_forced_call_is_a_valid_call_and_the_same_with_speculation_on_and_off(
     app = router.__serve_build_asgi_app__()
     replies = {}
     for k in (0, 3):
-        status, replies[k] = asyncio.run(_post(app, "/v1/chat/completions",
-                                               body(router, tool_choice=NAMED, num_speculative_tokens=k)))
+        status, replies[k] = asyncio.run(
+            _post(app, "/v1/chat/completions", body(router, tool_choice=NAMED, num_speculative_tokens=k))
+        )
         assert status == 200, replies[k]
     off, on = replies[0]["choices"][0], replies[3]["choices"][0]
     assert on["token_ids"] == off["token_ids"] and without_ids(on["message"]) == without_ids(off["message"])
@@ -74,8 +89,15 @@ def test_the_clients_stream_accumulates_to_the_unary_answer(make_router):
     """The official client's stream helper reads the stream event by event (it parses strict tools' arguments
     as they complete) and ends on the message the unary request answers."""
     router, _ = make_router(max_seq_len=MAX_SEQ_LEN)
-    args = dict(model=router.served_model_name, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                parallel_tool_calls=False, temperature=0, max_tokens=MAX_TOKENS)
+    args = dict(
+        model=router.served_model_name,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+    )
 
     async def scenario(client):
         unary = await client.chat.completions.create(**args)
@@ -103,12 +125,26 @@ def test_auto_renders_the_tools_and_answers_text_and_none_renders_nothing(make_r
     router, _ = make_router(max_seq_len=MAX_SEQ_LEN)
     app = router.__serve_build_asgi_app__()
     history = MESSAGES + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "count", "arguments": '{"op": "count", "n": 3}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "1 2 3"}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "count", "arguments": '{"op": "count", "n": 3}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "1 2 3"},
+    ]
     prompt_tokens = {}
-    for name, extra in {"auto": {}, "history": {"messages": history}, "none": {"tool_choice": "none"},
-                        "plain": {"tools": None}}.items():
+    for name, extra in {
+        "auto": {},
+        "history": {"messages": history},
+        "none": {"tool_choice": "none"},
+        "plain": {"tools": None},
+    }.items():
         request = body(router, max_tokens=8, **{"tools": TOOLS[:1], **extra})
         status, reply = asyncio.run(_post(app, "/v1/chat/completions", request))
         assert status == 200, reply

@@ -13,7 +13,7 @@ from deployments.openai import codec
 from deployments.openai.protocol import ChatCompletionRequest, parse_body
 from deployments.openai.tool_parser import ParsedCall, ToolCallParser
 from deployments.openai.tools import ToolPlan
-from specdec_core.engine import RequestOutput, SpecStats
+from specdec_core.outputs import RequestOutput, SpecStats
 from specdec_core.stopping import FinishReason
 
 PLAN = ToolPlan(("get_weather", "noop"), parallel=True)
@@ -32,26 +32,36 @@ def summary(events) -> tuple[str | None, list[tuple[str, dict]]]:
     return content, [(e.name, json.loads(e.arguments)) for e in events if isinstance(e, ParsedCall)]
 
 
-@pytest.mark.parametrize(("text", "content", "calls"), [
-    ("plain text, no call", "plain text, no call", []),
-    (WEATHER, None, [("get_weather", {"city": "Paris", "days": 2})]),
-    (WEATHER + "\n" + NOOP + "\n", None, [("get_weather", {"city": "Paris", "days": 2}), ("noop", {})]),
-    ("Let me check.\n" + WEATHER + "\n\nDone.", "Let me check.Done.", [("get_weather", {"city": "Paris", "days": 2})]),
-    ("a < b and <tool> is not a call", "a < b and <tool> is not a call", []),
-    ("ends in a half marker <tool_c", "ends in a half marker <tool_c", []),
-    ("text ending in a newline\n", "text ending in a newline\n", []),
-])
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ("plain text, no call", "plain text, no call", []),
+        (WEATHER, None, [("get_weather", {"city": "Paris", "days": 2})]),
+        (WEATHER + "\n" + NOOP + "\n", None, [("get_weather", {"city": "Paris", "days": 2}), ("noop", {})]),
+        (
+            "Let me check.\n" + WEATHER + "\n\nDone.",
+            "Let me check.Done.",
+            [("get_weather", {"city": "Paris", "days": 2})],
+        ),
+        ("a < b and <tool> is not a call", "a < b and <tool> is not a call", []),
+        ("ends in a half marker <tool_c", "ends in a half marker <tool_c", []),
+        ("text ending in a newline\n", "text ending in a newline\n", []),
+    ],
+)
 def test_calls_and_the_content_around_them(text, content, calls):
     assert read(text) == (content, calls)
 
 
-@pytest.mark.parametrize("block", [
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>',  # not JSON
-    '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>',  # not one of the request's tools
-    '<tool_call>\n{"name": "noop", "arguments": "{}"}\n</tool_call>',  # arguments not an object
-    '<tool_call>\n["noop", {}]\n</tool_call>',
-    '<tool_call>\n{"name": "noop", "arguments": {}',  # never closed: cut by max_tokens
-])
+@pytest.mark.parametrize(
+    "block",
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>',  # not JSON
+        '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>',  # not one of the request's tools
+        '<tool_call>\n{"name": "noop", "arguments": "{}"}\n</tool_call>',  # arguments not an object
+        '<tool_call>\n["noop", {}]\n</tool_call>',
+        '<tool_call>\n{"name": "noop", "arguments": {}',  # never closed: cut by max_tokens
+    ],
+)
 def test_a_block_that_is_not_a_call_is_content_verbatim(block):
     assert read("Before.\n" + block) == ("Before.\n" + block, [])
     content, calls = read(WEATHER + "\n" + block)  # a good call before it still counts
@@ -60,7 +70,9 @@ def test_a_block_that_is_not_a_call_is_content_verbatim(block):
 
 def test_without_parallel_calls_only_the_first_is_returned():
     assert read(WEATHER + "\n" + NOOP, ToolPlan(PLAN.names, parallel=False)) == (
-        None, [("get_weather", {"city": "Paris", "days": 2})])
+        None,
+        [("get_weather", {"city": "Paris", "days": 2})],
+    )
 
 
 TEXTS = [WEATHER, "Checking.\n" + WEATHER + "\n" + NOOP + "\nThat is all.", "x <tool_c y " + NOOP + " z <"]
@@ -89,8 +101,10 @@ def test_ids_are_openais_shape_and_indexes_count_calls():
 
 # -- the stream, through the openai client's accumulator ------------------------------------------------------------
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
-         {"type": "function", "function": {"name": "noop"}}]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "noop"}},
+]
 
 
 def outputs(text: str, cuts: list[int], reason: FinishReason) -> list[RequestOutput]:
@@ -101,8 +115,11 @@ def outputs(text: str, cuts: list[int], reason: FinishReason) -> list[RequestOut
     rounds = []
     for i, piece in enumerate(pieces):
         done += len(piece)
-        rounds.append(RequestOutput("s", tuple(range(len(piece))), piece,
-                                    reason if i == len(pieces) - 1 else None, 7, done, SpecStats()))
+        rounds.append(
+            RequestOutput(
+                "s", tuple(range(len(piece))), piece, reason if i == len(pieces) - 1 else None, 7, done, SpecStats()
+            )
+        )
     return rounds
 
 
@@ -115,16 +132,29 @@ def streamed(call, rounds) -> tuple[ChatCompletionStreamState, list[dict]]:
     return state, bodies
 
 
-@pytest.mark.parametrize(("text", "reason", "finish"), [
-    ("Checking.\n" + WEATHER + "\n" + NOOP, FinishReason.EOS, "tool_calls"),
-    (WEATHER, FinishReason.EOS, "tool_calls"),
-    ("No call needed.", FinishReason.EOS, "stop"),
-    (WEATHER + '\n<tool_call>\n{"name": "noop", "argu', FinishReason.LENGTH, "length"),
-])
+@pytest.mark.parametrize(
+    ("text", "reason", "finish"),
+    [
+        ("Checking.\n" + WEATHER + "\n" + NOOP, FinishReason.EOS, "tool_calls"),
+        (WEATHER, FinishReason.EOS, "tool_calls"),
+        ("No call needed.", FinishReason.EOS, "stop"),
+        (WEATHER + '\n<tool_call>\n{"name": "noop", "argu', FinishReason.LENGTH, "length"),
+    ],
+)
 def test_the_clients_accumulated_stream_is_the_unary_answer(text, reason, finish):
-    call = codec.decode_chat(parse_body(ChatCompletionRequest, {
-        "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "stream": True,
-        "return_token_ids": True}), default_max_tokens=50)
+    call = codec.decode_chat(
+        parse_body(
+            ChatCompletionRequest,
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": TOOLS,
+                "stream": True,
+                "return_token_ids": True,
+            },
+        ),
+        default_max_tokens=50,
+    )
     unary = codec.response(call, "r", outputs(text, [], reason))["choices"][0]
     assert unary["finish_reason"] == finish
     for cuts in ([], [3], [5, 12, 40], list(range(1, len(text)))):
@@ -133,7 +163,8 @@ def test_the_clients_accumulated_stream_is_the_unary_answer(text, reason, finish
         message = final.message
         assert final.finish_reason == finish and message.content == unary["message"]["content"]
         want = [(c["id"][:5], c["function"]) for c in unary["message"].get("tool_calls", [])]
-        got = [(c.id[:5], {"name": c.function.name, "arguments": c.function.arguments})
-               for c in message.tool_calls or []]
+        got = [
+            (c.id[:5], {"name": c.function.name, "arguments": c.function.arguments}) for c in message.tool_calls or []
+        ]
         assert got == want
         assert sum(len(b["choices"][0].get("token_ids", [])) for b in bodies) == len(text)  # every round's ids

@@ -10,9 +10,15 @@ import pytest
 
 from specdec_core.chat import ChatMessage, encode_chat
 from specdec_core.drafters import registry
-from specdec_tools.bench.methods_report import (HYBRID_CRITERION, LATER_TURNS, OFF, TURN_1, format_table,
-                                                hybrid_comparison)
 from specdec_core.errors import InvalidArgument
+from specdec_tools.bench.methods_report import (
+    HYBRID_CRITERION,
+    LATER_TURNS,
+    OFF,
+    TURN_1,
+    format_table,
+    hybrid_comparison,
+)
 from specdec_tools.bench.methods_run import MethodsBenchConfig, engine_names, run_methods_bench
 from specdec_tools.cli import main
 
@@ -34,8 +40,14 @@ def files(tmp_path_factory):
 
 
 def bench(tiny_dir, near_draft_dir, **settings):
-    config = MethodsBenchConfig(target=str(tiny_dir / "target"), draft=str(near_draft_dir), dtype="float32",
-                                max_new_tokens=NEW_TOKENS, progress=False, **settings)
+    config = MethodsBenchConfig(
+        target=str(tiny_dir / "target"),
+        draft=str(near_draft_dir),
+        dtype="float32",
+        max_new_tokens=NEW_TOKENS,
+        progress=False,
+        **settings,
+    )
     return run_methods_bench(config)
 
 
@@ -71,8 +83,9 @@ def assert_ratios_are_of_the_rates(report):
             allowed = {"off": set(), "hybrid": {"suffix", "draft_model"}}.get(method, {method})
             assert set(parts) <= allowed | {"none"}, (method, parts)
     headline = report["headline_group"]
-    assert report["headline_decode_speedup"] == {m: report["results"][m][headline]["decode_speedup"]
-                                                 for m in report["methods"]}
+    assert report["headline_decode_speedup"] == {
+        m: report["results"][m][headline]["decode_speedup"] for m in report["methods"]
+    }
 
 
 def test_prompts_every_method_gives_plain_decodings_tokens(prompts_report):
@@ -154,8 +167,13 @@ def test_a_threshold_comparison_pits_hybrid_against_its_parts_at_that_threshold(
     def figures(rate):
         return {"all": {"decode_tokens_per_s": rate}}
 
-    run = {"suffix": figures(10.0), "draft_model": figures(30.0), "draft_model@0.5": figures(12.0),
-           "hybrid": figures(20.0), "hybrid@0.5": figures(11.0)}
+    run = {
+        "suffix": figures(10.0),
+        "draft_model": figures(30.0),
+        "draft_model@0.5": figures(12.0),
+        "hybrid": figures(20.0),
+        "hybrid@0.5": figures(11.0),
+    }
     comparison = hybrid_comparison(run, "all", "@0.5")
     assert comparison["best_part"] == "draft_model@0.5" and comparison["ratio_to_best_part"] == pytest.approx(11 / 12)
     assert hybrid_comparison(run, "all")["best_part"] == "draft_model"
@@ -163,15 +181,27 @@ def test_a_threshold_comparison_pits_hybrid_against_its_parts_at_that_threshold(
 
 def test_methods_that_run_a_draft_model_run_once_per_threshold():
     names = engine_names(("off", "ngram", "draft_model", "hybrid"), (0.0, 0.5, 0.75))
-    assert names == {"off": ("off", 0.0), "ngram": ("ngram", 0.0), "draft_model": ("draft_model", 0.0),
-                     "draft_model@0.5": ("draft_model", 0.5), "draft_model@0.75": ("draft_model", 0.75),
-                     "hybrid": ("hybrid", 0.0), "hybrid@0.5": ("hybrid", 0.5), "hybrid@0.75": ("hybrid", 0.75)}
+    assert names == {
+        "off": ("off", 0.0),
+        "ngram": ("ngram", 0.0),
+        "draft_model": ("draft_model", 0.0),
+        "draft_model@0.5": ("draft_model", 0.5),
+        "draft_model@0.75": ("draft_model", 0.75),
+        "hybrid": ("hybrid", 0.0),
+        "hybrid@0.5": ("hybrid", 0.5),
+        "hybrid@0.75": ("hybrid", 0.75),
+    }
 
 
 @pytest.mark.parametrize("thresholds", [(), (0.5, 0.5), (1.0,), (-0.1,)])
 def test_bad_thresholds_are_refused_naming_the_flag(files, thresholds):
-    config = MethodsBenchConfig(target="unused", draft="unused", max_new_tokens=4, prompts=files / "prompts.jsonl",
-                                draft_confidence_thresholds=thresholds)
+    config = MethodsBenchConfig(
+        target="unused",
+        draft="unused",
+        max_new_tokens=4,
+        prompts=files / "prompts.jsonl",
+        draft_confidence_thresholds=thresholds,
+    )
     with pytest.raises(InvalidArgument, match="--draft-confidence-threshold"):
         run_methods_bench(config)
 
@@ -198,13 +228,38 @@ def test_hybrid_is_reported_when_it_ran(prompts_report):
 
 
 def run_cli(tiny_dir, near_draft_dir, files, tmp_path, *flags):
-    return main(["bench", "methods", "--target", str(tiny_dir / "target"), "--draft", str(near_draft_dir),
-                 "--dtype", "float32", "--max-new-tokens", "6", "--json", str(tmp_path / "out.json"), *flags])
+    return main(
+        [
+            "bench",
+            "methods",
+            "--target",
+            str(tiny_dir / "target"),
+            "--draft",
+            str(near_draft_dir),
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            str(tmp_path / "out.json"),
+            *flags,
+        ]
+    )
 
 
 def test_the_command_writes_the_report_and_prints_the_table(tiny_dir, near_draft_dir, files, tmp_path, capsys):
-    code = run_cli(tiny_dir, near_draft_dir, files, tmp_path, "--prompts", str(files / "prompts.jsonl"),
-                   "--methods", "suffix,ngram", "--num-prompts", "1")
+    code = run_cli(
+        tiny_dir,
+        near_draft_dir,
+        files,
+        tmp_path,
+        "--prompts",
+        str(files / "prompts.jsonl"),
+        "--methods",
+        "suffix,ngram",
+        "--num-prompts",
+        "1",
+    )
     assert code == 0
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["methods"] == [OFF, "suffix", "ngram"] and report["num_prompts"] == 1
@@ -212,15 +267,20 @@ def test_the_command_writes_the_report_and_prints_the_table(tiny_dir, near_draft
     assert all(method in table for method in report["methods"])
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--prompts", "PROMPTS", "--methods", "off,suffixx"], "--methods"),
-    (["--sessions", "SESSIONS", "--num-prompts", "1"], "--num-prompts"),
-    (["--sessions", "SESSIONS", "--num-sessions", "3"], "--num-sessions"),  # the file holds 2
-    (["--prompts", "PROMPTS", "--max-seq-len", "20"], "--max-seq-len"),
-])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--prompts", "PROMPTS", "--methods", "off,suffixx"], "--methods"),
+        (["--sessions", "SESSIONS", "--num-prompts", "1"], "--num-prompts"),
+        (["--sessions", "SESSIONS", "--num-sessions", "3"], "--num-sessions"),  # the file holds 2
+        (["--prompts", "PROMPTS", "--max-seq-len", "20"], "--max-seq-len"),
+    ],
+)
 def test_bad_input_is_an_error_naming_the_flag(flags, named, tiny_dir, near_draft_dir, files, tmp_path, capsys):
-    flags = [str(files / "prompts.jsonl") if f == "PROMPTS" else str(files / "sessions.jsonl") if f == "SESSIONS"
-             else f for f in flags]
+    flags = [
+        str(files / "prompts.jsonl") if f == "PROMPTS" else str(files / "sessions.jsonl") if f == "SESSIONS" else f
+        for f in flags
+    ]
     assert run_cli(tiny_dir, near_draft_dir, files, tmp_path, *flags) == 2
     err = capsys.readouterr().err
     assert named in err

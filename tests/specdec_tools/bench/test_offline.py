@@ -10,8 +10,13 @@ from specdec_core.kernels import cpu
 from specdec_tools.cli import main
 
 KEYS = {
-    "target_only_tokens_per_s", "speculative_tokens_per_s", "speedup", "acceptance_rate",
-    "mean_tokens_per_round", "identical_to_target", "prompts",
+    "target_only_tokens_per_s",
+    "speculative_tokens_per_s",
+    "speedup",
+    "acceptance_rate",
+    "mean_tokens_per_round",
+    "identical_to_target",
+    "prompts",
 }
 
 
@@ -31,8 +36,25 @@ def _run(args, capsys):
 def test_report_contract(tiny_dir, prompts, tmp_path, capsys, drafting):
     drafting = [str(tiny_dir / "draft") if a == "DRAFT" else a for a in drafting]
     out = tmp_path / "out.json"
-    code, captured = _run(["--target", tiny_dir / "target", *drafting, "--prompts", prompts, "--max-new-tokens", 12,
-                           "--temperature", 0, "--dtype", "float32", "--compare-hf", "--json", out], capsys)
+    code, captured = _run(
+        [
+            "--target",
+            tiny_dir / "target",
+            *drafting,
+            "--prompts",
+            prompts,
+            "--max-new-tokens",
+            12,
+            "--temperature",
+            0,
+            "--dtype",
+            "float32",
+            "--compare-hf",
+            "--json",
+            out,
+        ],
+        capsys,
+    )
     assert code == 0
     report = json.loads(out.read_text())
     assert KEYS <= set(report) and "hf_assisted_speedup" in report
@@ -54,16 +76,49 @@ def test_report_contract(tiny_dir, prompts, tmp_path, capsys, drafting):
 
 def test_drafting_flags_are_mutually_exclusive(tiny_dir, prompts, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        _run(["--target", tiny_dir / "target", "--ngram", "--suffix", "--prompts", prompts, "--max-new-tokens", 4,
-              "--json", tmp_path / "out.json"], capsys)
+        _run(
+            [
+                "--target",
+                tiny_dir / "target",
+                "--ngram",
+                "--suffix",
+                "--prompts",
+                prompts,
+                "--max-new-tokens",
+                4,
+                "--json",
+                tmp_path / "out.json",
+            ],
+            capsys,
+        )
     assert "not allowed with" in capsys.readouterr().err
 
 
 def test_sampling_reports_divergence_position(tiny_dir, prompts, tmp_path, capsys):
     out = tmp_path / "out.json"
-    code, _ = _run(["--target", tiny_dir / "target", "--draft", tiny_dir / "draft", "--prompts", prompts,
-                    "--max-new-tokens", 12, "--temperature", 1.0, "--seed", 3, "--dtype", "float32",
-                    "--num-speculative-tokens", 3, "--json", out], capsys)
+    code, _ = _run(
+        [
+            "--target",
+            tiny_dir / "target",
+            "--draft",
+            tiny_dir / "draft",
+            "--prompts",
+            prompts,
+            "--max-new-tokens",
+            12,
+            "--temperature",
+            1.0,
+            "--seed",
+            3,
+            "--dtype",
+            "float32",
+            "--num-speculative-tokens",
+            3,
+            "--json",
+            out,
+        ],
+        capsys,
+    )
     assert code == 0
     for entry in json.loads(out.read_text())["prompts"]:
         div = entry["first_divergence"]
@@ -81,8 +136,14 @@ def test_sampling_reports_divergence_position(tiny_dir, prompts, tmp_path, capsy
     ],
 )
 def test_bad_input_is_a_clear_error_before_any_work(tiny_dir, prompts, tmp_path, capsys, change, field):
-    args = {"--target": tiny_dir / "target", "--draft": tiny_dir / "draft", "--prompts": prompts,
-            "--max-new-tokens": 8, "--temperature": 0, "--json": tmp_path / "out.json"}
+    args = {
+        "--target": tiny_dir / "target",
+        "--draft": tiny_dir / "draft",
+        "--prompts": prompts,
+        "--max-new-tokens": 8,
+        "--temperature": 0,
+        "--json": tmp_path / "out.json",
+    }
     args.update(change)
     code, captured = _run([x for kv in args.items() for x in kv], capsys)
     assert code == 2
@@ -95,8 +156,23 @@ def test_bf16_on_the_kernels_reports_their_path_and_an_exact_greedy_run(tiny_dir
     """By default (--draft-quantization auto) a bf16 draft is int8 on AVX-512 with VNNI, int4 on AVX2; the target
     computes rows alike whatever the batch, so greedy output is identical by construction."""
     out = tmp_path / "out.json"
-    code, _ = _run(["--target", tiny_dir / "target", "--draft", tiny_dir / "target", "--prompts", prompts,
-                    "--max-new-tokens", 12, "--temperature", 0, "--json", out], capsys)
+    code, _ = _run(
+        [
+            "--target",
+            tiny_dir / "target",
+            "--draft",
+            tiny_dir / "target",
+            "--prompts",
+            prompts,
+            "--max-new-tokens",
+            12,
+            "--temperature",
+            0,
+            "--json",
+            out,
+        ],
+        capsys,
+    )
     assert code == 0
     report = json.loads(out.read_text())
     lib = cpu.load_library()

@@ -26,18 +26,34 @@ def sessions_file(tmp_path):
 
 
 def bench_sessions(address, sessions, out, *flags):
-    return main(["bench", "sessions", "--address", address, "--sessions", str(sessions), "--max-new-tokens", "4",
-                 "--json", str(out), *flags])
+    return main(
+        [
+            "bench",
+            "sessions",
+            "--address",
+            address,
+            "--sessions",
+            str(sessions),
+            "--max-new-tokens",
+            "4",
+            "--json",
+            str(out),
+            *flags,
+        ]
+    )
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--max-new-tokens", "0"], "--max-new-tokens"),
-    (["--num-speculative-tokens", "x"], "--num-speculative-tokens"),
-    (["--temperature", "-1"], "--temperature"),
-    (["--protocol", "http"], "--protocol"),
-    (["--num-sessions", "0"], "--num-sessions"),
-    (["--timeout", "0"], "--timeout"),
-])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--num-speculative-tokens", "x"], "--num-speculative-tokens"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--protocol", "http"], "--protocol"),
+        (["--num-sessions", "0"], "--num-sessions"),
+        (["--timeout", "0"], "--timeout"),
+    ],
+)
 def test_a_bad_flag_value_fails_naming_the_flag(flags, named, sessions_file, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench_sessions("127.0.0.1:1", sessions_file, tmp_path / "out.json", *flags)
@@ -45,16 +61,19 @@ def test_a_bad_flag_value_fails_naming_the_flag(flags, named, sessions_file, tmp
     assert f"argument {named}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("lines, flags, named", [
-    (None, ["--num-sessions", "3"], "--num-sessions"),  # the file holds 2
-    (["not json"], [], "--sessions"),
-    ([{"turns": ["hi"]}], [], "--sessions"),  # no system prompt
-    ([{"system": "s", "turns": []}], [], "--sessions"),
-    ([{"system": "s", "turns": ["hi", 3]}], [], "--sessions"),
-    ([{"system": "s", "turns": ["hi"], "turn": ["typo"]}], [], "--sessions"),  # unknown key
-    ([{"id": "a", "system": "s", "turns": ["hi"]}, {"id": "a", "system": "s", "turns": ["hi"]}], [], "--sessions"),
-    ([], [], "--sessions"),  # no sessions at all
-])
+@pytest.mark.parametrize(
+    "lines, flags, named",
+    [
+        (None, ["--num-sessions", "3"], "--num-sessions"),  # the file holds 2
+        (["not json"], [], "--sessions"),
+        ([{"turns": ["hi"]}], [], "--sessions"),  # no system prompt
+        ([{"system": "s", "turns": []}], [], "--sessions"),
+        ([{"system": "s", "turns": ["hi", 3]}], [], "--sessions"),
+        ([{"system": "s", "turns": ["hi"], "turn": ["typo"]}], [], "--sessions"),  # unknown key
+        ([{"id": "a", "system": "s", "turns": ["hi"]}, {"id": "a", "system": "s", "turns": ["hi"]}], [], "--sessions"),
+        ([], [], "--sessions"),  # no sessions at all
+    ],
+)
 def test_a_bad_file_is_an_error_naming_the_flag(lines, flags, named, sessions_file, tmp_path, capsys):
     if lines is not None:
         sessions_file.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
@@ -99,15 +118,28 @@ class FakeServer:
     async def send(self, prompt, index, sampling, speculation, *, history=(), cache_salt=""):
         from specdec_tools.loadgen.metrics import RequestRecord
 
-        self.sent.append({"text": prompt.text, "index": index, "history": history, "salt": cache_salt,
-                          "max_tokens": prompt.max_tokens, "speculation": speculation})
+        self.sent.append(
+            {
+                "text": prompt.text,
+                "index": index,
+                "history": history,
+                "salt": cache_salt,
+                "max_tokens": prompt.max_tokens,
+                "speculation": speculation,
+            }
+        )
         mode = "cached" if cache_salt.endswith("-cached") else "uncached"
         if (mode, prompt.text) in self.fail:
             return RequestRecord(e2el=0.01, error="INTERNAL")
         prompt_tokens = 10 * (len(history) + 1)
-        return RequestRecord(chunk_times=(0.01, 0.02), chunk_tokens=(1, 3), e2el=0.03, prompt_tokens=prompt_tokens,
-                             cached_tokens=prompt_tokens - 10 if mode == "cached" else 0,
-                             text=f"answer to {prompt.text}")
+        return RequestRecord(
+            chunk_times=(0.01, 0.02),
+            chunk_tokens=(1, 3),
+            e2el=0.03,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=prompt_tokens - 10 if mode == "cached" else 0,
+            text=f"answer to {prompt.text}",
+        )
 
 
 def replay_fake(monkeypatch, tmp_path, server):
@@ -122,9 +154,15 @@ def replay_fake(monkeypatch, tmp_path, server):
     monkeypatch.setattr(module, "connect", connect)
     path = tmp_path / "sessions.jsonl"
     path.write_text("".join(json.dumps(s) + "\n" for s in SESSIONS))
-    config = module.SessionsConfig(address="unused", sessions_path=path, sessions=read_sessions(path),
-                                   max_new_tokens=4, sampling=Sampling(0.0, 0, False), speculation="auto",
-                                   progress=False)
+    config = module.SessionsConfig(
+        address="unused",
+        sessions_path=path,
+        sessions=read_sessions(path),
+        max_new_tokens=4,
+        sampling=Sampling(0.0, 0, False),
+        speculation="auto",
+        progress=False,
+    )
     return asyncio.run(module.run(config))
 
 
@@ -169,14 +207,51 @@ def test_after_a_failed_turn_the_rest_of_the_session_is_not_sent(monkeypatch, tm
 
 # -- the served stack ----------------------------------------------------------------------------------------------
 
-TURN_KEYS = {"ttft_ms", "decode_tokens_per_s", "e2el_ms", "prompt_tokens", "cached_tokens", "output_tokens", "text",
-             "error"}
-MODE_KEYS = {"turns", "completed", "failed", "errors", "later_turns", "median_ttft_ms", "mean_ttft_ms",
-             "median_decode_tokens_per_s", "mean_decode_tokens_per_s", "median_e2el_ms", "mean_e2el_ms",
-             "prompt_tokens", "cached_tokens", "output_tokens"}
-REPORT_KEYS = {"address", "protocol", "sessions", "num_sessions", "num_turns", "max_new_tokens", "temperature",
-               "num_speculative_tokens", "run_id", "server", "modes", "ttft_ratio", "prefill_tokens_saved",
-               "identical_turns", "different_turns", "identical", "turns"}
+TURN_KEYS = {
+    "ttft_ms",
+    "decode_tokens_per_s",
+    "e2el_ms",
+    "prompt_tokens",
+    "cached_tokens",
+    "output_tokens",
+    "text",
+    "error",
+}
+MODE_KEYS = {
+    "turns",
+    "completed",
+    "failed",
+    "errors",
+    "later_turns",
+    "median_ttft_ms",
+    "mean_ttft_ms",
+    "median_decode_tokens_per_s",
+    "mean_decode_tokens_per_s",
+    "median_e2el_ms",
+    "mean_e2el_ms",
+    "prompt_tokens",
+    "cached_tokens",
+    "output_tokens",
+}
+REPORT_KEYS = {
+    "address",
+    "protocol",
+    "sessions",
+    "num_sessions",
+    "num_turns",
+    "max_new_tokens",
+    "temperature",
+    "num_speculative_tokens",
+    "run_id",
+    "server",
+    "modes",
+    "ttft_ratio",
+    "prefill_tokens_saved",
+    "identical_turns",
+    "different_turns",
+    "identical",
+    "turns",
+}
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "openai"])
@@ -184,8 +259,10 @@ def test_sessions_against_the_served_stack(protocol, served, sessions_file, tmp_
     grpc_address, config = served
     address = grpc_address if protocol == "grpc" else f"127.0.0.1:{config.http_port}"
     out = tmp_path / "report.json"
-    assert bench_sessions(address, sessions_file, out, "--protocol", protocol, "--ignore-eos",
-                          "--auth-token", "secret") == 0
+    assert (
+        bench_sessions(address, sessions_file, out, "--protocol", protocol, "--ignore-eos", "--auth-token", "secret")
+        == 0
+    )
     print(capsys.readouterr().out)  # the table, for whoever runs with -s
     report = json.loads(out.read_text())
     assert REPORT_KEYS <= set(report) and report["protocol"] == protocol

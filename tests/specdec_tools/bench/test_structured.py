@@ -13,8 +13,14 @@ import pytest
 from deployments.openai.tools import ToolPlan
 from specdec_core.grammar.state import GrammarState
 from specdec_tools.bench.structured_check import SchemaCheck, ToolCallCheck
-from specdec_tools.bench.structured_report import (ALL, CONSTRAINED_PLAIN, CONSTRAINED_SPEC, MODES,
-                                                   SPEEDUP_CRITERION, UNCONSTRAINED_SPEC)
+from specdec_tools.bench.structured_report import (
+    ALL,
+    CONSTRAINED_PLAIN,
+    CONSTRAINED_SPEC,
+    MODES,
+    SPEEDUP_CRITERION,
+    UNCONSTRAINED_SPEC,
+)
 from specdec_tools.bench.structured_run import StructuredBenchConfig, run_structured_bench
 from specdec_tools.bench.structured_timing import DRAFTED_ROUND, FORCED_ROUND, PLAIN_ROUND, grammar_clock
 from specdec_tools.bench.structured_workload import SCHEMA, TOOL, encode, read_structured
@@ -22,18 +28,38 @@ from specdec_tools.cli import main
 
 # Bounded outputs (enums, booleans, bounded integers and strings): the tiny random model ends them well within
 # NEW_TOKENS. The title is where drafts are proposed: the rest is forced, or one choice after a forced run.
-TRIAGE = {"type": "object", "additionalProperties": False, "required": ["severity", "fixed", "files", "title"],
-          "properties": {"severity": {"enum": ["low", "high"]}, "fixed": {"type": "boolean"},
-                         "files": {"type": "integer", "minimum": 0, "maximum": 9},
-                         "title": {"type": "string", "maxLength": 12}}}
-SET_LEVEL = {"type": "function", "function": {
-    "name": "set_log_level", "description": "Set a logger's level.", "strict": True,
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["level"],
-                   "properties": {"level": {"enum": ["debug", "info"]}}}}}
+TRIAGE = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["severity", "fixed", "files", "title"],
+    "properties": {
+        "severity": {"enum": ["low", "high"]},
+        "fixed": {"type": "boolean"},
+        "files": {"type": "integer", "minimum": 0, "maximum": 9},
+        "title": {"type": "string", "maxLength": 12},
+    },
+}
+SET_LEVEL = {
+    "type": "function",
+    "function": {
+        "name": "set_log_level",
+        "description": "Set a logger's level.",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["level"],
+            "properties": {"level": {"enum": ["debug", "info"]}},
+        },
+    },
+}
 LINES = [
     {"id": "triage", "prompt": "Triage: the login test fails on CI.", "schema": TRIAGE},
-    {"prompt": "Turn on debug logs.", "tools": [SET_LEVEL],
-     "tool_choice": {"type": "function", "function": {"name": "set_log_level"}}},
+    {
+        "prompt": "Turn on debug logs.",
+        "tools": [SET_LEVEL],
+        "tool_choice": {"type": "function", "function": {"name": "set_log_level"}},
+    },
     {"id": "triage-2", "system": "You triage bugs.", "prompt": "Crash on start.", "schema": TRIAGE},
 ]
 NEW_TOKENS = 96
@@ -51,8 +77,15 @@ def workload(tmp_path_factory):
 
 
 def config(tiny_dir, near_draft_dir, prompts, **settings):
-    return StructuredBenchConfig(target=str(tiny_dir / "target"), draft=str(near_draft_dir), prompts=prompts,
-                                 dtype="float32", max_new_tokens=NEW_TOKENS, progress=False, **settings)
+    return StructuredBenchConfig(
+        target=str(tiny_dir / "target"),
+        draft=str(near_draft_dir),
+        prompts=prompts,
+        dtype="float32",
+        max_new_tokens=NEW_TOKENS,
+        progress=False,
+        **settings,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +101,9 @@ def test_constrained_speculation_gives_constrained_plain_decodings_tokens(report
     assert report["modes"] == list(MODES) and report["method"] == "draft_model"
     assert report["identical"] == {"requests": len(LINES), "identical": len(LINES), "all": True}
     plain = {r["item"]: r["token_ids"] for r in rows(report, CONSTRAINED_PLAIN)}
-    assert [r["token_ids"] for r in rows(report, CONSTRAINED_SPEC)] == [plain[r["item"]]
-                                                                       for r in rows(report, CONSTRAINED_SPEC)]
+    assert [r["token_ids"] for r in rows(report, CONSTRAINED_SPEC)] == [
+        plain[r["item"]] for r in rows(report, CONSTRAINED_SPEC)
+    ]
     assert report["results"][CONSTRAINED_SPEC][ALL]["proposed"] > 0
 
 
@@ -93,8 +127,10 @@ def test_rounds_and_forced_tokens_add_up(report):
         assert sum(k["rounds"] for k in kinds.values()) == f["rounds"] == sum(r["rounds"] for r in rows(report, mode))
         assert sum(k["tokens"] for k in kinds.values()) == f["output_tokens"] - f["requests"]
         assert f["output_tokens"] == sum(r["output_tokens"] for r in rows(report, mode))
-        assert kinds[FORCED_ROUND]["rounds"] == f["forced_rounds"] and kinds[FORCED_ROUND]["tokens"] == \
-            f["forced_round_tokens"]
+        assert (
+            kinds[FORCED_ROUND]["rounds"] == f["forced_rounds"]
+            and kinds[FORCED_ROUND]["tokens"] == f["forced_round_tokens"]
+        )
         assert f["forced_tokens"] <= f["forced_round_tokens"] <= f["forced_tokens"] + f["forced_rounds"]
         assert 0.0 <= f["forced_share"] <= f["forced_round_share"] <= 1.0
         assert f["forced_share"] == pytest.approx(f["forced_tokens"] / f["output_tokens"])
@@ -136,7 +172,8 @@ def test_ratios_are_of_the_reported_rates(report):
     assert per_round["unconstrained"] == free["seconds_per_round"]
     assert per_round["ratio"] == pytest.approx(spec["seconds_per_round"] / free["seconds_per_round"])
     assert report["grammar_cost"]["grammar_seconds_per_round"] == pytest.approx(
-        spec["round_grammar_seconds"] / spec["rounds"])
+        spec["round_grammar_seconds"] / spec["rounds"]
+    )
 
 
 def test_the_order_of_the_modes_rotates(report):
@@ -179,18 +216,23 @@ def test_the_shipped_workload_reads_and_encodes(tiny_target):
             assert request.constraint.strict and request.constraint.compact
 
 
-@pytest.mark.parametrize("line, named", [
-    ("{not json", "not JSON"),
-    ({"schema": TRIAGE}, '"prompt"'),
-    ({"prompt": "x"}, '"schema" and "tools"'),
-    ({"prompt": "x", "schema": TRIAGE, "tools": [SET_LEVEL]}, '"schema" and "tools"'),
-    ({"prompt": "x", "schema": TRIAGE, "max_tokens": 3}, "max_tokens"),
-    ({"prompt": "x", "schema": {"type": "object", "not": {}}}, 'Unimplemented keys: ["not"]'),  # strict
-    ({"prompt": "x", "tools": [SET_LEVEL]}, "must force a call"),
-    ({"prompt": "x", "tools": [SET_LEVEL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "tool_choice.function.name"),
-    ({"id": "triage", "prompt": "x", "schema": TRIAGE}, "taken"),
-])
+@pytest.mark.parametrize(
+    "line, named",
+    [
+        ("{not json", "not JSON"),
+        ({"schema": TRIAGE}, '"prompt"'),
+        ({"prompt": "x"}, '"schema" and "tools"'),
+        ({"prompt": "x", "schema": TRIAGE, "tools": [SET_LEVEL]}, '"schema" and "tools"'),
+        ({"prompt": "x", "schema": TRIAGE, "max_tokens": 3}, "max_tokens"),
+        ({"prompt": "x", "schema": {"type": "object", "not": {}}}, 'Unimplemented keys: ["not"]'),  # strict
+        ({"prompt": "x", "tools": [SET_LEVEL]}, "must force a call"),
+        (
+            {"prompt": "x", "tools": [SET_LEVEL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        ({"id": "triage", "prompt": "x", "schema": TRIAGE}, "taken"),
+    ],
+)
 def test_a_bad_line_is_an_error_naming_the_file_and_line(line, named, tmp_path):
     path = write_lines(tmp_path / "bad.jsonl", [LINES[0], line])
     with pytest.raises(Exception) as caught:
@@ -200,8 +242,23 @@ def test_a_bad_line_is_an_error_naming_the_file_and_line(line, named, tmp_path):
 
 
 def run_cli(tiny_dir, near_draft_dir, prompts, tmp_path, *flags):
-    return main(["bench", "structured", "--target", str(tiny_dir / "target"), "--prompts", str(prompts),
-                 "--dtype", "float32", "--max-new-tokens", "64", "--json", str(tmp_path / "out.json"), *flags])
+    return main(
+        [
+            "bench",
+            "structured",
+            "--target",
+            str(tiny_dir / "target"),
+            "--prompts",
+            str(prompts),
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "64",
+            "--json",
+            str(tmp_path / "out.json"),
+            *flags,
+        ]
+    )
 
 
 def test_the_command_writes_the_report_and_prints_the_table(tiny_dir, near_draft_dir, workload, tmp_path, capsys):
@@ -213,12 +270,15 @@ def test_the_command_writes_the_report_and_prints_the_table(tiny_dir, near_draft
     assert all(mode in table for mode in MODES) and "criterion" in table
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--method", "draft_modle"], "--method"),
-    (["--method", "draft_model"], "--draft"),  # it runs a draft model: --draft is needed
-    (["--method", "ngram", "--num-prompts", "4"], "--num-prompts"),  # the file holds 3
-    (["--method", "ngram", "--max-seq-len", "20"], "--max-seq-len"),
-])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--method", "draft_modle"], "--method"),
+        (["--method", "draft_model"], "--draft"),  # it runs a draft model: --draft is needed
+        (["--method", "ngram", "--num-prompts", "4"], "--num-prompts"),  # the file holds 3
+        (["--method", "ngram", "--max-seq-len", "20"], "--max-seq-len"),
+    ],
+)
 def test_bad_flags_are_an_error_naming_the_flag(flags, named, tiny_dir, near_draft_dir, workload, tmp_path, capsys):
     assert run_cli(tiny_dir, near_draft_dir, workload, tmp_path, *flags) == 2
     assert named in capsys.readouterr().err

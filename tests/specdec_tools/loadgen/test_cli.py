@@ -14,27 +14,44 @@ from specdec_tools.cli import main
 @pytest.fixture
 def prompts(tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text(json.dumps({"prompt": "hello there"}) + "\n" + json.dumps({"prompt": "def f(x):", "max_tokens": 8})
-                    + "\n")
+    path.write_text(
+        json.dumps({"prompt": "hello there"}) + "\n" + json.dumps({"prompt": "def f(x):", "max_tokens": 8}) + "\n"
+    )
     return path
 
 
 def bench_serve(address, prompts, out, *flags):
-    return main(["bench", "serve", "--address", address, "--prompts", str(prompts), "--max-new-tokens", "10",
-                 "--json", str(out), *flags])
+    return main(
+        [
+            "bench",
+            "serve",
+            "--address",
+            address,
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "10",
+            "--json",
+            str(out),
+            *flags,
+        ]
+    )
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--concurrency", "0"], "--concurrency"),
-    (["--concurrency", "1,x"], "--concurrency"),
-    (["--request-rate", "-1"], "--request-rate"),
-    (["--concurrency", "1", "--goodput", "latency:50"], "--goodput"),
-    (["--concurrency", "1", "--goodput", "ttft:-5"], "--goodput"),
-    (["--concurrency", "1", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
-    (["--concurrency", "1", "--duration", "0"], "--duration"),
-    (["--concurrency", "1", "--burstiness", "0"], "--burstiness"),
-    (["--concurrency", "1", "--blocks", "0"], "--blocks"),
-])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--concurrency", "0"], "--concurrency"),
+        (["--concurrency", "1,x"], "--concurrency"),
+        (["--request-rate", "-1"], "--request-rate"),
+        (["--concurrency", "1", "--goodput", "latency:50"], "--goodput"),
+        (["--concurrency", "1", "--goodput", "ttft:-5"], "--goodput"),
+        (["--concurrency", "1", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+        (["--concurrency", "1", "--duration", "0"], "--duration"),
+        (["--concurrency", "1", "--burstiness", "0"], "--burstiness"),
+        (["--concurrency", "1", "--blocks", "0"], "--blocks"),
+    ],
+)
 def test_a_bad_flag_value_fails_naming_the_flag(flags, named, prompts, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench_serve("127.0.0.1:1", prompts, tmp_path / "out.json", *flags)
@@ -42,14 +59,17 @@ def test_a_bad_flag_value_fails_naming_the_flag(flags, named, prompts, tmp_path,
     assert f"argument {named}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, prompt_lines, named", [
-    ([], None, "--concurrency"),  # no load point
-    (["--concurrency", "1"], ['{"text": "no prompt key"}'], "--prompts"),
-    (["--concurrency", "1"], ['{"prompt": "x", "max_tokens": 0}'], "--prompts"),
-    (["--duration", "5", "--request-rate", "inf"], None, "--request-rate"),
-    (["--concurrency", "1", "--num-requests", "2", "--blocks", "3"], None, "--blocks"),
-    (["--concurrency", "1,8", "--num-requests", "12", "--blocks", "2"], None, "--num-requests"),  # 6 < 8 a block
-])
+@pytest.mark.parametrize(
+    "flags, prompt_lines, named",
+    [
+        ([], None, "--concurrency"),  # no load point
+        (["--concurrency", "1"], ['{"text": "no prompt key"}'], "--prompts"),
+        (["--concurrency", "1"], ['{"prompt": "x", "max_tokens": 0}'], "--prompts"),
+        (["--duration", "5", "--request-rate", "inf"], None, "--request-rate"),
+        (["--concurrency", "1", "--num-requests", "2", "--blocks", "3"], None, "--blocks"),
+        (["--concurrency", "1,8", "--num-requests", "12", "--blocks", "2"], None, "--num-requests"),  # 6 < 8 a block
+    ],
+)
 def test_bad_input_is_an_error_naming_the_flag(flags, prompt_lines, named, prompts, tmp_path, capsys):
     if prompt_lines is not None:
         prompts.write_text("\n".join(prompt_lines) + "\n")
@@ -82,11 +102,22 @@ def test_blocks_interleave_the_modes_and_pool_their_figures(tmp_path):
         async def send(index):
             sent.append((mode, index))
             return RequestRecord(chunk_times=(0.001,), chunk_tokens=(5,), e2el=0.001)
+
         return send
 
-    config = LoadConfig(address="unused", prompts_path=tmp_path, prompts=(Prompt("p", 5),), max_new_tokens=5,
-                        loads=(Concurrency(1),), sampling=Sampling(0.0, 0, False), speculation=None,
-                        compare_off=True, num_requests=7, progress=False, blocks=3)
+    config = LoadConfig(
+        address="unused",
+        prompts_path=tmp_path,
+        prompts=(Prompt("p", 5),),
+        max_new_tokens=5,
+        loads=(Concurrency(1),),
+        sampling=Sampling(0.0, 0, False),
+        speculation=None,
+        compare_off=True,
+        num_requests=7,
+        progress=False,
+        blocks=3,
+    )
     senders = {"speculative": sender("speculative"), "off": sender("off")}
     point = asyncio.run(run_load(config, Concurrency(1), senders, speculative_first=True))
     runs = [(mode, [i for m, i in sent if m == mode]) for mode in ("speculative", "off")]
@@ -104,22 +135,61 @@ def test_by_default_each_block_holds_the_concurrency(tmp_path):
     from specdec_tools.loadgen.cli import LoadConfig
     from specdec_tools.loadgen.client import Concurrency, Prompt, Sampling
 
-    config = LoadConfig(address="unused", prompts_path=tmp_path, prompts=(Prompt("p", 5),) * 3, max_new_tokens=5,
-                        loads=(Concurrency(4),), sampling=Sampling(0.0, 0, False), speculation=None, blocks=2)
+    config = LoadConfig(
+        address="unused",
+        prompts_path=tmp_path,
+        prompts=(Prompt("p", 5),) * 3,
+        max_new_tokens=5,
+        loads=(Concurrency(4),),
+        sampling=Sampling(0.0, 0, False),
+        speculation=None,
+        blocks=2,
+    )
     assert config.requests_per_point(Concurrency(4)) == 8  # 2 blocks of 4, not 3 prompts
     assert config.requests_per_point(Concurrency(1)) == 3  # every prompt once
 
 
-LATENCY_KEYS = [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p90", "p99")]
-MODE_KEYS = ["completed", "errors", "request_throughput", "output_throughput", "output_tokens_per_s", "request_goodput",
-             "acceptance_rate", "mean_tokens_per_round", "proposed", "accepted", "rounds", *LATENCY_KEYS]
+LATENCY_KEYS = [
+    f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p90", "p99")
+]
+MODE_KEYS = [
+    "completed",
+    "errors",
+    "request_throughput",
+    "output_throughput",
+    "output_tokens_per_s",
+    "request_goodput",
+    "acceptance_rate",
+    "mean_tokens_per_round",
+    "proposed",
+    "accepted",
+    "rounds",
+    *LATENCY_KEYS,
+]
 
 
 def test_load_points_against_the_served_stack_speculation_on_and_off(served, prompts, tmp_path):
     address, _ = served
     out = tmp_path / "report.json"
-    assert bench_serve(address, prompts, out, "--concurrency", "1,2", "--compare-off", "--ignore-eos", "--warmup", "1",
-                       "--goodput", "ttft:60000", "e2el:60000", "--auth-token", "secret") == 0
+    assert (
+        bench_serve(
+            address,
+            prompts,
+            out,
+            "--concurrency",
+            "1,2",
+            "--compare-off",
+            "--ignore-eos",
+            "--warmup",
+            "1",
+            "--goodput",
+            "ttft:60000",
+            "e2el:60000",
+            "--auth-token",
+            "secret",
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["address"] == address and report["max_new_tokens"] == 10
     assert report["server"]["num_speculative_tokens"] == "3"
@@ -148,8 +218,22 @@ def test_the_same_load_over_the_openai_http_api(served, prompts, tmp_path):
     _, config = served
     address = f"127.0.0.1:{config.http_port}"
     out = tmp_path / "report.json"
-    assert bench_serve(address, prompts, out, "--protocol", "openai", "--concurrency", "2", "--compare-off",
-                       "--ignore-eos", "--warmup", "1") == 0
+    assert (
+        bench_serve(
+            address,
+            prompts,
+            out,
+            "--protocol",
+            "openai",
+            "--concurrency",
+            "2",
+            "--compare-off",
+            "--ignore-eos",
+            "--warmup",
+            "1",
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["protocol"] == "openai" and report["server"]["id"] == config.served_name
     (point,) = report["points"]
@@ -165,6 +249,7 @@ def test_the_same_load_over_the_openai_http_api(served, prompts, tmp_path):
 def test_an_unreachable_http_server_is_exit_code_1(prompts, tmp_path, capsys):
     from deployments.ports import free_port
 
-    code = bench_serve(f"127.0.0.1:{free_port()}", prompts, tmp_path / "out.json", "--protocol", "openai",
-                       "--concurrency", "1")
+    code = bench_serve(
+        f"127.0.0.1:{free_port()}", prompts, tmp_path / "out.json", "--protocol", "openai", "--concurrency", "1"
+    )
     assert code == 1 and "/v1/models" in capsys.readouterr().err

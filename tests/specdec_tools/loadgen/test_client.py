@@ -9,8 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from specdec_tools.loadgen.client import (Prompt, Sampling, build_request, closed_loop, inter_arrival_times,
-                                        open_loop)
+from specdec_tools.loadgen.client import Prompt, Sampling, build_request, closed_loop, inter_arrival_times, open_loop
 from specdec_tools.loadgen.metrics import RequestRecord
 
 

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from specdec_tools.loadgen.metrics import (RequestRecord, distribution_ms, errors_by_code, inter_token_latencies,
-                                         meets_slos, summarize, time_per_output_token)
+from specdec_tools.loadgen.metrics import (
+    RequestRecord,
+    distribution_ms,
+    errors_by_code,
+    inter_token_latencies,
+    meets_slos,
+    summarize,
+    time_per_output_token,
+)
 
 # A speculative stream: 1 token from prefill at 0.1 s, a round of 4 at 0.5 s, a round of 1 at 0.8 s; ends at 0.9 s.
-FIRST = RequestRecord(chunk_times=(0.1, 0.5, 0.8), chunk_tokens=(1, 4, 1), e2el=0.9, prompt_tokens=10, rounds=2,
-                      proposed=6, accepted=4)
+FIRST = RequestRecord(
+    chunk_times=(0.1, 0.5, 0.8), chunk_tokens=(1, 4, 1), e2el=0.9, prompt_tokens=10, rounds=2, proposed=6, accepted=4
+)
 # 1 token at 0.2 s, then 3 at 0.6 s; ends at 0.7 s.
-SECOND = RequestRecord(chunk_times=(0.2, 0.6), chunk_tokens=(1, 3), e2el=0.7, prompt_tokens=5, rounds=1, proposed=3,
-                       accepted=2)
+SECOND = RequestRecord(
+    chunk_times=(0.2, 0.6), chunk_tokens=(1, 3), e2el=0.7, prompt_tokens=5, rounds=1, proposed=3, accepted=2
+)
 FAILED = RequestRecord(e2el=0.05, error="UNAVAILABLE")
 ONE_TOKEN = RequestRecord(chunk_times=(0.3,), chunk_tokens=(1,), e2el=0.35)
 
@@ -35,20 +44,24 @@ def test_distribution_in_milliseconds_with_linear_percentiles():
     got = distribution_ms([0.004, 0.001, 0.003, 0.002], "x")
     # sorted 1, 2, 3, 4 ms; p90 at rank 0.9 * 3 = 2.7 -> 3 + 0.7 * (4 - 3); p99 at rank 2.97
     assert got == pytest.approx({"mean_x_ms": 2.5, "median_x_ms": 2.5, "p90_x_ms": 3.7, "p99_x_ms": 3.97})
-    assert distribution_ms([0.02], "y") == pytest.approx({"mean_y_ms": 20, "median_y_ms": 20, "p90_y_ms": 20,
-                                                          "p99_y_ms": 20})
+    assert distribution_ms([0.02], "y") == pytest.approx(
+        {"mean_y_ms": 20, "median_y_ms": 20, "p90_y_ms": 20, "p99_y_ms": 20}
+    )
     assert distribution_ms([], "z") == {"mean_z_ms": 0.0, "median_z_ms": 0.0, "p90_z_ms": 0.0, "p99_z_ms": 0.0}
 
 
-@pytest.mark.parametrize("slos, first, second", [
-    ({}, True, True),
-    ({"ttft": 100}, True, False),  # 100 ms meets an SLO of 100 ms; 200 ms does not
-    ({"ttft": 99.9}, False, False),
-    ({"tpot": 165}, True, False),  # TPOTs 160 and 166.7 ms
-    ({"e2el": 800}, False, True),  # E2ELs 900 and 700 ms
-    ({"ttft": 250, "tpot": 170, "e2el": 1000}, True, True),
-    ({"ttft": 250, "tpot": 170, "e2el": 850}, False, True),
-])
+@pytest.mark.parametrize(
+    "slos, first, second",
+    [
+        ({}, True, True),
+        ({"ttft": 100}, True, False),  # 100 ms meets an SLO of 100 ms; 200 ms does not
+        ({"ttft": 99.9}, False, False),
+        ({"tpot": 165}, True, False),  # TPOTs 160 and 166.7 ms
+        ({"e2el": 800}, False, True),  # E2ELs 900 and 700 ms
+        ({"ttft": 250, "tpot": 170, "e2el": 1000}, True, True),
+        ({"ttft": 250, "tpot": 170, "e2el": 850}, False, True),
+    ],
+)
 def test_goodput_counts_requests_meeting_every_slo(slos, first, second):
     assert meets_slos(FIRST, slos) is first
     assert meets_slos(SECOND, slos) is second
@@ -60,8 +73,12 @@ def test_failed_requests_never_meet_slos_and_one_token_requests_meet_any_tpot():
 
 
 def test_errors_are_counted_by_status_name():
-    records = [FIRST, RequestRecord(error="UNAVAILABLE"), RequestRecord(error="DEADLINE_EXCEEDED"),
-               RequestRecord(error="UNAVAILABLE")]
+    records = [
+        FIRST,
+        RequestRecord(error="UNAVAILABLE"),
+        RequestRecord(error="DEADLINE_EXCEEDED"),
+        RequestRecord(error="UNAVAILABLE"),
+    ]
     assert errors_by_code(records) == {"DEADLINE_EXCEEDED": 1, "UNAVAILABLE": 2}
     assert list(errors_by_code(records)) == ["DEADLINE_EXCEEDED", "UNAVAILABLE"]
     assert errors_by_code([FIRST, SECOND]) == {}
