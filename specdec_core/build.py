@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
+from specdec_core import environment
 from specdec_core.config import AUTO
 from specdec_core.drafters import registry
 from specdec_core.drafters.base import DraftContext, DraftSpec
 from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.errors import InvalidArgument
-from specdec_core import environment
 from specdec_core.hardware import DRAFT_QUANTIZATIONS, resolve_draft_quantization
 from specdec_core.kernels.cpu import cpu_flags, quantize_draft_int4, quantize_draft_int8, use_cpu_kernels
 from specdec_core.models.loader import LoadedModel, check_tokenizers_compatible, load_model, resolve_source
@@ -23,7 +23,6 @@ from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
 
 log = logging.getLogger(__name__)
-
 
 
 def prepare_model(
@@ -74,12 +73,24 @@ def resolve_quantization(setting: str, *, device: str, dtype: str) -> str:
     """`setting` ("none", "int8", "int4" or "auto") resolved for this machine; `InvalidArgument` for anything else."""
     if setting not in DRAFT_QUANTIZATIONS:
         raise InvalidArgument("quantization", f"choose one of {DRAFT_QUANTIZATIONS}, got {setting!r}")
-    return resolve_draft_quantization(setting, device=device, dtype=dtype, cpu_flags=cpu_flags(),
-                                      kernels_enabled=not environment.cpu_kernels_disabled())
+    return resolve_draft_quantization(
+        setting,
+        device=device,
+        dtype=dtype,
+        cpu_flags=cpu_flags(),
+        kernels_enabled=not environment.cpu_kernels_disabled(),
+    )
 
 
-def prepare_draft(source: str | Path, target_tokenizer: Any, *, dtype: str = "bfloat16", device: str = "cpu",
-                  quantization: str = "auto", vocabulary: int = 0) -> LoadedModel:
+def prepare_draft(
+    source: str | Path,
+    target_tokenizer: Any,
+    *,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    quantization: str = "auto",
+    vocabulary: int = 0,
+) -> LoadedModel:
     """`prepare_model` for a draft, refused (`InvalidArgument`) when its tokenizer does not match the target's."""
     draft = prepare_model(source, dtype=dtype, device=device, quantization=quantization, vocabulary=vocabulary)
     check_tokenizers_compatible(target_tokenizer, draft.tokenizer)
@@ -103,8 +114,14 @@ def load_pair(
     target_model = prepare_model(target_path, dtype=dtype, device=device)
     if draft_path is None:
         return target_model, None
-    return target_model, prepare_draft(draft_path, target_model.tokenizer, dtype=dtype, device=device,
-                                       quantization=draft_quantization, vocabulary=draft_vocabulary)
+    return target_model, prepare_draft(
+        draft_path,
+        target_model.tokenizer,
+        dtype=dtype,
+        device=device,
+        quantization=draft_quantization,
+        vocabulary=draft_vocabulary,
+    )
 
 
 def build_engine(

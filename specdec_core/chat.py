@@ -9,8 +9,9 @@ format the model was trained to call them in, which the server does not decide."
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from specdec_core.errors import InvalidArgument
 
@@ -73,9 +74,10 @@ class ChatMessage:
         so a JSON string would be quoted twice); keys a plain turn never had stay absent (templates test for them)."""
         message: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
-                                     for c in self.tool_calls]
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None and self.role == "tool":
             message["tool_call_id"] = self.tool_call_id
         return message

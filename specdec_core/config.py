@@ -68,8 +68,10 @@ class SamplingParams:
                 raise InvalidArgument("stop", f"a stop string is longer than {MAX_STOP_LENGTH} characters")
         object.__setattr__(self, "stop", stops)
         if self.constraint is not None and self.ignore_eos:
-            raise InvalidArgument("ignore_eos", f"cannot be set with a {self.constraint.kind} constraint: the output "
-                                                "ends where the grammar does")
+            raise InvalidArgument(
+                "ignore_eos",
+                f"cannot be set with a {self.constraint.kind} constraint: the output ends where the grammar does",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -36,8 +36,12 @@ class Faults:
     def failed(self, error: BaseException) -> None:
         """A call to the part raised `error`."""
         if self.failures == 0:
-            log.warning("the %s failed; its sequences go on without it (exact, only slower) until it answers again: "
-                        "%s", self.what, error, exc_info=error)
+            log.warning(
+                "the %s failed; its sequences go on without it (exact, only slower) until it answers again: %s",
+                self.what,
+                error,
+                exc_info=error,
+            )
         self._step = 0 if self.failures == 0 else min(2 * self._step + 1, self.max_rest)
         self._rest = self._step
         self.failures += 1

@@ -22,8 +22,8 @@ copying positions rather than sharing blocks.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,9 @@ class PrefixIndex:
 
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(
-            queried_tokens=self._queried, hit_tokens=self._hits, evictions=self._evictions,
-            entries=len(self._entries), positions=self._entry_positions,
+            queried_tokens=self._queried,
+            hit_tokens=self._hits,
+            evictions=self._evictions,
+            entries=len(self._entries),
+            positions=self._entry_positions,
         )

@@ -61,12 +61,20 @@ class PromptLimits:
             raise InvalidArgument("prompt", "the prompt is empty")
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise InvalidArgument("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidArgument(
+                "prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
         self.check_length(len(prompt))
         if self.max_output_tokens is not None and max_tokens > self.max_output_tokens:
-            raise InvalidArgument("max_tokens", f"{max_tokens}; this server generates at most "
-                                                f"{self.max_output_tokens} ({self.settings}max_output_tokens)")
+            raise InvalidArgument(
+                "max_tokens",
+                f"{max_tokens}; this server generates at most "
+                f"{self.max_output_tokens} ({self.settings}max_output_tokens)",
+            )
         if len(prompt) + max_tokens > self.max_seq_len:
-            raise InvalidArgument("max_tokens", f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
-                                                f"exceeds the context ({self.max_seq_len})")
+            raise InvalidArgument(
+                "max_tokens",
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
+                f"exceeds the context ({self.max_seq_len})",
+            )
         return prompt

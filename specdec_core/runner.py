@@ -14,8 +14,8 @@ of `reuse` cached for `salt` (`prefix_cache.py`), and `release` keeps the slot's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import torch
 
@@ -39,8 +39,9 @@ class RunnerConfig:
     prefix_caching: bool = False
 
 
-def slots_within_budget(config: RunnerConfig, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+def slots_within_budget(
+    config: RunnerConfig, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """`config.num_slots`, or as many as `config.max_cache_bytes` holds; a budget too small for one is refused."""
     if config.max_cache_bytes is None:
         return config.num_slots
@@ -48,8 +49,9 @@ def slots_within_budget(config: RunnerConfig, num_layers: int, num_kv_heads: int
     fits = config.max_cache_bytes // per_slot
     if fits < 1:
         raise ResourceExhausted(
-            "kv_cache_max_bytes", f"{config.max_cache_bytes} bytes hold no sequence: one slot of {capacity} positions "
-            f"needs {per_slot} bytes")
+            "kv_cache_max_bytes",
+            f"{config.max_cache_bytes} bytes hold no sequence: one slot of {capacity} positions needs {per_slot} bytes",
+        )
     return min(config.num_slots, fits)
 
 
@@ -65,7 +67,9 @@ class ModelRunner:
         self.device = param.device
         attn = model.layers[0].self_attn
         capacity = self.max_seq_len + config.max_extend
-        num_slots = slots_within_budget(config, args.num_layers, attn.num_kv_heads, capacity, args.head_dim, param.dtype)
+        num_slots = slots_within_budget(
+            config, args.num_layers, attn.num_kv_heads, capacity, args.head_dim, param.dtype
+        )
         # Padded rows of a batch write a few positions past their own end: the slack keeps those writes
         # inside the slot. They are beyond the row's length, so never read.
         self.cache = KVCache(

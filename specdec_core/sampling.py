@@ -8,7 +8,7 @@ sampling is exact for any q, this only makes it agree more often.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -8,8 +8,8 @@ target worker reads. q is made dense only where the rejection sampler needs it (
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -28,8 +28,9 @@ class SparseQ:
 
     def __post_init__(self) -> None:
         if self.token_ids.dim() != 2 or self.token_ids.shape != self.probs.shape:
-            raise InvalidArgument("q", f"token_ids {tuple(self.token_ids.shape)} and probs "
-                                       f"{tuple(self.probs.shape)} must both be [k, n]")
+            raise InvalidArgument(
+                "q", f"token_ids {tuple(self.token_ids.shape)} and probs {tuple(self.probs.shape)} must both be [k, n]"
+            )
 
     def __len__(self) -> int:
         return self.token_ids.shape[0]  # k

@@ -8,8 +8,9 @@ would have: the tokens after it are never committed.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from specdec_core.config import SamplingParams
 

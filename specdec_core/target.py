@@ -18,8 +18,9 @@ its last token at most: the last is computed for the first token's logits) and c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 

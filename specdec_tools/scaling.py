@@ -4,8 +4,8 @@
 changes in steps; `ScalingTimeline` samples, every `interval_s`, each worker deployment's replicas by Serve's
 state (running, starting, stopping), the replicas registered for the routers, and the sessions every replica holds
 (GetStats), those of a replica that is draining (stopping, no longer registered) included. Both run in a process
-connected to the stack's Ray cluster. `scripts/autoscale_timeline.py` records a step load on a config; the
-autoscaling test records its own.
+connected to the stack's Ray cluster. `benchmarks/autoscaling/autoscale_timeline.py` records a step load on a
+config; the autoscaling test records its own.
 """
 
 from __future__ import annotations

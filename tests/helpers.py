@@ -42,8 +42,17 @@ def contrarian(model: torch.nn.Module) -> torch.nn.Module:
     return clone
 
 
-def make_engine(loaded, draft=None, *, num_slots: int = 8, max_seq_len: int = 256, prefix_caching: bool = False,
-                hybrid: bool = False, confidence_threshold: float = 0.0, **config):
+def make_engine(
+    loaded,
+    draft=None,
+    *,
+    num_slots: int = 8,
+    max_seq_len: int = 256,
+    prefix_caching: bool = False,
+    hybrid: bool = False,
+    confidence_threshold: float = 0.0,
+    **config,
+):
     """An engine over `loaded` (a LoadedModel). `draft`: None, "ngram", "suffix", or a Transformer to draft with
     (`hybrid`: beside a suffix drafter, as `draft.method: hybrid` runs them; `confidence_threshold`: its
     `DraftModelDrafter`'s). `prefix_caching`: in the target's runner and the draft model's."""
@@ -63,8 +72,9 @@ def make_engine(loaded, draft=None, *, num_slots: int = 8, max_seq_len: int = 25
     elif draft == "suffix":
         drafter = SuffixDrafter()
     elif draft is not None:
-        drafter = DraftModelDrafter(ModelRunner(draft, runner_config), target.vocab_size,
-                                    confidence_threshold=confidence_threshold)
+        drafter = DraftModelDrafter(
+            ModelRunner(draft, runner_config), target.vocab_size, confidence_threshold=confidence_threshold
+        )
     if hybrid:
         drafter = Hybrid(free=SuffixDrafter(), model=drafter)
     return SpecEngine(LocalTarget(target), drafter, loaded.tokenizer, loaded.eos_token_ids, EngineConfig(**config))
@@ -115,10 +125,13 @@ def serve_pair(pair, runner, credentials=None):
     target, draft = pair
     t = TargetServicer(LocalTarget(ModelRunner(target.model, runner)), "tiny-target")
     grammars = GrammarCompiler(target.tokenizer, target.model.vocab_size, sorted(target.eos_token_ids))
-    d = DraftServicer(DraftModelDrafter(ModelRunner(draft.model, runner), target.model.vocab_size), "tiny-draft",
-                      grammars=grammars)
-    (ts, tport), (ds, dport) = (start_server(t, "127.0.0.1", credentials=credentials),
-                                start_server(d, "127.0.0.1", credentials=credentials))
+    d = DraftServicer(
+        DraftModelDrafter(ModelRunner(draft.model, runner), target.model.vocab_size), "tiny-draft", grammars=grammars
+    )
+    (ts, tport), (ds, dport) = (
+        start_server(t, "127.0.0.1", credentials=credentials),
+        start_server(d, "127.0.0.1", credentials=credentials),
+    )
     yield {"target": (t, f"127.0.0.1:{tport}"), "draft": (d, f"127.0.0.1:{dport}")}
     ts.stop(0)
     ds.stop(0)
@@ -140,24 +153,36 @@ def operator_tls_dir(directory, name="specdec.example.internal", usages=None, ke
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "operator CA")])
 
     def builder(subject, public_key):
-        return (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name).public_key(public_key)
-                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=1)))
+        return (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(ca_name)
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
 
-    ca = (builder(ca_name, ca_key.public_key()).add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        builder(ca_name, ca_key.public_key())
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(ca_key, hashes.SHA256())
+    )
     usages = usages or [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    leaf = (builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "specdec")]), key.public_key())
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), False)
-            .add_extension(x509.ExtendedKeyUsage(usages), False)
-            .sign(ca_key, hashes.SHA256()))
+    leaf = (
+        builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "specdec")]), key.public_key())
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), False)
+        .add_extension(x509.ExtendedKeyUsage(usages), False)
+        .sign(ca_key, hashes.SHA256())
+    )
     pem = serialization.Encoding.PEM
     written_key = ec.generate_private_key(ec.SECP256R1()) if key_of_other else key
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "ca.crt").write_bytes(ca.public_bytes(pem))
     (directory / "tls.crt").write_bytes(leaf.public_bytes(pem))
-    (directory / "tls.key").write_bytes(written_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                                  serialization.NoEncryption()))
+    (directory / "tls.key").write_bytes(
+        written_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return directory
 
 
@@ -210,10 +235,16 @@ SERVED_SCHEMA = {
 
 
 def satisfies_served_schema(value) -> bool:
-    return (isinstance(value, dict) and {"name", "size", "tags"} <= set(value) <= {"name", "size", "tags", "note"}
-            and value["name"] in ("add", "mean", "count") and isinstance(value["size"], int)
-            and 0 <= value["size"] <= 99 and len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b"}
-            and len(value.get("note", "")) <= 6)
+    return (
+        isinstance(value, dict)
+        and {"name", "size", "tags"} <= set(value) <= {"name", "size", "tags", "note"}
+        and value["name"] in ("add", "mean", "count")
+        and isinstance(value["size"], int)
+        and 0 <= value["size"] <= 99
+        and len(value["tags"]) <= 3
+        and set(value["tags"]) <= {"a", "b"}
+        and len(value.get("note", "")) <= 6
+    )
 
 
 def perturbed_checkpoint(source, out, scale: float, seed: int = 0):
@@ -227,14 +258,16 @@ def perturbed_checkpoint(source, out, scale: float, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     for file in out.glob("*.safetensors"):
         state = load_file(file)
-        noisy = {k: (v + torch.randn(v.shape, generator=gen) * scale * v.float().std().clamp(min=1e-3)).to(v.dtype)
-                 for k, v in state.items()}
+        noisy = {
+            k: (v + torch.randn(v.shape, generator=gen) * scale * v.float().std().clamp(min=1e-3)).to(v.dtype)
+            for k, v in state.items()
+        }
         save_file(noisy, file, metadata={"format": "pt"})
     return out
 
 
 def corpus_prompt(words, start, length):
-    return " ".join(words[start:start + length])
+    return " ".join(words[start : start + length])
 
 
 def build_taught_target(tiny_dir, out, steps=400):
@@ -263,18 +296,30 @@ def build_taught_target(tiny_dir, out, steps=400):
         prompt = encode_prompt(tokenizer, corpus_prompt(words, start, n))
         answer = tokenizer(" " + corpus_prompt(words, start + n, 16))["input_ids"][:24]
         tokens = prompt + answer
-        examples.append(Example(tuple(tokens[:-1]), tuple(range(len(prompt) - 1, len(tokens) - 1)),
-                                torch.tensor(answer).view(-1, 1), torch.zeros(len(answer), 1),
-                                torch.ones(len(answer))))  # p = 1 on the next token: the KL is cross-entropy
+        examples.append(
+            Example(
+                tuple(tokens[:-1]),
+                tuple(range(len(prompt) - 1, len(tokens) - 1)),
+                torch.tensor(answer).view(-1, 1),
+                torch.zeros(len(answer), 1),
+                torch.ones(len(answer)),
+            )
+        )  # p = 1 on the next token: the KL is cross-entropy
     model = trainable(use_causal_attention(source.model), 0)
     vocab = source.model.vocab_size
-    train(model, examples, TrainConfig(steps=steps, batch_size=8, learning_rate=3e-3), draft_rows=vocab,
-          shared_vocab=vocab)
+    train(
+        model,
+        examples,
+        TrainConfig(steps=steps, batch_size=8, learning_rate=3e-3),
+        draft_rows=vocab,
+        shared_vocab=vocab,
+    )
     return write_draft(model, source, out)
 
 
-def chi_square_p_value(counts: Mapping[tuple[int, ...], int], law: Mapping[tuple[int, ...], float],
-                       samples: int) -> float:
+def chi_square_p_value(
+    counts: Mapping[tuple[int, ...], int], law: Mapping[tuple[int, ...], float], samples: int
+) -> float:
     """Pearson's chi-square test of `counts` (each output's count over `samples` draws) against the exact `law`
     (each output's probability): its p-value. Cells expected fewer than 5 times are pooled into one, as the test's
     approximation needs; 0.0 where an output the law gives no mass was sampled."""
@@ -314,9 +359,19 @@ async def asgi_post(app, path: str, body: bytes, headers: Sequence[tuple[bytes, 
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), *headers],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), *headers],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
     await app(scope, receive, send)
     return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:])), reads

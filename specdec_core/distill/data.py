@@ -12,8 +12,9 @@ embedding) read as 0, as `DraftModelDrafter` reads them, and the top-k is taken 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -41,16 +42,28 @@ class Example:
 
     def to_state(self) -> dict[str, Any]:
         """Plain lists and tensors only: `torch.load(weights_only=True)` reads it back."""
-        return {"token_ids": list(self.token_ids), "positions": list(self.positions), "top_ids": self.top_ids,
-                "top_logprobs": self.top_logprobs, "weights": self.weights}
+        return {
+            "token_ids": list(self.token_ids),
+            "positions": list(self.positions),
+            "top_ids": self.top_ids,
+            "top_logprobs": self.top_logprobs,
+            "weights": self.weights,
+        }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> "Example":
-        return cls(tuple(state["token_ids"]), tuple(state["positions"]), state["top_ids"], state["top_logprobs"],
-                   state["weights"])
+    def from_state(cls, state: dict[str, Any]) -> Example:
+        return cls(
+            tuple(state["token_ids"]),
+            tuple(state["positions"]),
+            state["top_ids"],
+            state["top_logprobs"],
+            state["weights"],
+        )
 
 
-def completion_sequence(prompt_ids: Sequence[int], completion_ids: Sequence[int], weight: float = 1.0) -> TrainingSequence:
+def completion_sequence(
+    prompt_ids: Sequence[int], completion_ids: Sequence[int], weight: float = 1.0
+) -> TrainingSequence:
     """The prompt and the target's completion; positions: those whose next token is a completion token."""
     tokens = tuple(prompt_ids) + tuple(completion_ids)
     return TrainingSequence(tokens, tuple(range(len(prompt_ids) - 1, len(tokens) - 1)), weight)
@@ -77,21 +90,35 @@ def readable(token_ids: Sequence[int], vocab_size: int) -> list[int]:
 
 
 @torch.no_grad()
-def score(target: torch.nn.Module, sequences: Sequence[TrainingSequence], *, top_k: int, shared_vocab: int,
-          batch_size: int = 4, progress: Callable[[int], None] | None = None) -> list[Example]:
+def score(
+    target: torch.nn.Module,
+    sequences: Sequence[TrainingSequence],
+    *,
+    top_k: int,
+    shared_vocab: int,
+    batch_size: int = 4,
+    progress: Callable[[int], None] | None = None,
+) -> list[Example]:
     """Each sequence scored by `target` (a `Transformer` using `CausalAttention`): the top `top_k` of log p among
     ids below `shared_vocab` (those the draft can propose) at each of its positions. `progress(n)`: n more done."""
     examples = []
     for start in range(0, len(sequences), batch_size):
-        batch = sequences[start:start + batch_size]
+        batch = sequences[start : start + batch_size]
         logits = logits_at(target, [s.token_ids for s in batch], [s.positions for s in batch])  # [N, Vt]
         logp = torch.log_softmax(logits.float(), dim=-1)[:, :shared_vocab]  # [N, V shared]
         top = logp.topk(min(top_k, shared_vocab), dim=-1)  # [N, K] each
         offset = 0
         for s in batch:
             n = len(s.positions)
-            examples.append(Example(s.token_ids, s.positions, top.indices[offset:offset + n].cpu(),
-                                    top.values[offset:offset + n].cpu(), torch.full((n,), float(s.weight))))
+            examples.append(
+                Example(
+                    s.token_ids,
+                    s.positions,
+                    top.indices[offset : offset + n].cpu(),
+                    top.values[offset : offset + n].cpu(),
+                    torch.full((n,), float(s.weight)),
+                )
+            )
             offset += n
         if progress is not None:
             progress(len(batch))

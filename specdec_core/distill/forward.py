@@ -7,7 +7,7 @@ trained. Gradients flow through it (the cache's in-place writes would not allow 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,10 @@ class CausalAttention:
         q = q * ctx.cos + rotate_half(q) * ctx.sin
         k = k * ctx.cos + rotate_half(k) * ctx.sin
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=ctx.mask,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=ctx.mask,
             enable_gqa=q.shape[2] != k.shape[2],
         )  # [B, H, T, hd]
         return out.transpose(1, 2)
@@ -48,9 +51,9 @@ def logits_at(model: torch.nn.Module, rows: Sequence[Sequence[int]], picks: Sequ
     index = torch.zeros(B, N, dtype=torch.long)  # [B, N]
     valid = torch.zeros(B, N, dtype=torch.bool)  # [B, N]
     for b, (row, pick) in enumerate(zip(rows, picks)):
-        tokens[b, :len(row)] = torch.tensor(row)
-        index[b, :len(pick)] = torch.tensor(pick)
-        valid[b, :len(pick)] = True
+        tokens[b, : len(row)] = torch.tensor(row)
+        index[b, : len(pick)] = torch.tensor(pick)
+        valid[b, : len(pick)] = True
     device = next(model.parameters()).device
     positions = torch.arange(T, device=device).expand(B, T)  # [B, T]
     logits = model(tokens.to(device), positions, None, None, T, None, index.to(device))  # [B, N, V]

@@ -15,8 +15,9 @@ from specdec_core.models.transformer import Transformer
 
 def projection_names(model: Transformer) -> list[str]:
     """The distinct names of the Linear layers inside the decoder layers ("q_proj", "down_proj", ...)."""
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.layers.named_modules()
-                   if isinstance(module, nn.Linear)})
+    return sorted(
+        {name.rsplit(".", 1)[-1] for name, module in model.layers.named_modules() if isinstance(module, nn.Linear)}
+    )
 
 
 def trainable(model: Transformer, rank: int, alpha: float | None = None, seed: int = 0) -> nn.Module:
@@ -30,8 +31,13 @@ def trainable(model: Transformer, rank: int, alpha: float | None = None, seed: i
         return model.requires_grad_(True)
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
-                        target_modules=projection_names(model), bias="none")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        lora_dropout=0.0,
+        target_modules=projection_names(model),
+        bias="none",
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return get_peft_model(model, config)

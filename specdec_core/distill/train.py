@@ -13,9 +13,9 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -68,8 +68,9 @@ def batch_loss(module: nn.Module, batch: Sequence[Example], draft_rows: int, sha
     rows = [readable(e.token_ids, draft_rows) for e in batch]
     logits = logits_at(module, rows, [e.positions for e in batch])[:, :shared_vocab]  # [N, V shared]
     device = logits.device
-    top_ids, top_logprobs, weights = (torch.cat([getattr(e, name) for e in batch]).to(device)
-                                      for name in ("top_ids", "top_logprobs", "weights"))
+    top_ids, top_logprobs, weights = (
+        torch.cat([getattr(e, name) for e in batch]).to(device) for name in ("top_ids", "top_logprobs", "weights")
+    )
     return topk_kl(logits, top_ids, top_logprobs, weights)
 
 
@@ -79,8 +80,16 @@ class TrainResult:
     resumed_from: int  # the step the run started at (0: from scratch)
 
 
-def train(module: nn.Module, examples: Sequence[Example], config: TrainConfig, *, draft_rows: int, shared_vocab: int,
-          checkpoint: Path | None = None, on_step: Callable[[int, float], None] | None = None) -> TrainResult:
+def train(
+    module: nn.Module,
+    examples: Sequence[Example],
+    config: TrainConfig,
+    *,
+    draft_rows: int,
+    shared_vocab: int,
+    checkpoint: Path | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> TrainResult:
     """Train `module`'s trainable parameters (mutated in place) on `examples` for `config.steps` steps. With
     `checkpoint`, continue from it when it exists, and write it every `checkpoint_every` steps and at the end;
     a checkpoint of another run (other config, data or parameters) is refused. `on_step(step, loss)` after each."""
@@ -127,16 +136,27 @@ def _fingerprint(config: TrainConfig, examples: Sequence[Example], params: dict[
     for e in examples:
         digest.update(json.dumps([e.token_ids, e.positions]).encode())
         digest.update(e.top_ids.numpy().tobytes())
-    described = {**asdict(config), "steps": None, "examples": len(examples), "data": digest.hexdigest(),
-                 "params": [[n, list(p.shape)] for n, p in params.items()]}
+    described = {
+        **asdict(config),
+        "steps": None,
+        "examples": len(examples),
+        "data": digest.hexdigest(),
+        "params": [[n, list(p.shape)] for n, p in params.items()],
+    }
     return json.dumps(described, sort_keys=True)
 
 
-def _save(path: Path, fingerprint: str, step: int, params: dict[str, torch.Tensor],
-          optimizer: torch.optim.Optimizer) -> None:
+def _save(
+    path: Path, fingerprint: str, step: int, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer
+) -> None:
     """Written whole or not at all (a temporary file renamed): an interruption mid-write leaves the last one."""
-    state = {"fingerprint": fingerprint, "step": step, "params": {n: p.detach().clone() for n, p in params.items()},
-             "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
+    state = {
+        "fingerprint": fingerprint,
+        "step": step,
+        "params": {n: p.detach().clone() for n, p in params.items()},
+        "optimizer": optimizer.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
@@ -146,8 +166,11 @@ def _save(path: Path, fingerprint: str, step: int, params: dict[str, torch.Tenso
 def _restore(path: Path, fingerprint: str, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
     state = torch.load(path, weights_only=True)
     if state["fingerprint"] != fingerprint:
-        raise InvalidArgument("checkpoint", f"{path} is a checkpoint of another run (settings, data or model "
-                                            "differ): remove it, or write to another directory")
+        raise InvalidArgument(
+            "checkpoint",
+            f"{path} is a checkpoint of another run (settings, data or model "
+            "differ): remove it, or write to another directory",
+        )
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(state["params"][name])

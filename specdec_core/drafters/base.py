@@ -15,8 +15,9 @@ Each drafting method also describes itself (`DraftMethod`), in its own file, for
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -79,7 +80,7 @@ class Proposal:
     # The method that proposed, where a drafter combines several (`VariantDrafter`); None: the drafter's own name.
     method: str | None = None
 
-    def prefix(self, n: int) -> "Proposal":
+    def prefix(self, n: int) -> Proposal:
         """The first n proposed tokens (a proposal cut short is still a valid proposal)."""
         if n >= len(self.token_ids):
             return self

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -14,7 +14,6 @@ from specdec_core.models.vocab_head import VocabHead, context_ids
 from specdec_core.runner import ModelRunner
 from specdec_core.sampling import mask_logits, processed_probs, sample_from, token_probs
 from specdec_core.sparse_q import SparseQ
-
 
 # Sampled drafts come from the draft's processed distribution cut to its `Q_SUPPORT` most likely tokens. Any q
 # keeps verification exact as long as the drafts are drawn from the q the target sees; a short support keeps q
@@ -50,8 +49,13 @@ class DraftModelDrafter:
 
     name = "draft_model"
 
-    def __init__(self, runner: ModelRunner, target_vocab_size: int, q_support: int | None = Q_SUPPORT,
-                 confidence_threshold: float = 0.0) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        target_vocab_size: int,
+        q_support: int | None = Q_SUPPORT,
+        confidence_threshold: float = 0.0,
+    ) -> None:
         if not 0.0 <= confidence_threshold < 1.0:
             raise ValueError(f"need 0 <= confidence_threshold < 1, got {confidence_threshold}")
         self.runner = runner
@@ -119,8 +123,11 @@ class DraftModelDrafter:
             slot = self._slots[requests[i].seq_id]
             feeds[i] = self._catch_up(slot, self._readable(requests[i].token_ids[self.runner.length(slot) :]))
         advanced = [0] * len(requests)  # drafts each row's grammar was moved along: moved back before returning
-        extra = None if self._keep is None or not rows else context_ids(
-            (requests[i].token_ids for i in rows), self._keep, self.runner.vocab_size)  # [E]
+        extra = (
+            None
+            if self._keep is None or not rows
+            else context_ids((requests[i].token_ids for i in rows), self._keep, self.runner.vocab_size)
+        )  # [E]
         try:
             step = 0
             while rows:
@@ -229,8 +236,9 @@ def _masked(logits: torch.Tensor, requests: Sequence[DraftRequest]) -> torch.Ten
 def _build(context: DraftContext) -> DraftModelDrafter:
     if context.runner is None:
         raise InvalidArgument("draft.model", f"method {DraftModelDrafter.name} needs a draft model")
-    return DraftModelDrafter(context.runner, context.target_vocab_size,
-                             confidence_threshold=context.spec.confidence_threshold)
+    return DraftModelDrafter(
+        context.runner, context.target_vocab_size, confidence_threshold=context.spec.confidence_threshold
+    )
 
 
 METHOD = DraftMethod(DraftModelDrafter.name, runs_draft_model=True, build=_build)

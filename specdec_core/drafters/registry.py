@@ -7,21 +7,26 @@ line in `METHODS` below. "none", plain decoding (no drafter at all), is not a me
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
 from specdec_core.drafters import draft_model, hybrid, ngram, suffix
-from specdec_core.drafters.base import DraftContext, DraftMethod, Drafter, Hybrid
+from specdec_core.drafters.base import DraftContext, Drafter, DraftMethod, Hybrid
 from specdec_core.errors import InvalidArgument
 
 NONE = "none"
 
-METHODS: Mapping[str, DraftMethod] = MappingProxyType({method.name: method for method in (
-    draft_model.METHOD,
-    ngram.METHOD,
-    suffix.METHOD,
-    hybrid.METHOD,
-)})
+METHODS: Mapping[str, DraftMethod] = MappingProxyType(
+    {
+        method.name: method
+        for method in (
+            draft_model.METHOD,
+            ngram.METHOD,
+            suffix.METHOD,
+            hybrid.METHOD,
+        )
+    }
+)
 
 
 def choices() -> tuple[str, ...]:

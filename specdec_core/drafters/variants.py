@@ -13,11 +13,11 @@ usual A/B) cost alike; variants of different sizes share an average, which only 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Mapping, Sequence
 
-from specdec_core.drafters.base import DraftRequest, Drafter, Proposal
+from specdec_core.drafters.base import Drafter, DraftRequest, Proposal
 
 
 class VariantDrafter:

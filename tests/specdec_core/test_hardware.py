@@ -93,8 +93,7 @@ def test_available_cores_reads_this_machine(monkeypatch):
     "setting, cores, share, threads",
     [("auto", 2, 1, 2), ("auto", 16, 1, 16), ("auto", 8, 2, 4), ("auto", 2, 4, 1), (3, 16, 1, 3), (3, 2, 2, 3)],
 )
-def test_threads_auto_takes_the_cores_shared_by_concurrent_ranks_and_a_number_pins_them(setting, cores, share,
-                                                                                           threads):
+def test_threads_auto_takes_the_cores_shared_by_concurrent_ranks_and_a_number_pins_them(setting, cores, share, threads):
     assert resolve_threads(setting, cores, share) == threads
 
 

@@ -16,8 +16,9 @@ PROMPT = list(range(5, 40))
 
 
 def _runner(loaded, **config) -> ModelRunner:
-    return ModelRunner(loaded.model, RunnerConfig(**{"num_slots": 4, "max_seq_len": 128, "prefix_caching": True,
-                                                     **config}))
+    return ModelRunner(
+        loaded.model, RunnerConfig(**{"num_slots": 4, "max_seq_len": 128, "prefix_caching": True, **config})
+    )
 
 
 def _start(runner: ModelRunner, tokens: list[int], salt: str | None = None) -> tuple[int, torch.Tensor]:
@@ -31,10 +32,18 @@ def _cache_bytes(runner: ModelRunner) -> int:
     return sum(t.numel() * t.element_size() for t in [*runner.cache.keys, *runner.cache.values])
 
 
-@pytest.mark.parametrize("a, b, n", [
-    ([], [], 0), ([1, 2, 3], [1, 2, 3], 3), ([1, 2, 3], [1, 2], 2), ([1, 2, 3], [1, 9, 3], 1), ([5], [6], 0),
-    (list(range(600)), list(range(600)), 600), (list(range(600)), [*range(300), -1, *range(301, 600)], 300),
-])
+@pytest.mark.parametrize(
+    "a, b, n",
+    [
+        ([], [], 0),
+        ([1, 2, 3], [1, 2, 3], 3),
+        ([1, 2, 3], [1, 2], 2),
+        ([1, 2, 3], [1, 9, 3], 1),
+        ([5], [6], 0),
+        (list(range(600)), list(range(600)), 600),
+        (list(range(600)), [*range(300), -1, *range(301, 600)], 300),
+    ],
+)
 def test_common_prefix(a, b, n):
     assert common_prefix(a, b) == common_prefix(b, a) == n
 

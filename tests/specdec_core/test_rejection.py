@@ -43,8 +43,14 @@ def test_greedy_is_rejection_sampling_with_point_masses():
     num_draft = torch.randint(K + 1, (B,), generator=gen)
     p = torch.nn.functional.one_hot(argmax, V).double()
     q = torch.nn.functional.one_hot(drafts, V).double()
-    sampled = rejection_sample(drafts, num_draft, p, q, torch.rand(B, K, generator=gen, dtype=torch.float64),
-                               torch.rand(B, generator=gen, dtype=torch.float64))
+    sampled = rejection_sample(
+        drafts,
+        num_draft,
+        p,
+        q,
+        torch.rand(B, K, generator=gen, dtype=torch.float64),
+        torch.rand(B, generator=gen, dtype=torch.float64),
+    )
     greedy = greedy_accept(drafts, num_draft, argmax)
     assert torch.equal(sampled.output_token_ids, greedy.output_token_ids)
     assert torch.equal(sampled.num_accepted, greedy.num_accepted)
@@ -283,7 +289,8 @@ def test_zero_probability_tokens_are_never_emitted():
     p = torch.tensor([[[0.0, 0.5, 0.5], [0.0, 0.2, 0.8]]]).expand(200, 2, 3)
     q = torch.tensor([[[1.0, 0.0, 0.0]]]).expand(200, 1, 3)
     u = torch.linspace(0, 0.999999, 200)
-    out = rejection_sample(torch.zeros(200, 1, dtype=torch.long), torch.ones(200, dtype=torch.long), p, q,
-                           u.unsqueeze(1), u.flip(0))
+    out = rejection_sample(
+        torch.zeros(200, 1, dtype=torch.long), torch.ones(200, dtype=torch.long), p, q, u.unsqueeze(1), u.flip(0)
+    )
     assert (out.num_accepted == 0).all()
     assert (out.output_token_ids[:, 0] != 0).all()

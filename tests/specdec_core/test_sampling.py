@@ -52,8 +52,13 @@ def test_a_mask_applies_before_shaping(temperature, top_k, top_p):
     allowed[:, 0] = True  # never empty
     allowed[4] = False
     allowed[4, 7] = True  # a forced token: all the mass, whatever the logits
-    got = processed_probs(logits, torch.full((5,), temperature), torch.full((5,), top_k),
-                          torch.full((5,), top_p, dtype=torch.float64), allowed)
+    got = processed_probs(
+        logits,
+        torch.full((5,), temperature),
+        torch.full((5,), top_k),
+        torch.full((5,), top_p, dtype=torch.float64),
+        allowed,
+    )
     for row in range(5):
         keep = allowed[row].nonzero().flatten()
         want = torch.zeros(9, dtype=torch.float64)

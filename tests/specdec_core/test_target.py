@@ -63,8 +63,9 @@ def test_masks_restrict_the_first_token_and_every_verified_position(tiny_target)
     assert first.first_token_id == ranked[2]
     after = logits_after(tiny_target.model, PROMPT + [ranked[2]])[-1].argsort(descending=True).tolist()  # [V]
     masks = _packed([after[1:], list(range(vocab))], vocab)  # the draft, p's argmax, refused at position 0
-    (outcome,) = target.verify([VerifyItem("s", ranked[2], [after[0]], None, TokenShaping(), None, None,
-                                           allowed=masks)])
+    (outcome,) = target.verify(
+        [VerifyItem("s", ranked[2], [after[0]], None, TokenShaping(), None, None, allowed=masks)]
+    )
     assert (outcome.num_accepted, outcome.token_ids) == (0, (after[1],))
 
 
@@ -72,13 +73,26 @@ def test_a_masked_sampled_row_samples_only_allowed_tokens(tiny_target):
     vocab = tiny_target.model.vocab_size
     allowed = [3, 40, 77]
     target = LocalTarget(ModelRunner(tiny_target.model, RunnerConfig(num_slots=8, max_seq_len=128)))
-    items = [PrefillItem(str(i), PROMPT, SAMPLED, u, allowed=_packed([allowed], vocab))
-             for i, u in enumerate([0.0, 0.3, 0.6, 0.999])]
+    items = [
+        PrefillItem(str(i), PROMPT, SAMPLED, u, allowed=_packed([allowed], vocab))
+        for i, u in enumerate([0.0, 0.3, 0.6, 0.999])
+    ]
     assert {first.first_token_id for first in target.prefill(items)} <= set(allowed)
     drafts = [[77, 3], [5, 3]]  # the second row's first draft is refused: rejected whatever u, then resampled
-    outcomes = target.verify([
-        VerifyItem(str(i), 3, d, None, SAMPLED, torch.tensor([0.0, 0.0], dtype=torch.float64), 0.5,
-                   allowed=_packed([allowed] * 3, vocab))
-        for i, d in enumerate(drafts)])
+    outcomes = target.verify(
+        [
+            VerifyItem(
+                str(i),
+                3,
+                d,
+                None,
+                SAMPLED,
+                torch.tensor([0.0, 0.0], dtype=torch.float64),
+                0.5,
+                allowed=_packed([allowed] * 3, vocab),
+            )
+            for i, d in enumerate(drafts)
+        ]
+    )
     assert all(set(o.token_ids) <= set(allowed) for o in outcomes)
     assert outcomes[1].num_accepted == 0

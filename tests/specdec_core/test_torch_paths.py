@@ -38,9 +38,11 @@ def torch_models(tiny_dir, near_draft_dir):
         patch.setenv("SPECDEC_DISABLE_CPU_KERNELS", "1")
         cpu.load_library.cache_clear()  # it caches the machine's answer; the switch is read when it loads
         try:
-            models = {dtype: (prepare_model(tiny_dir / "target", dtype=dtype), prepare_model(near_draft_dir, dtype=dtype))
-                      for dtype in DTYPES}
-            for target, draft in models.values():
+            models = {
+                dtype: (prepare_model(tiny_dir / "target", dtype=dtype), prepare_model(near_draft_dir, dtype=dtype))
+                for dtype in DTYPES
+            }
+            for target, _draft in models.values():
                 assert cpu.kernel_path(target.model).startswith("torch fallback")
                 assert not cpu.rows_batch_invariant(target.model)
         finally:
@@ -102,14 +104,15 @@ def test_greedy_speculation_differs_from_plain_only_at_near_ties(torch_models, d
         if at is None:
             continue
         assert at > 0  # both prefill the prompt alike: the first token cannot differ
-        logits = _decode_path_logits(target.model, prompt, plain[: at])[-1]  # [V]: what plain decoding chose from
+        logits = _decode_path_logits(target.model, prompt, plain[:at])[-1]  # [V]: what plain decoding chose from
         assert int(logits.argmax()) == plain[at]
         margin = (logits[plain[at]] - logits[tokens[at]]).item()
         divergences.append((at, margin, margin / logits.abs().max().item()))
     record_property("diverging_prompts", f"{len(divergences)}/{NUM_PROMPTS}")
     record_property("divergences", divergences)
-    print(f"{dtype}: {len(divergences)}/{NUM_PROMPTS} prompts diverge; (position, margin, relative margin): "
-          f"{divergences}")
+    print(
+        f"{dtype}: {len(divergences)}/{NUM_PROMPTS} prompts diverge; (position, margin, relative margin): {divergences}"
+    )
     assert accepted > 0  # speculation ran
     for _, _, relative in divergences:
         # Speculation took a token that trails plain decoding's by less than both paths' rounding together.

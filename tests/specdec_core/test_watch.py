@@ -36,10 +36,16 @@ def _brute_force(rounds: list[RoundSample], variant: str, max_positions: int) ->
         return sum(r.committed for r in rs) / seconds if seconds else None
 
     return WindowSnapshot(
-        variant=variant, rounds=len(rounds), proposed=proposed, accepted=accepted,
-        acceptance_rate=accepted / proposed if proposed else None, position_acceptance=tuple(positions),
+        variant=variant,
+        rounds=len(rounds),
+        proposed=proposed,
+        accepted=accepted,
+        acceptance_rate=accepted / proposed if proposed else None,
+        position_acceptance=tuple(positions),
         tokens_per_round=sum(r.committed for r in spec) / len(spec) if spec else None,
-        speculative_tokens_per_s=rate(spec), plain_tokens_per_s=rate(plain))
+        speculative_tokens_per_s=rate(spec),
+        plain_tokens_per_s=rate(plain),
+    )
 
 
 def _random_round(rng: random.Random, variant: str) -> RoundSample:
@@ -71,8 +77,11 @@ def _assert_close(actual: WindowSnapshot, expected: WindowSnapshot, at: int) -> 
     got.update(enumerate(got.pop("position_acceptance")))
     want.update(enumerate(want.pop("position_acceptance")))
     for name, value in want.items():
-        same = got[name] == value if value is None or isinstance(value, str) else math.isclose(got[name], value,
-                                                                                           rel_tol=1e-6)
+        same = (
+            got[name] == value
+            if value is None or isinstance(value, str)
+            else math.isclose(got[name], value, rel_tol=1e-6)
+        )
         assert same, f"after {at} rounds, {name}: {got[name]} != {value}"
 
 
@@ -181,9 +190,21 @@ def test_concurrent_records_are_all_counted():
     assert watch.snapshot("v0") == _brute_force([samples[0]] * 4, "v0", watch.max_positions)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("variant", ""), ("k", -1), ("k", 1.5), ("proposed", 5), ("accepted", 5), ("committed", -1),
-    ("seconds", -0.1), ("seconds", float("nan")), ("seconds", float("inf")), ("k", True)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("variant", ""),
+        ("k", -1),
+        ("k", 1.5),
+        ("proposed", 5),
+        ("accepted", 5),
+        ("committed", -1),
+        ("seconds", -0.1),
+        ("seconds", float("nan")),
+        ("seconds", float("inf")),
+        ("k", True),
+    ],
+)
 def test_bad_samples_are_refused_naming_the_field(field, value):
     fields = dict(variant="a", k=4, proposed=4, accepted=4, committed=5, seconds=0.1)
     fields[field] = value

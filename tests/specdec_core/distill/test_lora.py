@@ -16,7 +16,14 @@ def _draft(tiny_dir):
 
 def test_adapters_sit_on_every_projection_of_the_layers(tiny_dir):
     assert projection_names(_draft(tiny_dir)) == [
-        "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
 
 
 def test_under_lora_only_the_adapters_learn(tiny_dir):
@@ -58,8 +65,11 @@ def test_rank_zero_trains_every_weight(tiny_dir):
 
 def test_adapters_start_from_the_seed(tiny_dir):
     def adapters(seed):
-        return {n: p.detach().clone() for n, p in trainable(_draft(tiny_dir), 4, seed=seed).named_parameters()
-                if "lora_A" in n}
+        return {
+            n: p.detach().clone()
+            for n, p in trainable(_draft(tiny_dir), 4, seed=seed).named_parameters()
+            if "lora_A" in n
+        }
 
     first, again, other = adapters(1), adapters(1), adapters(2)
     assert all(torch.equal(first[n], again[n]) for n in first)

@@ -13,9 +13,18 @@ from specdec_core.models.tiny import build_tiny_model
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_written_directory_loads_with_the_trained_weights(tiny_dir, tmp_path, tied):
-    source_dir = build_tiny_model(tmp_path / "source", family="qwen2", seed=4, tokenizer_dir=tiny_dir / "tokenizer",
-                                  hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                                  tie_word_embeddings=tied)
+    source_dir = build_tiny_model(
+        tmp_path / "source",
+        family="qwen2",
+        seed=4,
+        tokenizer_dir=tiny_dir / "tokenizer",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        tie_word_embeddings=tied,
+    )
     source = load_model(source_dir, dtype="float32")
     with torch.no_grad():
         for p in source.model.parameters():

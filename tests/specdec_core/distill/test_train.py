@@ -22,8 +22,10 @@ CONFIG = TrainConfig(steps=8, batch_size=3, learning_rate=5e-3, warmup_steps=2, 
 def examples(tiny_dir):
     target = use_causal_attention(load_model(tiny_dir / "target", dtype="float32").model)
     rng = random.Random(0)
-    sequences = [completion_sequence([rng.randrange(3, 384) for _ in range(6)], [rng.randrange(3, 384) for _ in range(10)])
-                 for _ in range(7)]
+    sequences = [
+        completion_sequence([rng.randrange(3, 384) for _ in range(6)], [rng.randrange(3, 384) for _ in range(10)])
+        for _ in range(7)
+    ]
     return score(target, sequences, top_k=16, shared_vocab=384)
 
 
@@ -45,8 +47,13 @@ def test_training_moves_the_draft_towards_the_target(tiny_dir, examples):
     module = _module(tiny_dir, rank=0)
     with torch.no_grad():
         before = float(batch_loss(module, examples, 384, 384))
-    train(module, examples, TrainConfig(steps=30, batch_size=4, learning_rate=3e-3, warmup_steps=3), draft_rows=384,
-          shared_vocab=384)
+    train(
+        module,
+        examples,
+        TrainConfig(steps=30, batch_size=4, learning_rate=3e-3, warmup_steps=3),
+        draft_rows=384,
+        shared_vocab=384,
+    )
     with torch.no_grad():
         after = float(batch_loss(module, examples, 384, 384))
     assert after < 0.8 * before

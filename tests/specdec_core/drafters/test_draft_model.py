@@ -91,16 +91,20 @@ def test_sequences_started_together_read_in_a_forward_per_length_and_draft_as_if
     """Four sequences start drafting in one round: the two of one length are read in one forward, a cached prefix
     shortens one read, and each drafts what it drafts when started alone. A slot that cannot be had starts none."""
     gen = torch.Generator().manual_seed(1)
-    contexts = {name: torch.randint(0, 300, (n,), generator=gen).tolist() for name, n in
-                [("a", 12), ("b", 12), ("c", 20)]}
+    contexts = {
+        name: torch.randint(0, 300, (n,), generator=gen).tolist() for name, n in [("a", 12), ("b", 12), ("c", 20)]
+    }
     contexts["d"] = contexts["c"][:15] + [7, 8, 9]  # 15 of its 17 context tokens are in "c"'s slot once it ends
     drafter = _drafter(tiny_target.model, prefix_caching=True)
     drafter.start("c", contexts["c"])
     drafter.release("c")
     forwards = []
     extend = drafter.runner.extend
-    monkeypatch.setattr(drafter.runner, "extend", lambda slots, feeds, **kw: (
-        forwards.append(sorted(len(f) for f in feeds)), extend(slots, feeds, **kw))[1])
+    monkeypatch.setattr(
+        drafter.runner,
+        "extend",
+        lambda slots, feeds, **kw: (forwards.append(sorted(len(f) for f in feeds)), extend(slots, feeds, **kw))[1],
+    )
     cached = drafter.start_many([(name, contexts[name], None) for name in "abd"])
     assert cached == [0, 0, 15]
     assert sorted(forwards) == [[2], [11, 11]]  # a and b together; d reads its last 2 context tokens
@@ -132,8 +136,10 @@ def test_a_constrained_row_draws_from_its_masked_q_and_leaves_the_grammar_where_
     for seq_id in ("constrained", "free"):
         drafter.start(seq_id, [5, 6, 7])
     shaping = TokenShaping(temperature=1.0)
-    requests = [DraftRequest(seq_id, [5, 6, 7], 4, shaping, torch.rand(4, dtype=torch.float64), grammar=g)
-                for seq_id, g in (("constrained", grammar), ("free", None))]
+    requests = [
+        DraftRequest(seq_id, [5, 6, 7], 4, shaping, torch.rand(4, dtype=torch.float64), grammar=g)
+        for seq_id, g in (("constrained", grammar), ("free", None))
+    ]
     constrained, free = drafter.propose(requests)
     assert set(constrained.token_ids) <= {a, b} and len(constrained.token_ids) == 4
     allowed = torch.zeros(vocab, dtype=torch.bool)

@@ -14,7 +14,13 @@ from specdec_core.runner import ModelRunner, RunnerConfig
 
 
 def test_the_names_are_the_config_values():
-    assert registry.choices() == ("draft_model", "ngram", "suffix", "hybrid", "none")  # contracts: configs and flags spell them so
+    assert registry.choices() == (
+        "draft_model",
+        "ngram",
+        "suffix",
+        "hybrid",
+        "none",
+    )  # contracts: configs and flags spell them so
     assert all(method.name == name for name, method in registry.METHODS.items())
     assert registry.resolve("none") is None  # plain decoding: no method, no drafter
 
@@ -32,8 +38,14 @@ def test_each_method_builds_its_drafter_from_the_context(tiny_draft):
     ngram = registry.resolve("ngram").build(DraftContext(spec, 400))
     assert isinstance(ngram, NgramDrafter) and (ngram.max_n, ngram.min_n) == (3, 2)
     assert not registry.resolve("ngram").runs_draft_model
-    spec = DraftSpec("suffix", suffix_max_depth=16, suffix_min_match=3, suffix_max_requests=5, suffix_min_prob=0.2,
-                     suffix_index_prompts=False)
+    spec = DraftSpec(
+        "suffix",
+        suffix_max_depth=16,
+        suffix_min_match=3,
+        suffix_max_requests=5,
+        suffix_min_prob=0.2,
+        suffix_index_prompts=False,
+    )
     suffix = registry.resolve("suffix").build(DraftContext(spec, 400))
     assert isinstance(suffix, SuffixDrafter) and not registry.resolve("suffix").runs_draft_model
     assert (suffix.max_depth, suffix.min_match, suffix.global_.max_requests, suffix.min_prob) == (16, 3, 5, 0.2)

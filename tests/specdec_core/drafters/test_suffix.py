@@ -49,8 +49,12 @@ sequences = st.lists(st.integers(0, 3), min_size=1, max_size=40)
 
 
 @settings(max_examples=150, deadline=None)
-@given(docs=st.lists(sequences, min_size=1, max_size=4), chunk=st.integers(1, 7), depth=st.integers(2, 9),
-       query=st.lists(st.integers(0, 3), min_size=1, max_size=12))
+@given(
+    docs=st.lists(sequences, min_size=1, max_size=4),
+    chunk=st.integers(1, 7),
+    depth=st.integers(2, 9),
+    query=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+)
 def test_longest_match_and_counts_equal_brute_force(docs, chunk, depth, query):
     trie = SuffixTrie(depth)
     held = []
@@ -68,8 +72,12 @@ def test_longest_match_and_counts_equal_brute_force(docs, chunk, depth, query):
 
 
 @settings(max_examples=80, deadline=None)
-@given(docs=st.lists(sequences, min_size=2, max_size=5), depth=st.integers(2, 8),
-       query=st.lists(st.integers(0, 3), min_size=1, max_size=10), drop=st.data())
+@given(
+    docs=st.lists(sequences, min_size=2, max_size=5),
+    depth=st.integers(2, 8),
+    query=st.lists(st.integers(0, 3), min_size=1, max_size=10),
+    drop=st.data(),
+)
 def test_removing_a_document_forgets_exactly_its_occurrences(docs, depth, query, drop):
     trie = SuffixTrie(depth)
     held = []
@@ -94,8 +102,9 @@ def test_text_that_does_not_repeat_costs_about_a_node_per_token():
 
 
 def _request(seq, tokens, k, probs=False):
-    return DraftRequest(seq_id=seq, token_ids=tokens, num_tokens=k, shaping=TokenShaping(), uniform=None,
-                        return_probs=probs)
+    return DraftRequest(
+        seq_id=seq, token_ids=tokens, num_tokens=k, shaping=TokenShaping(), uniform=None, return_probs=probs
+    )
 
 
 def _propose(drafter, tokens, k, seq="s"):

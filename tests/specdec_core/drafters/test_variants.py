@@ -93,8 +93,9 @@ def test_greedy_output_is_plain_decodings_whichever_variant_drafts(pair):
     good = DraftModelDrafter(ModelRunner(draft.model, config), runner.vocab_size)
     bad = DraftModelDrafter(ModelRunner(contrarian(draft.model), config), runner.vocab_size)
     variants = VariantDrafter({"good": good, "bad": bad}, default="good")
-    engine = SpecEngine(LocalTarget(runner), variants, target.tokenizer, target.eos_token_ids,
-                        EngineConfig(max_speculative_tokens=4))
+    engine = SpecEngine(
+        LocalTarget(runner), variants, target.tokenizer, target.eos_token_ids, EngineConfig(max_speculative_tokens=4)
+    )
     assigned = {s: ("good", "bad")[i % 2] for i, s in enumerate(PROMPTS)}
     for seq_id, variant in assigned.items():
         variants.assign(seq_id, variant)
