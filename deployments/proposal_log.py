@@ -17,8 +17,8 @@ draft's q is 1. Only sampled requests ask the workers for them (`start` says whe
 the output's), what `specdec distill --proposal-log` needs to teach the draft where it was rejected. Token ids are
 the text: such a log holds windows of prompts and outputs, which is why it is off unless asked for.
 
-`specdec proposals stats FILE...` (specdec_tools.proposals) summarises acceptance by draft position and the mismatch rate over time, and,
-when records carry q and p, their means over accepted and rejected proposals.
+`specdec proposals stats FILE...` (specdec_tools.proposals) summarises acceptance by draft position and the
+mismatch rate over time, and, when records carry q and p, their means over accepted and rejected proposals.
 """
 
 from __future__ import annotations

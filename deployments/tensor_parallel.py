@@ -32,7 +32,7 @@ from deployments.ports import free_port
 from specdec_core.build import prepare_model
 from specdec_core.errors import Unavailable
 from specdec_core.hardware import use_threads, worker_summary
-from specdec_core.kernels.cpu import kernel_path
+from specdec_core.kernels.report import kernel_path
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget, Prefilled, PrefillItem, VerifyItem, VerifyOutcome
 

@@ -26,7 +26,7 @@ from specdec_core.drafters.base import DraftContext
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.grammar.compiler import GrammarCompiler
 from specdec_core.hardware import use_threads, worker_summary
-from specdec_core.kernels.cpu import kernel_path
+from specdec_core.kernels.report import kernel_path
 from specdec_core.models.loader import load_tokenizer
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget

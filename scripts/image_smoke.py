@@ -54,7 +54,7 @@ router:
 # The manifests' commands and what they need, as KubeRay runs them (`bash -lc`); then the kernels, compiled.
 IMAGE_CHECK = (
     "set -e; for c in ray specdec python3.11 gcc openssl wget; do printf '%s: ' $c; command -v $c; done; "
-    "python3.11 -c 'from specdec_core.kernels import cpu; print(\"kernels:\", cpu.load_library())'"
+    "python3.11 -c 'from specdec_core.kernels import library; print(\"kernels:\", library.load_library())'"
 )
 
 

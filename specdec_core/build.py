@@ -14,8 +14,8 @@ from specdec_core.drafters import registry
 from specdec_core.drafters.base import DraftContext, DraftSpec
 from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.errors import InvalidArgument
-from specdec_core.hardware import DRAFT_QUANTIZATIONS, resolve_draft_quantization
-from specdec_core.kernels.cpu import cpu_flags, quantize_draft_int4, quantize_draft_int8, use_cpu_kernels
+from specdec_core.hardware import DRAFT_QUANTIZATIONS, cpu_flags, resolve_draft_quantization
+from specdec_core.kernels.surgery import quantize_draft_int4, quantize_draft_int8, use_cpu_kernels
 from specdec_core.models.loader import LoadedModel, check_tokenizers_compatible, load_model, resolve_source
 from specdec_core.models.vocab_head import cut_vocabulary
 from specdec_core.parallel import shard_model
@@ -39,7 +39,7 @@ def prepare_model(
     1. load: torch's own modules (`models.loader`); a draft's head cut to its first `vocabulary` ids (> 0), the
        special tokens and, per call, the contexts' ids (`models.vocab_head`);
     2. shard: keep rank r of `shard = (r, world_size)` (`parallel.shard_model`): it slices plain Linear weights;
-    3. kernels: on the CPU in bf16, swap in the CPU kernels (`kernels.cpu`), which repack the (sharded) weights;
+    3. kernels: on the CPU in bf16, swap in the CPU kernels (`kernels.surgery`), which repack the (sharded) weights;
     4. quantization "int8" or "int4" (a draft: cheaper drafts, the same output; only acceptance can move);
        "auto": what this CPU runs best, else none (`hardware.resolve_draft_quantization`).
     """

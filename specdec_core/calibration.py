@@ -60,8 +60,9 @@ def batch_sizes(largest: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def calibrate(engine: SpecEngine, max_batch: int | None = None, context: int = 64,
-              samples: int | None = None) -> Calibration:
+def calibrate(
+    engine: SpecEngine, max_batch: int | None = None, context: int = 64, samples: int | None = None
+) -> Calibration:
     """Run calibration rounds on `engine` (idle: no request queued or running) and leave their costs in
     `engine.costs`. `context`: prompt tokens per synthetic sequence; `samples`: rounds per (batch size, k),
     by default the policy's `explore_samples`."""
@@ -117,5 +118,4 @@ def _synthetic_request(engine: SpecEngine, context: int, max_tokens: int) -> tup
     limit = engine.target.max_seq_len
     context = max(1, min(context, limit // 4))
     prompt = (ids * (context // len(ids) + 1))[:context]
-    return prompt, SamplingParams(temperature=0.0, max_tokens=max(1, min(max_tokens, limit - context)),
-                                  ignore_eos=True)
+    return prompt, SamplingParams(temperature=0.0, max_tokens=max(1, min(max_tokens, limit - context)), ignore_eos=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 AUTO = "auto"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -29,10 +29,23 @@ AVX512_FLAGS = frozenset({"avx512f", "avx512bw"})
 AVX2_FLAGS = frozenset({"avx2", "fma"})
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where unknown). Read here only: the kernels' build, the
+    draft's quantization and the reports all ask this function."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in info.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
 def int8_kernel_runs(cpu_flags: Iterable[str]) -> bool:
     """Whether the kernels built for a CPU with these flags include the int8 draft kernel."""
     flags = frozenset(cpu_flags)
     return INT8_CPU_FLAGS <= flags if AVX512_FLAGS <= flags else AVX2_FLAGS <= flags
+
+
 DRAFT_QUANTIZATIONS = ("none", "int8", "int4", AUTO)
 
 
@@ -130,8 +143,9 @@ def resolve_threads(setting: int | str, cores: int, share: int = 1) -> int:
     return setting
 
 
-def resolve_draft_quantization(setting: str, *, device: str, dtype: str, cpu_flags: Iterable[str],
-                               kernels_enabled: bool = True) -> str:
+def resolve_draft_quantization(
+    setting: str, *, device: str, dtype: str, cpu_flags: Iterable[str], kernels_enabled: bool = True
+) -> str:
     """The draft's quantization: `none`, `int8` or `int4` as given; `auto`, for a bfloat16 draft on the CPU kernels
     (not switched off): int8 on AVX-512 with VNNI, int4 on AVX2 without AVX-512, else none (CUDA and other devices
     too). On AVX2 the int8 kernel multiplies bytes without VNNI, and a draft step reading 4-bit weights measured
@@ -159,6 +173,6 @@ def use_threads(setting: int | str, share: int = 1) -> tuple[int, int]:
 
 
 def worker_summary(kind: str, threads: int, cores: int, kernels: str) -> str:
-    """The line a worker logs once at start: what it computes with. `kernels`: `kernels.cpu.kernel_path`."""
+    """The line a worker logs once at start: what it computes with. `kernels`: `kernels.report.kernel_path`."""
     plural = "s" if threads != 1 else ""
     return f"{kind} worker: {threads} torch thread{plural} ({cores} cores available), kernels: {kernels}"

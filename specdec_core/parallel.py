@@ -12,12 +12,12 @@ all-reduce each. So a layer costs two all-reduces of [B, T, D] activations, and 
   full logits anyway: each rank runs the same acceptance on them, which is what keeps the ranks' KV caches
   rolled back together without any further messages.
 
-Why not torch's DTensor `parallelize_module`: our CPU kernels (`kernels.cpu`) take plain local tensors, and the
+Why not torch's DTensor `parallelize_module`: our CPU kernels (`kernels.surgery`) take plain local tensors, and the
 KV cache is written by position with local head counts; DTensor's per-op dispatch would bypass the former and
 add overhead to every decode step. The sharding here produces plain modules with local shapes and uses
 torch.distributed's all-reduce, so everything downstream (kernels, cache, runner) works unchanged.
 
-Apply `shard_model` to a freshly loaded model *before* `kernels.cpu.use_cpu_kernels`.
+Apply `shard_model` to a freshly loaded model *before* `kernels.surgery.use_cpu_kernels`.
 """
 
 from __future__ import annotations

@@ -96,12 +96,16 @@ class _Sums:
 
     def snapshot(self, variant: str) -> WindowSnapshot:
         return WindowSnapshot(
-            variant=variant, rounds=self.spec_rounds + self.plain_rounds, proposed=self.proposed,
-            accepted=self.accepted, acceptance_rate=_ratio(self.accepted, self.proposed),
+            variant=variant,
+            rounds=self.spec_rounds + self.plain_rounds,
+            proposed=self.proposed,
+            accepted=self.accepted,
+            acceptance_rate=_ratio(self.accepted, self.proposed),
             position_acceptance=tuple(_ratio(h, t) for h, t in zip(self.hits, self.tried)),
             tokens_per_round=_ratio(self.spec_committed, self.spec_rounds),
             speculative_tokens_per_s=_ratio(self.spec_committed * 1e9, self.spec_ns),
-            plain_tokens_per_s=_ratio(self.plain_committed * 1e9, self.plain_ns))
+            plain_tokens_per_s=_ratio(self.plain_committed * 1e9, self.plain_ns),
+        )
 
 
 class AcceptanceWatch:

@@ -253,7 +253,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"held-out prompts: {report['held_out_prompts']}, k = {report['settings']['eval_k']}, greedy",
             f"acceptance:  before {before['acceptance_rate']:.3f}  after {after['acceptance_rate']:.3f}"
             + (f"  ({ratio:.2f}x)" if ratio is not None else ""),
-            f"tokens per round:  before {before['mean_tokens_per_round']:.2f}  after {after['mean_tokens_per_round']:.2f}",
+            f"tokens per round:  before {before['mean_tokens_per_round']:.2f}"
+            f"  after {after['mean_tokens_per_round']:.2f}",
             f"speedup over target-only:  before {before['speedup']:.2f}x  after {after['speedup']:.2f}x",
         ]
     )

@@ -34,26 +34,26 @@ ROOT = Path(__file__).resolve().parents[2]
 def base_library(rev: str, directory: Path) -> ctypes.CDLL:
     """The kernels built from their sources at git revision `rev` (same compiler, flags and CPU as this build)."""
     from specdec_core import environment
-    from specdec_core.kernels import cpu, library
+    from specdec_core.kernels import library
 
     src = directory / "src"
     src.mkdir()
-    for path in (*cpu.SOURCES, *cpu.HEADERS):
+    for path in (*library.SOURCES, *library.HEADERS):
         relative = path.relative_to(ROOT).as_posix()
         text = subprocess.run(["git", "show", f"{rev}:{relative}"], cwd=ROOT, capture_output=True, check=True).stdout
         (src / path.name).write_bytes(text)
-    spec = cpu.library_spec()
+    spec = library.library_spec()
     spec = library.LibrarySpec(
         name=f"{spec.name}_base",
-        sources=tuple(src / p.name for p in cpu.SOURCES),
-        headers=tuple(src / p.name for p in cpu.HEADERS),
+        sources=tuple(src / p.name for p in library.SOURCES),
+        headers=tuple(src / p.name for p in library.HEADERS),
         flags=spec.flags,
         libraries=spec.libraries,
         context=spec.context,
     )
     compiler = shutil.which(environment.c_compiler()) or shutil.which("gcc")
     lib = library.load(spec, compiler, directory / "kernels")
-    cpu._declare(lib)
+    library._declare(lib)
     return lib
 
 
@@ -111,12 +111,12 @@ def run(
     import torch
 
     from specdec_core.build import prepare_model
-    from specdec_core.kernels import cpu
+    from specdec_core.kernels import library
     from specdec_core.runner import ModelRunner, RunnerConfig
 
     torch.set_num_threads(threads)
     model = prepare_model(model_source, quantization=quantization).model.eval()
-    libs = {"head": cpu.load_library()}
+    libs = {"head": library.load_library()}
     if libs["head"] is None:
         raise SystemExit("no CPU kernels on this machine")
     with tempfile.TemporaryDirectory() as tmp:

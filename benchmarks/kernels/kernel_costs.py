@@ -48,7 +48,7 @@ def measure(
 
     from specdec_core.build import prepare_model
     from specdec_core.environment import kernel_cflags
-    from specdec_core.kernels.cpu import kernel_path
+    from specdec_core.kernels.report import kernel_path
     from specdec_core.kv_cache import KVCache
 
     torch.set_num_threads(threads)
@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--only: unknown runs {unknown}; choose from {', '.join(RUNS)}")
     target_widths = [int(w) for w in args.target_widths.split(",")]
     draft_widths = [int(w) for w in args.draft_widths.split(",")]
-    from specdec_core.kernels.cpu import cpu_flags
+    from specdec_core.hardware import cpu_flags
 
     report: dict[str, Any] = {
         "context": args.context,

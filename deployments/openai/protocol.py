@@ -219,9 +219,13 @@ class CompletionRequest(_Body):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            if len(self.prompt) != 1:
-                raise InvalidArgument("prompt", "send one prompt per request (a batch of prompts is not supported)")
+        if (
+            isinstance(self.prompt, list)
+            and self.prompt
+            and isinstance(self.prompt[0], (str, list))
+            and len(self.prompt) != 1
+        ):
+            raise InvalidArgument("prompt", "send one prompt per request (a batch of prompts is not supported)")
         if self.prompt in ("", []) or self.prompt == [[]]:
             raise InvalidArgument("prompt", "the prompt is empty")
         return self

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Union
 
 from deployments.openai.tools import BEGIN, END, ToolPlan
 
@@ -33,7 +32,7 @@ class ParsedCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-Event = Union[str, ParsedCall]  # content text, or a whole call
+Event = str | ParsedCall  # content text, or a whole call
 
 
 class ToolCallParser:

@@ -1,8 +1,8 @@
 """Constraints compiled for one tokenizer, with llguidance (the grammar engine; `docs/engine.md` says why this one).
 
-The tokenizer's side (every token's bytes, arranged for fast masking) is built once per `GrammarCompiler`, about
-2 s for a 152k-token vocabulary, so an engine builds one compiler and keeps it. A compiled grammar is a pristine
-matcher; each sequence's `GrammarState` runs on a copy of it (a copy costs ~10 µs, a compile ms to tens of ms), so
+The tokenizer's side (every token's bytes, arranged for fast masking) is built once per `GrammarCompiler`, which takes
+seconds at a large vocabulary, so an engine builds one compiler and keeps it. A compiled grammar is a pristine
+matcher; each sequence's `GrammarState` runs on a copy of it (a copy is far cheaper than a compile), so
 compiled grammars are kept in a small LRU keyed by the constraint.
 """
 
@@ -12,8 +12,9 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import llguidance
 import llguidance.hf
@@ -65,8 +66,9 @@ class GrammarCompiler:
             if constraint in self._cache:
                 self._cache.move_to_end(constraint)
                 return self._cache[constraint]
-        compiled = CompiledGrammar(constraint, self._matcher(constraint), self._tokenizer.vocab_size,
-                                   self.vocab_size, self.eos_token_ids)
+        compiled = CompiledGrammar(
+            constraint, self._matcher(constraint), self._tokenizer.vocab_size, self.vocab_size, self.eos_token_ids
+        )
         with self._lock:
             self._cache[constraint] = compiled
             while len(self._cache) > self._cache_size:

@@ -19,8 +19,8 @@ The drafting side and the verifying side read the same rows: `GrammarState` comp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch

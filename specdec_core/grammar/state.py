@@ -63,8 +63,9 @@ class GrammarState:
             # once nothing else may follow, taken but not counted for rollback by consume_token). Allowed where the
             # grammar accepts, it ends the output; this class tracks that itself.
             if token not in self._eos and self._matcher.try_consume_tokens([token]) != 1:
-                raise RuntimeError(f"the grammar's mask allows token {token} but it was refused: "
-                                   f"{self._matcher.get_error()}")
+                raise RuntimeError(
+                    f"the grammar's mask allows token {token} but it was refused: {self._matcher.get_error()}"
+                )
             self._step(token)
             consumed += 1
         for position in [p for p in self._packed if p < self._n - _KEPT_BEHIND]:
@@ -77,8 +78,9 @@ class GrammarState:
             raise ValueError(f"cannot roll back {n} of {self._n} tokens")
         in_matcher = n - (1 if n and self.is_terminated() else 0)  # the eos was never the matcher's
         if in_matcher and not self._matcher.rollback(in_matcher):
-            raise RuntimeError(f"the grammar engine refused to roll back {in_matcher} tokens: "
-                               f"{self._matcher.get_error()}")
+            raise RuntimeError(
+                f"the grammar engine refused to roll back {in_matcher} tokens: {self._matcher.get_error()}"
+            )
         self._n -= n
 
     def allowed_mask(self) -> torch.Tensor:  # [V] bool

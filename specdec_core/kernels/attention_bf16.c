@@ -5,8 +5,7 @@
  * over the keys s <= starts[b] + t (the prefix and the new tokens up to this one); G = H / Hkv (grouped-query).
  *
  * Why not torch's SDPA: in bf16 on CPUs without native bf16 it is slowest exactly where decoding lives (one
- * query row: about 0.5 ms per layer at 200 keys, 4 ms at 1000), and its result for a row depends on how many
- * rows are computed together. Here each (row, head) is computed in fp32 by one fixed sequence of operations,
+ * query row over a long cache), and its result for a row depends on how many rows are computed together. Here each (row, head) is computed in fp32 by one fixed sequence of operations,
  * so a token's attention output is bit for bit the same in plain decoding and in verification.
  *
  * The query rows that read the same KV head (the G heads of a group, for each of the T new tokens) are taken

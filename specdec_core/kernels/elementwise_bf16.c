@@ -54,8 +54,8 @@ void specdec_rope_bf16(uint16_t *x, const int64_t *positions, const float *inv_f
 /*
  * y[r] = silu(gate[r]) * up[r] for rows of a fused gate/up projection: gu is [rows, 2 * width], each row its
  * `width` gate values then its `width` up values; y is [rows, width]. Vectorised (`vec_exp`) and split over
- * `nthreads`: done one value at a time with expf it cost a verify of 17 tokens 33 ms on a 2-core CPU, a tenth of
- * the target's matrix multiplies. A row's last width % VEC values go through the same vector code, padded.
+ * `nthreads`: done one value at a time with expf it costs a wide verify a noticeable share of the target's matrix
+ * multiplies. A row's last width % VEC values go through the same vector code, padded.
  */
 static inline vec_t silu_mul(vec_t g, vec_t u) {
     return vec_mul(vec_div(g, vec_add(vec_set1(1.0f), vec_exp(vec_sub(vec_zero(), g)))), u);

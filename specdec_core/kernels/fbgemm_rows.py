@@ -2,10 +2,10 @@
 
 Why: a draft step of one token reads every weight once, and there the 4-bit kernel (`gemm_int4.c`) is cheapest:
 it reads the fewest bytes. A call of many rows is bound by the multiply-adds instead, and there the 4-bit kernel,
-which unpacks and re-signs each weight for every row, lost to fbgemm's packed int8 GEMM by up to 1.8x on a
-2-core AVX2 CPU (a 0.5B draft's forward of 9 tokens: 96-103 ms against 65-66; 17 tokens: 180-186 against 103;
-`FROM_ROWS`). Many rows are what a draft reads when it starts a sequence (the context its prefix cache lacks),
-when it catches up on the tokens a suffix proposal committed, and when several sequences draft at once.
+which unpacks and re-signs each weight for every row, loses to fbgemm's packed int8 GEMM on AVX2 (`FROM_ROWS`;
+docs/engine.md has the measurements). Many rows are what a draft reads when it starts a sequence (the context its
+prefix cache lacks), when it catches up on the tokens a suffix proposal committed, and when several sequences
+draft at once.
 
 Each row is independent of the others in its call: fbgemm quantizes its whole input with one scale and zero point,
 so each row is first divided by its largest magnitude and given two extra entries, +1 and -1 (against weight
@@ -30,9 +30,7 @@ from specdec_core import environment
 # saturate at full 8-bit range; fbgemm's own dynamic quantization sets the same for x86.
 REDUCE_RANGE = True
 # Calls of at least this many rows take fbgemm. Fewer are still bound by bytes, where the 4-bit weights win: the
-# 0.5B draft's forward of w tokens on a 2-core AVX2 CPU, the 4-bit kernel against fbgemm (medians, two runs each,
-# interleaved): w = 2: 32-33 ms against 43-45; 3: 39-41 against 46-47; 5: 61-62 against 51-52; 9: 96-103
-# against 65-66; 17: 180-186 against 103.
+# crossover measured on AVX2 with the demo draft, 4-bit kernel against fbgemm, alternating (docs/benchmarks.md).
 FROM_ROWS = 5
 _MARKS = 2  # the extra entries that pin every row's range to [-1, 1]
 
@@ -43,7 +41,7 @@ def available() -> bool:
     if environment.draft_int8_rows_disabled():
         return False
     try:  # torch marks its quantized tensors deprecated (for torchao): a torch without them keeps the 4-bit kernel
-        torch.ops.quantized.linear_prepack, torch.ops.quantized.linear_dynamic
+        torch.ops.quantized.linear_prepack, torch.ops.quantized.linear_dynamic  # noqa: B018 (looked up to probe)
     except (AttributeError, RuntimeError):
         return False
     return bool({"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines))
@@ -52,7 +50,7 @@ def available() -> bool:
 class Int8Rows:
     """`linear`'s weights quantized to int8 per output row (symmetric) and packed for fbgemm; called on bf16 rows.
     `lib`: the CPU kernels, whose `specdec_rows_span` and `specdec_rows_finish` do the per-row scaling in one pass
-    each (as torch ops they cost more than the GEMM at a few rows: about 0.13 ms a call)."""
+    each (as torch ops they cost more than the GEMM itself at a few rows)."""
 
     def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
         w = linear.weight.detach().float()  # [N, K]

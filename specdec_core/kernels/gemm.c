@@ -11,8 +11,8 @@
  * block's accumulators in registers.
  *
  * Past a few rows the multiply-adds, not memory, set the cost. With native bf16 (AVX512-BF16, built in when
- * the compiling CPU has it) each VDPBF16PS does 32 exact bf16 products into 16 fp32 lanes: measured on a 8960x1536
- * layer, 12 rows then cost 1.1x one row instead of 2.3x. Without it, weights are widened to
+ * the compiling CPU has it) each VDPBF16PS does 32 exact bf16 products into 16 fp32 lanes, so a dozen rows cost little
+ * more than one. Without it, weights are widened to
  * fp32: a bf16 weight vector of 32 values with two cheap ops and no shuffle (the even elements are the
  * 32-bit lanes shifted left by 16, the odd ones the lanes with their low half cleared), and x, widened once
  * per call, is stored de-interleaved the same way to match.
@@ -22,8 +22,8 @@
  *
  * With AVX2 and FMA instead of AVX-512 (`bf16.h`) the same fp32 path runs on 8-lane vectors: 16 weights widened
  * per load, and fewer weight rows per block as the input rows grow, so that the accumulators fit in AVX2's 16
- * vector registers. Measured on a 2-core AVX2 CPU, torch's bf16 GEMM costs about 5x one row for 5 rows; this
- * kernel keeps a verify of several rows near the cost of one, as on AVX-512.
+ * vector registers. torch's bf16 GEMM there costs about a row's time per row; this kernel keeps a verify of
+ * several rows near the cost of one, as on AVX-512.
  *
  * Requires AVX-512F/BW or AVX2 and FMA; K must be a multiple of 32 and N a multiple of NB (the caller checks).
  * Returns 0, or ENOMEM when the fp32 path cannot allocate its widened inputs (y is then unwritten).
@@ -38,10 +38,9 @@
 #define MB 6               /* input rows per pass over the weights */
 #define KV 32              /* k values per step: 32 bf16 weights, one 512-bit load (two 256-bit ones on AVX2) */
 /* How far ahead in each weight row to prefetch. A verify block on AVX2 streams only two weight rows at a time
- * and spends many cycles on each line, so a short distance leaves it waiting on memory: measured on a 2-core AVX2
- * CPU (the demo target's linear layers and LM head, 28 layers, medians of 15 interleaved runs): 512 bytes put 5
- * rows at 1.43x the time of one, 6144 at 1.25x, and one row ran 11% faster too. The AVX-512 builds keep the
- * distance they were measured with. */
+ * and spends many cycles on each line, so a short distance leaves it waiting on memory (the longer distance was
+ * measured faster at every width, alternating with the short one). The AVX-512 builds keep the distance they were
+ * measured with. */
 #ifndef PREFETCH_BYTES /* SPECDEC_KERNEL_CFLAGS=-DPREFETCH_BYTES=512 reproduces the old distance, side by side */
 #ifdef SPECDEC_AVX2
 #define PREFETCH_BYTES 6144
@@ -181,9 +180,8 @@ DEFINE_BLOCK(4, 6)
 static const struct block blocks[MB + 1] = {
     {0, NB}, {block_8_1, 8}, {block_8_2, 8}, {block_8_3, 8}, {block_4_4, 4}, {block_4_5, 4}, {block_4_6, 4}};
 #else /* AVX2: at most 12 accumulators, beside the two halves of a widened weight vector. From 2 input rows up a
-       * block streams two weight rows: measured on a 2-core AMD EPYC (`scripts/kernel_ab.py`, the demo target, 16
-       * paired repeats, logits identical), a verify of 2 / 3 tokens took 0.93 / 0.885 of the time it took with four
-       * weight rows a block. */
+       * block streams two weight rows: measured faster than four a block for verifies of 2 and 3 tokens, logits
+       * identical (`benchmarks/kernels/kernel_ab.py`). */
 DEFINE_BLOCK(8, 1)
 DEFINE_BLOCK(2, 2)
 DEFINE_BLOCK(2, 3)

@@ -6,12 +6,10 @@
  *   b: bf16 [N] or NULL; y: bf16 [M, N].
  *
  * Why: a draft step reads every weight once, so its cost is the draft's bytes. At 4 bits and an fp16 scale per
- * 32 weights a weight costs 0.5625 bytes instead of int8's 1: the demo draft (0.5B) reads 279 MB a step instead of
- * 494 MB. With a scale per group of 32 (as llama.cpp's Q4_0 groups them) the draft kept its guesses: on code and
- * edit prompts its acceptance moved from 85.7% (bf16) and 86.2% (int8) to 85.2%; the scales in fp16 rather than
- * fp32 moved its top-1 agreement with the target on the sessions' later turns from 90.58% to 90.49%, and took a
- * draft step's matrix multiplies from 20 to 15.5 ms in a C harness (an eighth fewer bytes, one stream a row
- * instead of two). Only ever used for drafting: the draft's precision moves the acceptance rate, never the
+ * 32 weights a weight costs 0.5625 bytes instead of int8's 1. With a scale per group of 32 (as llama.cpp's Q4_0
+ * groups them) the draft keeps its guesses: its acceptance barely moves from bf16's or int8's, and fp16 scales
+ * rather than fp32 barely move its agreement with the target while reading fewer bytes in one stream a row
+ * (docs/engine.md has the figures). Only ever used for drafting: the draft's precision moves the acceptance rate, never the
  * target's output.
  *
  * Layout: output rows in panels of 8 (N a multiple of 8). A panel is K / 64 blocks of 288 bytes, block h covering

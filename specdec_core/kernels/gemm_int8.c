@@ -131,9 +131,8 @@ int specdec_gemm_w8a8(const uint16_t *x, const int8_t *w, const float *sw, const
 int specdec_has_vnni(void) { return 0; }
 
 /* Weight row n against ROWS input rows. One weight row at a time, for every count of input rows: reading 8 rows
- * side by side (each row of the demo draft is 896 or 4864 bytes) kept a 2-core AVX2 CPU's memory at 12-14 GB/s;
- * one row is a single sequential stream, and the draft's layers and LM head for one token went from 35-40 ms to
- * 24-28 ms (18-20 GB/s, what a plain read of memory reaches there), and no slower for 2 to 5 rows. The sums are
+ * side by side (a row of a small draft is a few kilobytes) kept AVX2's memory reads well below a plain sequential
+ * read; one row is a single sequential stream, which reaches it, and is no slower for 2 to 5 rows. The sums are
  * integers, so how rows are grouped never changes a result. */
 #define DEFINE_BLOCK(ROWS)                                                                              \
     static void block_##ROWS(const int8_t *xs, const uint8_t *xa, const float *sx, const int8_t *w,    \

@@ -3,8 +3,8 @@
  * int8, `gemm_int8.c`) or a bf16 model's (`gemm.c`: the target's plain decoding and verification).
  *
  * Why: a forward is a hundred or more small kernel calls, and each went through torch's module dispatch, tensor
- * allocations, views and ctypes: on the 2-core AVX2 machine, of a 30 ms step of the 0.5B demo draft (700 tokens
- * of context) 20 ms were its matrix multiplies, 3 its other kernels and 7 that dispatch. Here the layers run the
+ * allocations, views and ctypes: for a small draft that dispatch was a large share of a step, beside its matrix
+ * multiplies. Here the layers run the
  * same kernels in the same order with the same roundings (`gemm.c`, `gemm_int4.c` or `gemm_int8.c`,
  * `elementwise_bf16.c`, `attention_bf16.c`; residual adds in fp32 rounded to bf16, as torch adds bf16), so a
  * row's result is bit for bit the one the module-by-module forward gives.

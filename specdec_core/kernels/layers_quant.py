@@ -1,10 +1,8 @@
 """A model's decoder layers in one C call (`layers_quant.c`): a quantized draft's steps, a bf16 target's forwards.
 
-Why: a draft step of the 0.5B demo draft on the 2-core AVX2 machine spent about 7 of its 30 ms dispatching its
-hundred kernel calls through torch modules and ctypes, not in them. The 1.5B target's forward of one token took
-123.5 ms in one call against 155.5 through the modules (`scripts/layers_ab.py`), more than the 18 ms it spent
-outside its kernels there: called back to back from C, the kernels themselves ran faster (not broken down
-further). `QuantLayers` replaces the model's loop over
+Why: a small draft's step spends a large share of its time dispatching its hundred kernel calls through torch
+modules and ctypes, not in them; and a target's forward, called back to back from C, ran faster than through the
+modules by more than its time outside the kernels (docs/benchmarks.md). `QuantLayers` replaces the model's loop over
 its layers (`Transformer.run_layers`) by one call that runs the same kernels in the same order, so the logits are
 bit for bit those of the module-by-module forward; calls the one-call path cannot take (a 4-bit draft's rows that
 go to fbgemm, `fbgemm_rows.FROM_ROWS` and more) take the loop. Installed by `use_cpu_kernels` (bf16) and by
@@ -25,26 +23,46 @@ from specdec_core.kernels import fbgemm_rows
 
 
 class Linear(ctypes.Structure):
-    _fields_ = [("bits", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("row_sums", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+    _fields_ = [
+        ("bits", ctypes.c_int64),
+        ("weight", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("row_sums", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    ]
 
 
 class Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", Linear), ("o", Linear),
-                ("gate_up", Linear), ("down", Linear)]
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", Linear),
+        ("o", Linear),
+        ("gate_up", Linear),
+        ("down", Linear),
+    ]
 
 
 class Dims(ctypes.Structure):
-    _fields_ = [("D", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("hd", ctypes.c_int64),
-                ("I", ctypes.c_int64), ("capacity", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("inv_freq", ctypes.c_void_p)]
+    _fields_ = [
+        ("D", ctypes.c_int64),
+        ("H", ctypes.c_int64),
+        ("Hkv", ctypes.c_int64),
+        ("hd", ctypes.c_int64),
+        ("I", ctypes.c_int64),
+        ("capacity", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("inv_freq", ctypes.c_void_p),
+    ]
 
 
 def declare(lib: ctypes.CDLL) -> None:
     """`specdec_layers_quant`'s signature: (layers, keys, values, L, dims, x, positions, slots, starts, B, T,
     threads)."""
-    lib.specdec_layers_quant.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 5 + \
-        [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.specdec_layers_quant.argtypes = (
+        [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    )
 
 
 def _linear(layer: Any, bits: int) -> Linear:
@@ -84,8 +102,11 @@ class QuantLayers:
     def _layer(layer: nn.Module, bits: int) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                     *(_linear(linear, bits) for linear in linears))
+        return Layer(
+            layer.input_layernorm.weight.data_ptr(),
+            layer.post_attention_layernorm.weight.data_ptr(),
+            *(_linear(linear, bits) for linear in linears),
+        )
 
     def _cache_pointers(self, cache: Any) -> tuple[Any, Any, Any]:
         """The cache's per-layer key and value pointers and its dims, built once per cache (a KVCache keeps its
@@ -95,21 +116,35 @@ class QuantLayers:
             L = len(self._layers)
             keys = (ctypes.c_void_p * L)(*(k.data_ptr() for k in cache.keys))
             values = (ctypes.c_void_p * L)(*(v.data_ptr() for v in cache.values))
-            D, H, Hkv, hd, I = self._shape
-            dims = Dims(D, H, Hkv, hd, I, cache.capacity, self._eps, hd**-0.5, self._inv_freq.data_ptr())
+            D, H, Hkv, hd, inter = self._shape
+            dims = Dims(D, H, Hkv, hd, inter, cache.capacity, self._eps, hd**-0.5, self._inv_freq.data_ptr())
             held = self._cache = (cache, keys, values, dims)
         return held[1:]
 
     def __call__(self, layers: nn.ModuleList, x: torch.Tensor, ctx: Any) -> torch.Tensor:  # [B, T, D]
         B, T, _ = x.shape
-        if ctx.attention is not self._attention or x.dtype != torch.bfloat16 or x.requires_grad or (
-                self._max_rows is not None and B * T > self._max_rows):
+        if (
+            ctx.attention is not self._attention
+            or x.dtype != torch.bfloat16
+            or x.requires_grad
+            or (self._max_rows is not None and B * T > self._max_rows)
+        ):
             return self._fallback(layers, x, ctx)  # autograd, like torch's own paths, goes through the modules
         positions, slots, starts = self._attention.rows(ctx)
         keys, values, dims = self._cache_pointers(ctx.cache)
         x = x.clone(memory_format=torch.contiguous_format)  # [B, T, D], one dense copy: updated in place
         self._lib.specdec_layers_quant(
-            ctypes.addressof(self._layers), ctypes.addressof(keys), ctypes.addressof(values), len(self._layers),
-            ctypes.addressof(dims), x.data_ptr(), positions.data_ptr(), slots.data_ptr(), starts.data_ptr(), B, T,
-            torch.get_num_threads())
+            ctypes.addressof(self._layers),
+            ctypes.addressof(keys),
+            ctypes.addressof(values),
+            len(self._layers),
+            ctypes.addressof(dims),
+            x.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            starts.data_ptr(),
+            B,
+            T,
+            torch.get_num_threads(),
+        )
         return x

@@ -21,17 +21,24 @@ What stays true:
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+
+from specdec_core import environment
+from specdec_core.hardware import AVX2_FLAGS, AVX512_FLAGS, cpu_flags
+from specdec_core.kernels import layers_quant
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +84,8 @@ def library_key(spec: LibrarySpec, compiler_id: str) -> str:
 def private_dir(path: Path) -> Path:
     """Create `path` mode 0700, or check an existing one (see the module docstring); return it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
     # Checked and repaired through one descriptor opened without following links, so the directory inspected is the
     # one changed (a symlink swapped in meanwhile fails the open instead).
     try:
@@ -134,7 +139,11 @@ def _verified_image(lib_path: Path) -> bytes | None:
     if actual != recorded:  # nothing secret here: a plain comparison
         log.warning(
             "cached %s does not match its recorded SHA-256 (tampered with or truncated: %d bytes, sha256 %s, "
-            "recorded %s); not loading it, rebuilding", lib_path, len(image), actual, recorded[:64],
+            "recorded %s); not loading it, rebuilding",
+            lib_path,
+            len(image),
+            actual,
+            recorded[:64],
         )
         return None
     return image
@@ -206,3 +215,133 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
     with os.fdopen(fd, "r+b") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
+
+
+# -- the project's kernels: their build, loading, and C signatures --------------------------------------------------
+
+K_MULTIPLE = 32  # gemm.c's KV: in_features must be a multiple (checked against the library when it loads)
+INT8_K_MULTIPLE = 64  # gemm_int8.c's KB
+INT4_GROUP = 32  # gemm_int4.c's G: weights per scale
+INT4_K_MULTIPLE = 64  # in_features: two groups a step
+INT4_PANEL = 8  # gemm_int4.c's PANEL: output rows interleaved in one weight stream
+
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("gemm.c", "gemm_int8.c", "gemm_int4.c", "attention_bf16.c", "elementwise_bf16.c", "layers_quant.c")
+]
+HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "int8_rows.h")]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def cpu_runs_kernels() -> bool:
+    """The kernels build for AVX-512 (F, BW) or, without it, for AVX2 with FMA."""
+    flags = cpu_flags()
+    return AVX512_FLAGS <= flags or AVX2_FLAGS <= flags
+
+
+def library_spec() -> LibrarySpec:
+    """The kernels' build: the sources, the flags (with `$SPECDEC_KERNEL_CFLAGS`) and this CPU's features, since
+    -march=native builds for the compiling CPU and a library built on one may not run on another."""
+    return LibrarySpec(
+        name="libspecdec_cpu",
+        sources=tuple(SOURCES),
+        headers=tuple(HEADERS),
+        flags=(*FLAGS, *environment.kernel_cflags()),
+        libraries=("-lm",),
+        context=" ".join(sorted(cpu_flags())),
+    )
+
+
+def kernel_compiler() -> str | None:
+    """The C compiler the kernels are built with (`$CC`, else cc, else gcc); None where there is none."""
+    return shutil.which(environment.c_compiler()) or shutil.which("gcc")
+
+
+@lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL | None:
+    """Compile (once per source, compiler and flags) and load the kernels; None when this machine cannot run them."""
+    if environment.cpu_kernels_disabled() or not cpu_runs_kernels():
+        return None
+    compiler = kernel_compiler()
+    if compiler is None:
+        log.warning("no C compiler found: CPU bf16 kernels disabled (decoding works, slower)")
+        return None
+    try:
+        lib = load(library_spec(), compiler, environment.kernel_dir())
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("CPU bf16 kernels unavailable (%s): using torch's matmul", exc)
+        return None
+    _declare(lib)
+    if lib.specdec_k_multiple() != K_MULTIPLE:
+        raise RuntimeError("gemm.c and library.py disagree on the K multiple")
+    if lib.specdec_int4_k_multiple() != INT4_K_MULTIPLE:
+        raise RuntimeError("gemm_int4.c and library.py disagree on the K multiple")
+    if lib.specdec_int4_row_multiple() != INT4_PANEL or lib.specdec_block_rows() % INT4_PANEL:
+        raise RuntimeError("gemm_int4.c's panels and library.py (or gemm.c's blocks of rows) disagree")
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The C signatures. The kernels that allocate scratch memory return a status, checked on every call."""
+    lib.specdec_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.specdec_gemm_w8a8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.specdec_gemm_w4a8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.specdec_attention_bf16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    layers_quant.declare(lib)
+    for fn in (
+        "specdec_gemm_bf16",
+        "specdec_gemm_w8a8",
+        "specdec_gemm_w4a8",
+        "specdec_attention_bf16",
+        "specdec_layers_quant",
+    ):
+        getattr(lib, fn).restype = ctypes.c_int
+        getattr(lib, fn).errcheck = _check_status
+    lib.specdec_rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    lib.specdec_rope_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.specdec_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.specdec_exp_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+    lib.specdec_rows_span.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    lib.specdec_rows_finish.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+    for fn in (
+        "specdec_rms_norm_bf16",
+        "specdec_rope_bf16",
+        "specdec_silu_mul_bf16",
+        "specdec_exp_f32",
+        "specdec_rows_span",
+        "specdec_rows_finish",
+    ):
+        getattr(lib, fn).restype = None
+    for fn in (
+        "specdec_block_rows",
+        "specdec_k_multiple",
+        "specdec_has_vnni",
+        "specdec_has_int8",
+        "specdec_int4_k_multiple",
+        "specdec_int4_row_multiple",
+        "specdec_has_native_bf16",
+        "specdec_has_avx512",
+        "specdec_attention_max_head_dim",
+    ):
+        getattr(lib, fn).restype = ctypes.c_int
+
+
+def _check_status(status: int, func, args) -> int:
+    """ctypes errcheck: a kernel returns 0, or an errno value (ENOMEM: its scratch memory could not be allocated)."""
+    if status == errno.ENOMEM:
+        raise MemoryError(f"{func.__name__}: could not allocate its scratch memory")
+    if status:
+        raise RuntimeError(f"{func.__name__} failed: {os.strerror(status)}")
+    return status
+
+
+def kernel_info() -> dict[str, bool]:
+    """Which kernels this machine runs (for benchmark reports: the same code is faster with native bf16)."""
+    lib = load_library()
+    return {
+        "cpu_kernels": lib is not None,
+        "avx512": bool(lib is not None and lib.specdec_has_avx512()),
+        "native_bf16": bool(lib is not None and lib.specdec_has_native_bf16()),
+        "vnni": bool(lib is not None and lib.specdec_has_vnni()),
+        "int8": bool(lib is not None and lib.specdec_has_int8()),
+    }

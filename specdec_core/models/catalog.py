@@ -56,9 +56,7 @@ class ModelSpec:
 
 def _split_parts(package: str, module: str, version: str, count: int) -> tuple[WheelPart, ...]:
     """Parts 1..count of a GGUF split across wheels `{package}1..N`, in numeric (not lexical) order."""
-    return tuple(
-        WheelPart(f"{package}{n}", version, f"{module}{n}/data/part{n:02d}.bin") for n in range(1, count + 1)
-    )
+    return tuple(WheelPart(f"{package}{n}", version, f"{module}{n}/data/part{n:02d}.bin") for n in range(1, count + 1))
 
 
 _QWEN_15B = ModelSpec(

@@ -7,7 +7,8 @@ read from the config here and nowhere else.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from specdec_core.models.transformer import ModelArgs
 

@@ -103,7 +103,9 @@ def load_model(
     """
     torch_dtype, torch_device = parse_dtype(dtype), parse_device(device)
     path = resolve_source(source)
-    return _load_gguf(path, torch_dtype, torch_device) if path.is_file() else _load_hf_dir(path, torch_dtype, torch_device)
+    return (
+        _load_gguf(path, torch_dtype, torch_device) if path.is_file() else _load_hf_dir(path, torch_dtype, torch_device)
+    )
 
 
 def resolve_source(source: str | Path) -> Path:
@@ -164,7 +166,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedMo
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, hf_config=cfg)
 
 
-def _build(cfg: dict[str, Any], state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> Transformer:
+def _build(
+    cfg: dict[str, Any], state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> Transformer:
     args = args_from_hf_config(cfg)
     with torch.device("meta"):
         model = Transformer(args)
@@ -174,7 +178,9 @@ def _build(cfg: dict[str, Any], state: dict[str, torch.Tensor], dtype: torch.dty
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     missing = [m for m in missing if not (args.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"checkpoint does not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     # Buffers are not in the checkpoint: rebuild them on the real device.

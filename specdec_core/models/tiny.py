@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
     "{{- '# Tools\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\nCall one as <tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    '{{- \'\\n</tools>\\nCall one as <tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}'
     "\\n</tool_call><|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
@@ -187,8 +187,18 @@ def build_tiny_pair(root: Path | str) -> Path:
     root = Path(root)
     build_tiny_tokenizer(root / "tokenizer")
     build_tiny_model(root / "target", family="qwen2", seed=1, tokenizer_dir=root / "tokenizer", vocab_size=400)
-    build_tiny_model(root / "draft", family="qwen2", seed=2, tokenizer_dir=root / "tokenizer", hidden_size=32,
-                     num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=384)
+    build_tiny_model(
+        root / "draft",
+        family="qwen2",
+        seed=2,
+        tokenizer_dir=root / "tokenizer",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        vocab_size=384,
+    )
     return root
 
 

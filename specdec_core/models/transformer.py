@@ -91,7 +91,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * hd, bias=args.attention_bias)
         self.o_proj = nn.Linear(args.num_heads * hd, args.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ctx: "ForwardContext", layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, H, hd]
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, hd]
@@ -111,7 +111,7 @@ class TorchAttention:
         q: torch.Tensor,  # [B, T, H, hd]
         k: torch.Tensor,  # [B, T, Hkv, hd]
         v: torch.Tensor,  # [B, T, Hkv, hd]
-        ctx: "ForwardContext",
+        ctx: ForwardContext,
         layer: int,
     ) -> torch.Tensor:  # [B, T, H, hd]
         q = q * ctx.cos + rotate_half(q) * ctx.sin
@@ -144,7 +144,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, self.index)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -183,7 +183,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-        # Swappable from outside (kernels.cpu): how a layer attends over the cache, and how the layers run (one
+        # Swappable from outside (kernels.surgery): how a layer attends over the cache, and how the layers run (one
         # after the other, or all in one call where a kernel can: `kernels.layers_quant`).
         self.attention: Any = TorchAttention()
         self.run_layers: Any = run_in_turn

@@ -23,7 +23,9 @@ from specdec_core.config import SamplingParams, parse_num_speculative_tokens
 from specdec_core.drafters import registry
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument
-from specdec_core.kernels.cpu import Int4CPULinear, Int8CPULinear, kernel_info, kernel_path, rows_batch_invariant
+from specdec_core.kernels.library import kernel_info
+from specdec_core.kernels.linear import Int4CPULinear, Int8CPULinear
+from specdec_core.kernels.report import kernel_path, rows_batch_invariant
 from specdec_core.models.loader import LoadedModel
 from specdec_core.request import Request
 from specdec_core.runner import RunnerConfig
@@ -189,7 +191,7 @@ def _warm_up(plain: SpecEngine, speculative: SpecEngine, prompt: list[int], k: i
 
 
 def kernel_report(target: LoadedModel, draft: LoadedModel | None) -> dict[str, Any]:
-    """What computed the run: the kernel path of each model (`kernels.cpu.kernel_path`), the draft quantization
+    """What computed the run: the kernel path of each model (`kernels.report.kernel_path`), the draft quantization
     `auto` settled on, and whether the target computes every row alike whatever the batch (the CPU kernels): only
     then is greedy speculative output identical to target-only output by construction. On torch's paths it is
     identical except where rounding flips a near-tie (`first_divergence` gives the margin there)."""

@@ -44,8 +44,7 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
             if points:
                 ax.set_xticks(loads)
                 ax.legend()
-    figure.suptitle(
-        f"specdec bench serve: {report['address']}, {Path(report['server'].get('target_model') or report['server'].get('id', '')).name}"
-    )
+    model = Path(report["server"].get("target_model") or report["server"].get("id", "")).name
+    figure.suptitle(f"specdec bench serve: {report['address']}, {model}")
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)

@@ -55,7 +55,7 @@ def test_the_checkout_keeps_every_contract(tree):
         ("specdec_core.scratch_upward", "import deployments.router\n", "Layers"),
         ("deployments.scratch_upward", "from specdec_tools import cli\n", "Layers"),
         ("specdec_core.scratch_grpc", "import grpc\n", "The engine is pure"),
-        # build imports kernels.cpu: kernels importing build back closes a cycle
+        # build imports kernels.surgery: kernels importing build back closes a cycle
         ("specdec_core.kernels.scratch_cycle", "import specdec_core.build\n", "No import cycles"),
     ],
 )

@@ -239,7 +239,8 @@ def test_hostile_requests_get_ok_or_invalid_argument_naming_the_field(server, se
     assert wait_until_idle(served), "hostile requests left sessions in the workers"
 
 
-# `specdec serve` (and the tests' cluster) keep gRPC's 4 MiB limit on Serve's proxy (deployments.app.limit_public_messages).
+# `specdec serve` (and the tests' cluster) keep gRPC's 4 MiB limit on Serve's proxy
+# (deployments.app.limit_public_messages).
 def test_a_message_over_the_receive_limit_is_resource_exhausted(server):
     huge = pb.GenerateRequest(prompt="x" * (5 * 1024 * 1024))  # over gRPC's default 4 MiB
     code, details, _ = call(server.stub, huge, stream=False)

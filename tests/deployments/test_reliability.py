@@ -98,9 +98,9 @@ def test_the_public_api_wants_the_bearer_token(rel):
         [("application", APP), ("authorization", TOKEN)],
     ):
         for call in (
-            lambda: stub.Generate(small, metadata=metadata, timeout=60),
-            lambda: list(stub.GenerateStream(small, metadata=metadata, timeout=60)),
-            lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=60),
+            lambda metadata=metadata: stub.Generate(small, metadata=metadata, timeout=60),
+            lambda metadata=metadata: list(stub.GenerateStream(small, metadata=metadata, timeout=60)),
+            lambda metadata=metadata: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=60),
         ):
             assert code_of(call)[0] == grpc.StatusCode.UNAUTHENTICATED
     assert len(stub.Generate(small, metadata=AUTH, timeout=60).token_ids) == 3
@@ -126,8 +126,8 @@ def test_the_internal_services_refuse_calls_from_outside(rel):
     ):
         with dial(address, credentials) as channel:
             stub = wpb_grpc.TargetServiceStub(channel)
-            assert code_of(lambda: stub.Prefill(wpb.PrefillRequest(items=[item]), timeout=10))[0] == refused
-            assert code_of(lambda: stub.GetStats(wpb.GetStatsRequest(), timeout=10))[0] == refused
+            assert code_of(lambda stub=stub: stub.Prefill(wpb.PrefillRequest(items=[item]), timeout=10))[0] == refused
+            assert code_of(lambda stub=stub: stub.GetStats(wpb.GetStatsRequest(), timeout=10))[0] == refused
     with dial(address, issued) as channel:
         assert wpb_grpc.TargetServiceStub(channel).GetStats(wpb.GetStatsRequest(), timeout=10).active_sessions == 0
 

@@ -159,7 +159,7 @@ def test_the_draft_worker_samples_its_drafts_from_the_grammars_masked_q(pair):
     got, rounds, engine = structured_remotely(pair, params, draft)
     compiled = engine.compile(constraint)
     drafted, partial = 0, 0
-    for request_id, (tokens, text, last) in got.items():
+    for request_id, (tokens, _text, last) in got.items():
         assert last.error is None and GrammarState(compiled).advance(tokens) == len(tokens)
         for committed, info in rounds[request_id]:
             if info is None or info.method != "draft_model" or not info.proposed_token_ids:

@@ -28,7 +28,10 @@ def render(overlay: str) -> list[dict]:
 
 def render_with(tmp_path: Path, overlay: str, component: str) -> list[dict]:
     """An overlay with one more component, as a user would write it: a kustomization beside the repo's."""
-    rel = lambda p: os.path.relpath(p, tmp_path)  # kustomize takes no absolute paths
+
+    def rel(p: Path) -> str:  # kustomize takes no absolute paths
+        return os.path.relpath(p, tmp_path)
+
     (tmp_path / "kustomization.yaml").write_text(
         yaml.safe_dump(
             {"resources": [rel(K8S / "overlays" / overlay)], "components": [rel(K8S / "components" / component)]}

@@ -20,7 +20,7 @@ import torch
 
 from specdec_core.build import prepare_model
 from specdec_core.config import SamplingParams
-from specdec_core.kernels import cpu
+from specdec_core.kernels import library, report
 from specdec_core.runner import ModelRunner, RunnerConfig
 from tests.helpers import make_engine, run_to_completion
 
@@ -36,17 +36,17 @@ def torch_models(tiny_dir, near_draft_dir):
     """{dtype: (target, draft)} built by `prepare_model` with the kernel switch off: torch's code paths."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECDEC_DISABLE_CPU_KERNELS", "1")
-        cpu.load_library.cache_clear()  # it caches the machine's answer; the switch is read when it loads
+        library.load_library.cache_clear()  # it caches the machine's answer; the switch is read when it loads
         try:
             models = {
                 dtype: (prepare_model(tiny_dir / "target", dtype=dtype), prepare_model(near_draft_dir, dtype=dtype))
                 for dtype in DTYPES
             }
             for target, _draft in models.values():
-                assert cpu.kernel_path(target.model).startswith("torch fallback")
-                assert not cpu.rows_batch_invariant(target.model)
+                assert report.kernel_path(target.model).startswith("torch fallback")
+                assert not report.rows_batch_invariant(target.model)
         finally:
-            cpu.load_library.cache_clear()
+            library.load_library.cache_clear()
     return models
 
 
@@ -122,5 +122,5 @@ def test_greedy_speculation_differs_from_plain_only_at_near_ties(torch_models, d
 
 
 def test_float32_names_its_torch_path(tiny_target):
-    assert cpu.kernel_path(tiny_target.model) == "torch fallback (float32: the kernels are bf16)"
-    assert not cpu.rows_batch_invariant(tiny_target.model)
+    assert report.kernel_path(tiny_target.model) == "torch fallback (float32: the kernels are bf16)"
+    assert not report.rows_batch_invariant(tiny_target.model)

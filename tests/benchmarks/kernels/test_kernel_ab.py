@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from specdec_core.kernels import cpu
+from specdec_core.kernels import library
 from tests.benchmarks import scripts_loaded
 
 pytestmark = pytest.mark.skipif(
-    cpu.load_library() is None, reason="CPU kernels need AVX-512 or AVX2 with FMA, and a C compiler"
+    library.load_library() is None, reason="CPU kernels need AVX-512 or AVX2 with FMA, and a C compiler"
 )
 ROOT = Path(__file__).parents[3]
 

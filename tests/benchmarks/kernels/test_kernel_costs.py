@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from specdec_core.kernels import cpu
+from specdec_core.kernels import library
 from tests.benchmarks import load_script
 
 
@@ -51,7 +51,7 @@ def test_each_run_reports_its_path_and_costs_relative_to_one_token(tiny_dir, tmp
     assert list(runs) == ["target, torch", "draft int8, kernels", "draft int8, kernels (baseline)"]
     assert report["baseline_cflags"] == baseline
     assert runs["target, torch"]["path"].startswith("torch fallback (SPECDEC_DISABLE_CPU_KERNELS")
-    lib = cpu.load_library()
+    lib = library.load_library()
     for name in ("draft int8, kernels", "draft int8, kernels (baseline)"):
         assert ("int8" in runs[name]["path"]) is bool(lib and lib.specdec_has_int8())
     assert runs["draft int8, kernels"]["kernel_cflags"] == ""

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from deployments.openai.http import MAX_BODY_BYTES
-from tests.deployments.test_router import BIG, TOKEN, count_tokenizer, make_router, record_requests  # noqa: F401 (make_router is a fixture)
+from tests.deployments.test_router import BIG, TOKEN, count_tokenizer, record_requests
 from tests.helpers import asgi_post
 
 AUTH = [(b"authorization", f"Bearer {TOKEN}".encode())]

@@ -12,7 +12,7 @@ import json
 import httpx2
 import openai
 
-from tests.deployments.test_router import TOKEN, _post, make_router  # noqa: F401 (make_router is a fixture)
+from tests.deployments.test_router import TOKEN, _post
 
 COUNT_ARGS = {
     "type": "object",

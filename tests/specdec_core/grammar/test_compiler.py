@@ -63,8 +63,14 @@ def _takes(compiler, tokenizer, constraint: Constraint, text: str) -> bool:
 
 
 def test_lenient_schema_drops_what_it_cannot_enforce_and_keeps_the_rest(compiler, tokenizer):
-    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}},
-                         "required": ["n"], "additionalProperties": False})
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"n": {"type": "integer", "not": {"const": 3}}},
+            "required": ["n"],
+            "additionalProperties": False,
+        }
+    )
     lenient = Constraint("json_schema", schema, strict=False)
     assert _takes(compiler, tokenizer, lenient, '{"n": 3}')  # `not` dropped
     assert not _takes(compiler, tokenizer, lenient, '{"n": "3"}')  # the type still holds
@@ -111,8 +117,10 @@ def test_vocabulary_and_eos_checks(tokenizer):
 
 def test_compact_json_takes_no_whitespace_unless_the_schema_asks(compiler, tokenizer):
     """The served APIs' default: a model cannot write whitespace until max_tokens; a schema may still ask for it."""
-    for constraint in (Constraint("json_object", compact=True),
-                       Constraint("json_schema", json.dumps({"type": "object"}), compact=True)):
+    for constraint in (
+        Constraint("json_object", compact=True),
+        Constraint("json_schema", json.dumps({"type": "object"}), compact=True),
+    ):
         assert _takes(compiler, tokenizer, constraint, '{"a":[1,{"b":null}],"c":"x y"}')
         assert not _takes(compiler, tokenizer, constraint, '{"a": 1}')
         assert not _takes(compiler, tokenizer, constraint, '{"a":1 }')

@@ -19,7 +19,6 @@ from specdec_core.grammar.state import GrammarState
 from specdec_core.rejection import rejection_sample
 from specdec_core.sampling import processed_probs
 from tests.specdec_core.test_rejection import (
-    K,
     V,
     _deterministic_drafter,
     _model_drafter,
@@ -39,8 +38,13 @@ def _masked(model: Table, allowed, temperature: float = 1.0, top_k: int = 0) -> 
     for prefix, probs in model.items():
         mask = torch.zeros(1, V, dtype=torch.bool)  # [1, V]
         mask[0, sorted(allowed(prefix))] = True
-        out[prefix] = processed_probs(probs.log().unsqueeze(0), torch.tensor([temperature], dtype=torch.float64),
-                                      torch.tensor([top_k]), torch.tensor([1.0], dtype=torch.float64), mask)[0]
+        out[prefix] = processed_probs(
+            probs.log().unsqueeze(0),
+            torch.tensor([temperature], dtype=torch.float64),
+            torch.tensor([top_k]),
+            torch.tensor([1.0], dtype=torch.float64),
+            mask,
+        )[0]
     return out
 
 

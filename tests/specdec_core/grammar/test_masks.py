@@ -18,8 +18,9 @@ def test_bits_match_bit_arithmetic():
     words[0, 1] = 2**32 - 1  # every bit, the top one too
     for n in (200, 160, 150, 33):  # past 32 * W: zeros (the model's padding ids)
         got = unpack_bitmask(words, n)  # [2, n]
-        want = torch.tensor([[t < 160 and (int(words[r, t // 32]) >> (t % 32)) & 1 for t in range(n)]
-                             for r in range(2)]).bool()
+        want = torch.tensor(
+            [[t < 160 and (int(words[r, t // 32]) >> (t % 32)) & 1 for t in range(n)] for r in range(2)]
+        ).bool()
         assert got.dtype == torch.bool and torch.equal(got, want)
     row = words[0].copy()
     assert popcount(row) == int(unpack_bitmask(row, 160).sum())
@@ -34,8 +35,12 @@ def test_bits_match_bit_arithmetic():
 
 
 def _state_and_document(compiler, tokenizer):
-    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}},
-              "required": ["a"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "array", "items": {"type": "integer"}}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
     state = GrammarState(compiler.compile(Constraint("json_schema", json.dumps(schema))))
     return state, tokenizer.encode('{"a": [1, 22]}', add_special_tokens=False)
 

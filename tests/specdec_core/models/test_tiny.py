@@ -33,8 +33,9 @@ def test_tokenizer_specials_and_chat_template(tokenizer, tmp_path):
     assert tokenizer.eos_token == EOS_TOKEN and tokenizer.pad_token == PAD_TOKEN
     assert tokenizer.eos_token_id != tokenizer.pad_token_id
     assert tokenizer.encode(EOS_TOKEN) == [tokenizer.eos_token_id]  # specials stay whole
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                           tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     build_tiny_tokenizer(tmp_path)
     from transformers import AutoTokenizer

@@ -212,7 +212,7 @@ def test_the_table_breaks_down_the_rounds_of_methods_that_mix_proposals(prompts_
     for method, groups in prompts_report["results"].items():
         parts = groups["all"]["rounds_by_method"]
         mixed += len(parts) > 1
-        line = next((l for l in table.splitlines() if l.startswith(f"{method} rounds in all: ")), None)
+        line = next((ln for ln in table.splitlines() if ln.startswith(f"{method} rounds in all: ")), None)
         assert (line is not None) == (len(parts) > 1), method
         if line is not None:
             assert all(f"{name} {p['rounds']} (" in line for name, p in parts.items())

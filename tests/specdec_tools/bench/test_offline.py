@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specdec_core.kernels import cpu
+from specdec_core.kernels import library
 from specdec_tools.cli import main
 
 KEYS = {
@@ -151,7 +151,9 @@ def test_bad_input_is_a_clear_error_before_any_work(tiny_dir, prompts, tmp_path,
     assert not (tmp_path / "out.json").exists()
 
 
-@pytest.mark.skipif(cpu.load_library() is None, reason="CPU kernels need AVX-512 or AVX2 with FMA, and a C compiler")
+@pytest.mark.skipif(
+    library.load_library() is None, reason="CPU kernels need AVX-512 or AVX2 with FMA, and a C compiler"
+)
 def test_bf16_on_the_kernels_reports_their_path_and_an_exact_greedy_run(tiny_dir, prompts, tmp_path, capsys):
     """By default (--draft-quantization auto) a bf16 draft is int8 on AVX-512 with VNNI, int4 on AVX2; the target
     computes rows alike whatever the batch, so greedy output is identical by construction."""
@@ -175,7 +177,7 @@ def test_bf16_on_the_kernels_reports_their_path_and_an_exact_greedy_run(tiny_dir
     )
     assert code == 0
     report = json.loads(out.read_text())
-    lib = cpu.load_library()
+    lib = library.load_library()
     isa = "AVX-512" if lib.specdec_has_avx512() else "AVX2"
     assert report["target_kernels"].startswith(f"bf16 {isa}")
     assert report["rows_batch_invariant"] is True and report["identical_to_target"] is True

@@ -7,16 +7,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specdec_core import hardware
 from specdec_core.build import prepare_model
-from specdec_core.kernels import cpu, fbgemm_rows
+from specdec_core.kernels import fbgemm_rows, library, report
+from specdec_core.kernels.layers import FastMLP, FastRMSNorm, FusedAttention, _fuse
+from specdec_core.kernels.linear import FastCPULinear, Int4CPULinear, Int8CPULinear, pack_int4, quantize_int4
 from specdec_core.models.loader import load_model
 from specdec_core.models.transformer import MLP, RMSNorm, TorchAttention
 from specdec_core.runner import ModelRunner, RunnerConfig
 
-pytestmark = pytest.mark.skipif(cpu.load_library() is None,
-                                reason="CPU kernels need AVX-512 or AVX2 with FMA, and a C compiler")
-needs_int8 = pytest.mark.skipif(not cpu.load_library() or not cpu.load_library().specdec_has_int8(),
-                                reason="AVX-512 kernels have the int8 draft kernel only with VNNI")
+pytestmark = pytest.mark.skipif(
+    library.load_library() is None, reason="CPU kernels need AVX-512 or AVX2 with FMA, and a C compiler"
+)
+needs_int8 = pytest.mark.skipif(
+    not library.load_library() or not library.load_library().specdec_has_int8(),
+    reason="AVX-512 kernels have the int8 draft kernel only with VNNI",
+)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
@@ -31,17 +37,17 @@ def test_linear_matches_torch(rows, bias):
     linear = torch.nn.Linear(128, 40, bias=bias).to(torch.bfloat16)
     x = torch.randn(rows, 128).to(torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), linear.weight.float(), None if not bias else linear.bias.float())
-    _close(cpu.FastCPULinear(linear, cpu.load_library())(x), want, 5e-3)
-    if cpu.load_library().specdec_has_int8():
-        _close(cpu.Int8CPULinear(linear, cpu.load_library())(x), want, 3e-2)
+    _close(FastCPULinear(linear, library.load_library())(x), want, 5e-3)
+    if library.load_library().specdec_has_int8():
+        _close(Int8CPULinear(linear, library.load_library())(x), want, 3e-2)
 
 
 def _linear_kernels():
-    lib = cpu.load_library()
+    lib = library.load_library()
     linear = torch.nn.Linear(128, 48).to(torch.bfloat16)
-    yield cpu.FastCPULinear(linear, lib)
+    yield FastCPULinear(linear, lib)
     if lib.specdec_has_int8():
-        yield cpu.Int8CPULinear(linear, lib)
+        yield Int8CPULinear(linear, lib)
 
 
 def test_linear_rows_do_not_depend_on_the_batch():
@@ -54,7 +60,7 @@ def test_linear_rows_do_not_depend_on_the_batch():
         assert torch.equal(layer(x[2:6]), batched[2:6])
 
 
-def _int8_reference(layer: "cpu.Int8CPULinear", x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] bf16
+def _int8_reference(layer: Int8CPULinear, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] bf16
     """What the int8 kernel computes, spelled out: x quantized per row (round half to even), the products summed
     as integers (exact in float64 here: |sum| < 2^53), scaled by both scales in fp32 in the kernel's order."""
     xf = x.float()
@@ -75,7 +81,7 @@ def test_int8_linear_computes_exactly_its_integer_sums(rows):
     a wrong row, column or k offset in any block shape shows as a mismatch, not within a tolerance."""
     torch.manual_seed(rows)
     linear = torch.nn.Linear(192, 56, bias=True).to(torch.bfloat16)
-    layer = cpu.Int8CPULinear(linear, cpu.load_library())
+    layer = Int8CPULinear(linear, library.load_library())
     x = torch.randn(rows, 192).to(torch.bfloat16)
     assert torch.equal(layer(x), _int8_reference(layer, x))
 
@@ -85,13 +91,13 @@ def test_int4_quantization_is_within_half_a_step_and_packs_two_to_a_byte_with_th
     w = torch.randn(24, 128).to(torch.bfloat16)  # [N, K]
     w[3, 32:64] = 0.0  # an all-zero group
     w[5, 64:96] = 1e-9  # a group whose scale is below fp16's smallest value: taken as zero
-    q, scale = cpu.quantize_int4(w)  # [N, K] int8, [N, K/32] fp16
+    q, scale = quantize_int4(w)  # [N, K] int8, [N, K/32] fp16
     assert scale.dtype == torch.float16 and q.abs().max() <= 7
     assert not q[3, 32:64].any() and not q[5, 64:96].any()
     step = scale.float().repeat_interleave(32, dim=1)  # [N, K]
     close = (w.float() - q.float() * step).abs() <= step / 2 + 1e-6
     assert close[:, :64].all() and close[:5].all() and close[6:].all()
-    packed = cpu.pack_int4(q, scale)  # [N, K/64 * 36]
+    packed = pack_int4(q, scale)  # [N, K/64 * 36]
     assert packed.shape == (24, 2 * 36) and packed.dtype == torch.uint8
     blocks = packed.reshape(3, 2, 288)  # [panel of 8 rows, block of 64 k, bytes]
     for panel in range(3):
@@ -113,9 +119,9 @@ def test_int4_linear_computes_its_group_sums(rows):
     while the kernel's own fp32 rounding stays within one bf16 step of the exact value."""
     torch.manual_seed(rows)
     linear = torch.nn.Linear(192, 56, bias=True).to(torch.bfloat16)
-    layer = cpu.Int4CPULinear(linear, cpu.load_library())
+    layer = Int4CPULinear(linear, library.load_library())
     x = torch.randn(rows, 192).to(torch.bfloat16)
-    q, scale = cpu.quantize_int4(linear.weight.detach())
+    q, scale = quantize_int4(linear.weight.detach())
     xf = x.float()
     sx = xf.abs().amax(dim=1) / 127.0  # [M]
     xq = torch.round(xf / sx.unsqueeze(1)).double()  # [M, K]
@@ -132,16 +138,17 @@ def test_int4_linear_computes_its_group_sums(rows):
 _INT4_OUTPUT = """
 import sys
 import torch
-from specdec_core.kernels import cpu
+from specdec_core.kernels import library
+from specdec_core.kernels.linear import FastCPULinear, Int4CPULinear, Int8CPULinear
 torch.manual_seed(5)
 linear = torch.nn.Linear(192, 56, bias=True).to(torch.bfloat16)
 linear.weight.data[7, :32] *= 1e-4  # small scales: fp16 subnormals
 x = torch.randn(7, 192).to(torch.bfloat16)
-torch.save(cpu.Int4CPULinear(linear, cpu.load_library()).kernel(x), sys.argv[1])
+torch.save(Int4CPULinear(linear, library.load_library()).kernel(x), sys.argv[1])
 """
 
 
-@pytest.mark.skipif("f16c" not in cpu.cpu_flags(), reason="this CPU builds the fallback already")
+@pytest.mark.skipif("f16c" not in hardware.cpu_flags(), reason="this CPU builds the fallback already")
 def test_int4_scales_read_without_f16c_give_the_same_bits(tmp_path):
     """The 4-bit kernel reads its fp16 scales with F16C's conversion, or without it by a portable one that must
     give the same floats: built both ways, the same layer gives the same bits."""
@@ -169,7 +176,7 @@ def test_int4_layers_run_several_rows_as_int8_rows_each_independent_of_the_batch
     the call would flatten the small row to a few levels)."""
     torch.manual_seed(3)
     linear = torch.nn.Linear(192, 56, bias=False).to(torch.bfloat16)
-    layer = cpu.Int4CPULinear(linear, cpu.load_library())
+    layer = Int4CPULinear(linear, library.load_library())
     x = torch.randn(13, 192)
     x[4] *= 1e-3
     x[9] *= 50.0
@@ -191,7 +198,7 @@ def test_int4_layers_run_several_rows_as_int8_rows_each_independent_of_the_batch
 def test_int8_rows_keep_a_zero_row_the_bias_and_the_leading_dimensions():
     torch.manual_seed(4)
     linear = torch.nn.Linear(128, 40, bias=True).to(torch.bfloat16)
-    rows = fbgemm_rows.Int8Rows(linear, cpu.load_library())
+    rows = fbgemm_rows.Int8Rows(linear, library.load_library())
     x = torch.randn(2, 3, 128).to(torch.bfloat16)
     x[1, 2] = 0.0
     y = rows(x)
@@ -204,12 +211,13 @@ def test_int8_rows_keep_a_zero_row_the_bias_and_the_leading_dimensions():
 _FP32_PATH_CHECK = """
 import torch
 from specdec_core.build import prepare_model
-from specdec_core.kernels import cpu
-lib = cpu.load_library()
+from specdec_core.kernels import library
+from specdec_core.kernels.linear import FastCPULinear, Int4CPULinear, Int8CPULinear
+lib = library.load_library()
 assert lib is not None and not lib.specdec_has_native_bf16()
 torch.manual_seed(0)
 linear = torch.nn.Linear(128, 48, bias=True).to(torch.bfloat16)
-layer = cpu.FastCPULinear(linear, lib)
+layer = FastCPULinear(linear, lib)
 x = torch.randn(13, 128).to(torch.bfloat16)
 batched = layer(x)
 assert all(torch.equal(layer(x[i : i + 1]), batched[i : i + 1]) for i in range(13))
@@ -225,8 +233,10 @@ else:
 """
 
 
-@pytest.mark.skipif(not cpu.load_library() or not cpu.load_library().specdec_has_native_bf16(),
-                    reason="this CPU runs the fp32 path already")
+@pytest.mark.skipif(
+    not library.load_library() or not library.load_library().specdec_has_native_bf16(),
+    reason="this CPU runs the fp32 path already",
+)
 def test_the_path_for_cpus_without_native_bf16(tmp_path):
     """The kernel built as for a CPU without AVX512-BF16 (the widening fp32 path) agrees with torch and computes
     rows alike whatever the batch."""
@@ -240,22 +250,25 @@ def test_the_path_for_cpus_without_native_bf16(tmp_path):
 
 _AVX2_PATH_CHECK = """
 import torch
-from specdec_core.kernels import cpu
-lib = cpu.load_library()
+from specdec_core.kernels import library
+from specdec_core.kernels.linear import FastCPULinear, Int4CPULinear, Int8CPULinear
+lib = library.load_library()
 assert lib is not None and not lib.specdec_has_avx512() and lib.specdec_has_int8()
 torch.manual_seed(0)
 linear = torch.nn.Linear(128, 48, bias=True).to(torch.bfloat16)
 x = torch.randn(13, 128).to(torch.bfloat16)
 want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
-for layer, tolerance in ((cpu.FastCPULinear(linear, lib), 5e-3), (cpu.Int8CPULinear(linear, lib), 3e-2)):
+for layer, tolerance in ((FastCPULinear(linear, lib), 5e-3), (Int8CPULinear(linear, lib), 3e-2)):
     batched = layer(x)
     assert all(torch.equal(layer(x[i : i + 1]), batched[i : i + 1]) for i in range(13))
     assert (batched.float() - want).norm() / want.norm() < tolerance
 """
 
 
-@pytest.mark.skipif(not cpu.load_library() or not cpu.load_library().specdec_has_avx512(),
-                    reason="this CPU runs the AVX2 path already")
+@pytest.mark.skipif(
+    not library.load_library() or not library.load_library().specdec_has_avx512(),
+    reason="this CPU runs the AVX2 path already",
+)
 def test_the_path_for_cpus_without_avx512(tmp_path):
     """The kernels built as for an AVX2 CPU (8-lane vectors; int8 by byte multiply-adds, without VNNI) agree with
     torch and compute rows alike whatever the batch."""
@@ -271,20 +284,33 @@ def test_the_path_for_cpus_without_avx512(tmp_path):
 def test_fused_projection_equals_its_parts_bit_for_bit(rows):
     """q/k/v (and gate/up) run as one linear layer: each part's outputs must be exactly what it gave alone."""
     torch.manual_seed(rows)
-    lib = cpu.load_library()
+    lib = library.load_library()
     parts = [torch.nn.Linear(64, n, bias=True).to(torch.bfloat16) for n in (64, 16, 16)]
     x = torch.randn(rows, 64).to(torch.bfloat16)
-    fused = cpu.FastCPULinear(cpu._fuse(parts), lib)(x)  # [rows, 96]
-    alone = torch.cat([cpu.FastCPULinear(p, lib)(x) for p in parts], dim=-1)  # [rows, 96]
+    fused = FastCPULinear(_fuse(parts), lib)(x)  # [rows, 96]
+    alone = torch.cat([FastCPULinear(p, lib)(x) for p in parts], dim=-1)  # [rows, 96]
     assert torch.equal(fused, alone)
 
 
 def _attend(q, kc, vc, slots, starts, threads):  # q [B, T, H, D] -> [B, T, H, D]
     out = torch.empty_like(q)
     B, T, H, D = q.shape
-    cpu.load_library().specdec_attention_bf16(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(),
-                                              starts.data_ptr(), out.data_ptr(), B, T, H, kc.shape[1], D,
-                                              kc.shape[2], D**-0.5, threads)
+    library.load_library().specdec_attention_bf16(
+        q.data_ptr(),
+        kc.data_ptr(),
+        vc.data_ptr(),
+        slots.data_ptr(),
+        starts.data_ptr(),
+        out.data_ptr(),
+        B,
+        T,
+        H,
+        kc.shape[1],
+        D,
+        kc.shape[2],
+        D**-0.5,
+        threads,
+    )
     return out
 
 
@@ -314,7 +340,7 @@ def test_attention_matches_torch_and_a_token_alone_gets_the_same_bits(heads, kv_
 
 
 def test_attention_refuses_a_head_dim_beyond_its_scratch():
-    wide = cpu.load_library().specdec_attention_max_head_dim() + 16
+    wide = library.load_library().specdec_attention_max_head_dim() + 16
     q, kv = torch.zeros(1, 1, 1, wide, dtype=torch.bfloat16), torch.zeros(1, 1, 4, wide, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="specdec_attention_bf16 failed: Invalid argument"):
         _attend(q, kv, kv, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 1)
@@ -322,48 +348,63 @@ def test_attention_refuses_a_head_dim_beyond_its_scratch():
 
 def test_linear_kernels_refuse_shapes_they_cannot_run():
     with pytest.raises(ValueError, match="in_features"):
-        cpu.FastCPULinear(torch.nn.Linear(80, 40).to(torch.bfloat16), cpu.load_library())
+        FastCPULinear(torch.nn.Linear(80, 40).to(torch.bfloat16), library.load_library())
 
 
 def test_kernels_that_cannot_allocate_their_scratch_raise_memory_error():
     """Sizes whose scratch (2^62 bytes) no machine can allocate: the kernel returns ENOMEM before touching the
     (small) tensors, and the call raises instead of writing through a NULL pointer."""
-    lib = cpu.load_library()
+    lib = library.load_library()
     q, out = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16), torch.empty(1, 1, 1, 16, dtype=torch.bfloat16)
     kv = torch.zeros(1, 1, 4, 16, dtype=torch.bfloat16)
     zeros = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(MemoryError, match="specdec_attention_bf16"):
-        lib.specdec_attention_bf16(q.data_ptr(), kv.data_ptr(), kv.data_ptr(), zeros.data_ptr(), zeros.data_ptr(),
-                                   out.data_ptr(), 1, 1, 1, 1, 16, 1 << 60, 0.25, 2)
+        lib.specdec_attention_bf16(
+            q.data_ptr(),
+            kv.data_ptr(),
+            kv.data_ptr(),
+            zeros.data_ptr(),
+            zeros.data_ptr(),
+            out.data_ptr(),
+            1,
+            1,
+            1,
+            1,
+            16,
+            1 << 60,
+            0.25,
+            2,
+        )
     if lib.specdec_has_int8():
         x, y = torch.zeros(1, 64, dtype=torch.bfloat16), torch.empty(1, 8, dtype=torch.bfloat16)
         w, sw, wsum = torch.zeros(8, 64, dtype=torch.int8), torch.ones(8), torch.zeros(8, dtype=torch.int32)
         with pytest.raises(MemoryError, match="specdec_gemm_w8a8"):
-            lib.specdec_gemm_w8a8(x.data_ptr(), w.data_ptr(), sw.data_ptr(), wsum.data_ptr(), None, y.data_ptr(),
-                                  1 << 56, 8, 64, 1)
+            lib.specdec_gemm_w8a8(
+                x.data_ptr(), w.data_ptr(), sw.data_ptr(), wsum.data_ptr(), None, y.data_ptr(), 1 << 56, 8, 64, 1
+            )
 
 
 def test_fused_elementwise_ops_match_torch():
     torch.manual_seed(1)
-    lib = cpu.load_library()
+    lib = library.load_library()
     norm = RMSNorm(64, 1e-6).to(torch.bfloat16)
     norm.weight.data = torch.randn(64).to(torch.bfloat16)
     x = torch.randn(3, 5, 64).to(torch.bfloat16)
-    _close(cpu.FastRMSNorm(norm, lib)(x), norm(x), 1e-2)
+    _close(FastRMSNorm(norm, lib)(x), norm(x), 1e-2)
     mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=32)).to(torch.bfloat16)
-    _close(cpu.FastMLP(mlp, lib)(x), mlp(x), 2e-2)
+    _close(FastMLP(mlp, lib)(x), mlp(x), 2e-2)
 
 
 def test_vector_exp_is_within_two_ulp_of_exact():
     x = torch.cat([torch.linspace(-87.0, 88.0, 200_003), torch.randn(10_000) * 5, torch.tensor([0.0, -0.0, 1e-30])])
     got = torch.empty_like(x)
-    cpu.load_library().specdec_exp_f32(x.data_ptr(), got.data_ptr(), x.numel())
+    library.load_library().specdec_exp_f32(x.data_ptr(), got.data_ptr(), x.numel())
     want = torch.exp(x.double())
     ulp = (want.float().abs().nextafter(torch.tensor(float("inf"))) - want.float().abs()).double()  # fp32 spacing
     assert ((got.double() - want).abs() / ulp).max() <= 2.0
     edge = torch.tensor([float("nan"), -1000.0, float("-inf"), 1000.0])
     out = torch.empty_like(edge)
-    cpu.load_library().specdec_exp_f32(edge.data_ptr(), out.data_ptr(), edge.numel())
+    library.load_library().specdec_exp_f32(edge.data_ptr(), out.data_ptr(), edge.numel())
     assert out[0].isnan() and 0 <= out[1] < 1e-37 and 0 <= out[2] < 1e-37 and 1e38 < out[3] < float("inf")
 
 
@@ -377,14 +418,14 @@ def test_silu_mul_is_the_exact_value_rounded_once(width):
     if width > 1:
         gu[1, 1] = -100.0
     y = torch.empty(rows, width, dtype=torch.bfloat16)
-    cpu.load_library().specdec_silu_mul_bf16(gu.data_ptr(), y.data_ptr(), rows, width, 2)
+    library.load_library().specdec_silu_mul_bf16(gu.data_ptr(), y.data_ptr(), rows, width, 2)
     g, u = gu[:, :width].double(), gu[:, width:].double()
     want = g * torch.sigmoid(g) * u
     below = want.to(torch.bfloat16).double()  # the nearest bf16; the kernel may land on a neighbour of it
     spacing = (below.abs() * 2.0**-7).clamp_min(1e-30)
     assert ((y.double() - want).abs() <= spacing).all()
     gu[2, 0] = float("nan")
-    cpu.load_library().specdec_silu_mul_bf16(gu.data_ptr(), y.data_ptr(), rows, width, 2)
+    library.load_library().specdec_silu_mul_bf16(gu.data_ptr(), y.data_ptr(), rows, width, 2)
     assert y[2, 0].isnan() and not y[2, 1:].isnan().any()
 
 
@@ -398,7 +439,7 @@ def test_kernels_are_in_place_and_agree_with_torch(bf16_pair):
     fast, plain = bf16_pair
     assert not isinstance(fast.model.attention, TorchAttention)
     layer = fast.model.layers[0]
-    assert isinstance(layer.self_attn, cpu.FusedAttention) and isinstance(layer.mlp, cpu.FastMLP)
+    assert isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FastMLP)
     assert isinstance(plain.model.attention, TorchAttention)
     tokens = [3, 77, 12, 5, 200, 41, 9, 150, 7]
     outs = []
@@ -456,11 +497,12 @@ def test_greedy_speculation_with_a_quantized_draft_is_exact_in_bf16(tiny_dir, qu
     from specdec_core.models.vocab_head import VocabHead
     from tests.helpers import run_to_completion
 
-    if quantization == "int8" and not cpu.load_library().specdec_has_int8():
+    if quantization == "int8" and not library.load_library().specdec_has_int8():
         pytest.skip("AVX-512 kernels have the int8 draft kernel only with VNNI")
-    target, draft = load_pair(str(tiny_dir / "target"), str(tiny_dir / "target"), draft_quantization=quantization,
-                              draft_vocabulary=vocabulary)
-    layer = {"int8": cpu.Int8CPULinear, "int4": cpu.Int4CPULinear}[quantization]
+    target, draft = load_pair(
+        str(tiny_dir / "target"), str(tiny_dir / "target"), draft_quantization=quantization, draft_vocabulary=vocabulary
+    )
+    layer = {"int8": Int8CPULinear, "int4": Int4CPULinear}[quantization]
     assert any(isinstance(m, layer) for m in draft.model.modules())
     head = draft.model.lm_head
     assert (type(head) is VocabHead and type(head.head) is layer) == (vocabulary > 0)
@@ -474,25 +516,25 @@ def test_greedy_speculation_with_a_quantized_draft_is_exact_in_bf16(tiny_dir, qu
 
 def test_the_kernel_path_is_named_and_batch_invariant_only_on_the_kernels(bf16_pair, tiny_dir):
     fast, plain = bf16_pair
-    lib = cpu.load_library()
+    lib = library.load_library()
     native = "native bf16" if lib.specdec_has_native_bf16() else "fp32 widening"
     isa = "AVX-512" if lib.specdec_has_avx512() else "AVX2"
-    assert isa == ("AVX-512" if {"avx512f", "avx512bw"} <= cpu.cpu_flags() else "AVX2")
-    assert cpu.kernel_path(fast.model) == f"bf16 {isa} ({native}), layers in one call"
-    assert cpu.rows_batch_invariant(fast.model)
-    assert cpu.kernel_path(plain.model).startswith("torch fallback (")  # loaded, never given the kernels
-    assert not cpu.rows_batch_invariant(plain.model)
-    if cpu.load_library().specdec_has_int8():
+    assert isa == ("AVX-512" if {"avx512f", "avx512bw"} <= hardware.cpu_flags() else "AVX2")
+    assert report.kernel_path(fast.model) == f"bf16 {isa} ({native}), layers in one call"
+    assert report.rows_batch_invariant(fast.model)
+    assert report.kernel_path(plain.model).startswith("torch fallback (")  # loaded, never given the kernels
+    assert not report.rows_batch_invariant(plain.model)
+    if library.load_library().specdec_has_int8():
         # auto: int8 on AVX-512 (with VNNI: the int8 kernel needs it there), 4-bit weights on AVX2
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="auto")
         int4 = "int4 AVX2" + (f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if fbgemm_rows.available() else "")
         int4 += ", layers in one call"
         chosen = "int8 VNNI, layers in one call" if lib.specdec_has_avx512() else int4
-        assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {chosen}"
+        assert report.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {chosen}"
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int8")
         int8 = "int8 VNNI" if lib.specdec_has_vnni() else "int8 AVX2"
-        assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {int8}, layers in one call"
+        assert report.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {int8}, layers in one call"
     draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int4")
     rows = f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if fbgemm_rows.available() else ""
-    assert cpu.kernel_path(draft.model) == f"bf16 {isa} ({native}) + int4 AVX2{rows}, layers in one call"
-    assert cpu.rows_batch_invariant(draft.model) is not fbgemm_rows.available()
+    assert report.kernel_path(draft.model) == f"bf16 {isa} ({native}) + int4 AVX2{rows}, layers in one call"
+    assert report.rows_batch_invariant(draft.model) is not fbgemm_rows.available()
