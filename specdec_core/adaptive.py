@@ -30,6 +30,13 @@ def expected_tokens_by_position(rates: Sequence[float], k: int) -> float:
     return total
 
 
+def measured(cost: float | None) -> float:
+    """A cost the caller knows is measured (its batch size explored): None there is a bug, not a missing figure."""
+    if cost is None:
+        raise RuntimeError("a cost was read before it was measured")
+    return cost
+
+
 @dataclass
 class AcceptanceEstimate:
     """A request's acceptance per draft position (P(draft j accepted | drafts 1..j-1 accepted)): decayed counts
@@ -160,8 +167,8 @@ class CostModel:
 
     def _ewma(self, table: dict[int, float], seen: dict[int, int], bucket: int, key: int, value: float) -> None:
         old, now = table.get(key), self.rounds.get(bucket, 0)
-        fresh = old is not None and now - seen.get(key, now) <= self.stale_after
-        table[key] = old + self.smoothing * (value - old) if fresh else value
+        stale = old is None or now - seen.get(key, now) > self.stale_after
+        table[key] = value if stale or old is None else old + self.smoothing * (value - old)
         seen[key] = now
 
     def stale_k(self, batch_size: int, up_to: int) -> int | None:
@@ -230,11 +237,13 @@ class CostModel:
             return None
         source = min(explored, key=lambda b: (abs(math.log2(b / bucket)), -b))
         factor = bucket // source if source < bucket else 1  # tokens a row there per token a row here
-        scale = here / self.verify_cost(source, factor)
+        scale = here / measured(self.verify_cost(source, factor))
         carried = CostModel(smoothing=self.smoothing, stale_after=self.stale_after)
         carried.draft[bucket] = {k: c * here / self.verify[source][1] for k, c in self.draft[source].items()}
         carried.draft[bucket].update(self.draft.get(bucket, {}))  # what was measured here stands
-        carried.verify[bucket] = {t: self.verify_cost(source, t * factor) * scale for t in range(1, up_to + 2)}
+        carried.verify[bucket] = {
+            t: measured(self.verify_cost(source, t * factor)) * scale for t in range(1, up_to + 2)
+        }
         carried.verify[bucket].update(self.verify[bucket])
         return carried
 
@@ -403,13 +412,13 @@ class AdaptivePolicy:
             for i, (e, fixed) in enumerate(gains):
                 row_k = k if fixed is None else min(fixed, len(e) - 1)
                 offer = offers[i] if with_free and offers is not None else None
-                if self.takes_free(e, row_k, offer):
+                if offer is not None and self.takes_free(e, row_k, offer):
                     tokens, width = tokens + offer.expected_tokens, max(width, offer.length)
                 else:
                     tokens, width, steps = tokens + e[row_k], max(width, row_k), max(steps, row_k)
                     adaptive_drafts |= fixed is None and row_k > 0
-            draft = costs.draft_cost(batch_size, steps) if steps else 0.0
-            per_second = tokens / (draft + costs.verify_cost(batch_size, width + 1))
+            draft = measured(costs.draft_cost(batch_size, steps)) if steps else 0.0
+            per_second = tokens / (draft + measured(costs.verify_cost(batch_size, width + 1)))
             if not adaptive_drafts or seconds <= 0.0:
                 return per_second
             return 1.0 / (1.0 / per_second + seconds / max(horizon, 1.0))

@@ -54,7 +54,7 @@ class Calibration:
 
 def batch_sizes(largest: int) -> tuple[int, ...]:
     """1, 2, 4, ... up to `largest`, and `largest` itself: one size in each of the cost model's buckets."""
-    sizes = []
+    sizes: list[int] = []
     while largest > 0 and (not sizes or sizes[-1] < largest):
         sizes.append(min(2 * sizes[-1], largest) if sizes else 1)
     return tuple(sizes)
@@ -78,7 +78,9 @@ def calibrate(
     rounds_each = len(sizes) * ((up_to + 1) * samples + 1)
     prompt, params = _synthetic_request(engine, context, max_tokens=rounds_each * (up_to + 1) + 2)
     saved = copy.deepcopy(engine.acceptance), copy.deepcopy(engine.acceptance_by_label)
-    tag, ids, done, start = uuid.uuid4().hex[:8], [], [], time.perf_counter()
+    tag, start = uuid.uuid4().hex[:8], time.perf_counter()
+    ids: list[str] = []
+    done: list[int] = []
     try:
         for size in sizes:
             while len(ids) < size:

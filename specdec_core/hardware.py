@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 AUTO = "auto"
@@ -74,7 +74,7 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGR
     return min(limits, default=None)
 
 
-def _limits_up(base: Path, path: str, read) -> list[float]:
+def _limits_up(base: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
     """The limits `read` finds in `base / path` and each of its ancestors up to `base` itself."""
     parts = [p for p in path.strip().split("/") if p]
     found = []

@@ -97,6 +97,7 @@ class PrefixIndex:
         if best is not None and (whole or (not unused and best == lru)):
             return Reuse(best, best, length)
         slot = unused[-1] if unused else lru
+        assert slot is not None  # `free` is not empty: with no entry to take over, a free slot is unused
         return Reuse(slot, best if length else None, length)
 
     def held(self, tokens: Sequence[int], salt: str | None) -> int:

@@ -247,6 +247,7 @@ class LocalTarget:
         for i, item in enumerate(items):
             n = len(item.draft_token_ids)
             if n:
+                assert item.uniform_accept is not None  # sampled rows (the only ones here) carry their uniforms
                 uniform_accept[i, :n] = item.uniform_accept
         uniform_sample = torch.tensor([item.uniform_sample for item in items], dtype=torch.float64)  # [S]
         device = p.device
@@ -273,7 +274,9 @@ def _masked(
         return logits
     allowed = torch.ones(logits.shape, dtype=torch.bool)  # [B, T, V]
     for b in rows:
-        allowed[b, : len(masks[b])] = masks[b].dense()  # [n, V]
+        mask = masks[b]
+        assert mask is not None  # `rows` are those with masks
+        allowed[b, : len(mask)] = mask.dense()  # [n, V]
     return mask_logits(logits, allowed.to(logits.device))
 
 

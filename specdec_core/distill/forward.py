@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec_core.models.transformer import Transformer, rotate_half
+from specdec_core.models.transformer import ForwardContext, Transformer, rotate_half
 
 
 class CausalAttention:
@@ -20,7 +20,9 @@ class CausalAttention:
 
     needs_tables = True  # the rotary tables, and the causal mask (by position) the model builds from them
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx, layer: int) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int
+    ) -> torch.Tensor:
         # q [B, T, H, hd], k and v [B, T, Hkv, hd] -> [B, T, H, hd]
         q = q * ctx.cos + rotate_half(q) * ctx.sin
         k = k * ctx.cos + rotate_half(k) * ctx.sin

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -142,11 +143,13 @@ class DraftModelDrafter:
                 ended = set()
                 for j, i in enumerate(rows):
                     tokens[i].append(picked[j])
-                    if drawn[j] is not None:
-                        qs[i].append(drawn[j])
+                    if (draw := drawn[j]) is not None:
+                        qs[i].append(draw)
+                    prob = picked_probs[j]
                     if requests[i].return_probs:
-                        chosen[i].append(picked_probs[j])
-                    if picked_probs[j] is not None and picked_probs[j] < self.confidence_threshold:
+                        assert prob is not None  # computed for every row that asked
+                        chosen[i].append(prob)
+                    if prob is not None and prob < self.confidence_threshold:
                         ended.add(i)
                     feeds[i] = [picked[j]]
                     if (grammar := requests[i].grammar) is not None:
@@ -158,7 +161,7 @@ class DraftModelDrafter:
                 rows = [i for i in rows if requests[i].num_tokens > step and i not in ended]
         finally:
             for request, n in zip(requests, advanced):
-                if n:
+                if n and request.grammar is not None:  # advanced only where there is a grammar
                     request.grammar.rollback(n)
         return [
             Proposal(token_ids=t, q=_stack(q), draft_probs=tuple(c) if r.return_probs else None)
@@ -199,7 +202,8 @@ class DraftModelDrafter:
         if not sampled:
             return picked, drawn
         q = self._q(logits[sampled], [requests[j].shaping for j in sampled])  # [S, n]
-        uniform = torch.stack([requests[j].uniform[step] for j in sampled]).to(logits.device)  # [S]
+        # A sampled row's uniforms are drawn by the engine (`DraftRequest.uniform`): never None here.
+        uniform = torch.stack([cast(torch.Tensor, requests[j].uniform)[step] for j in sampled]).to(logits.device)  # [S]
         at = sample_from(q.probs, uniform).unsqueeze(-1)  # [S, 1]: the entry each row drew
         tokens = q.token_ids.gather(-1, at).squeeze(-1).tolist()
         probs = q.probs.gather(-1, at).squeeze(-1).tolist()
@@ -229,7 +233,9 @@ def _masked(logits: torch.Tensor, requests: Sequence[DraftRequest]) -> torch.Ten
         return logits
     allowed = torch.ones(logits.shape, dtype=torch.bool)  # [B, V]
     for j in rows:
-        allowed[j] = requests[j].grammar.allowed_mask()  # [V]
+        grammar = requests[j].grammar
+        assert grammar is not None  # `rows` are those with one
+        allowed[j] = grammar.allowed_mask()  # [V]
     return mask_logits(logits, allowed.to(logits.device))
 
 
@@ -259,8 +265,8 @@ def _picked_probs(
     for j, r in enumerate(requests):
         if not (r.return_probs or every_row):
             continue
-        if drawn[j] is not None:
-            out[j] = drawn[j].prob
+        if (draw := drawn[j]) is not None:
+            out[j] = draw.prob
         else:
             greedy.append(j)
     if greedy:

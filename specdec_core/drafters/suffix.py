@@ -97,13 +97,14 @@ class SuffixTrie:
             node = self.root
             for depth in range(min(self.max_depth, len(doc) - start)):
                 t = doc[start + depth]
-                child = node.children.get(t) if node.children else None
-                if child is None:  # the rest of this occurrence is node's tail
+                children = node.children
+                child = children.get(t) if children else None
+                if children is None or child is None:  # the rest of this occurrence is node's tail
                     node.tail_doc = None
                     break
                 child.count -= 1
                 if child.count == 0:
-                    del node.children[t]
+                    del children[t]
                     self.num_nodes -= self._size(child)
                     break
                 node = child
@@ -113,7 +114,8 @@ class SuffixTrie:
 
     def longest_match(self, tokens: Sequence[int], max_len: int) -> tuple[int, _Node | None]:
         """The longest m <= max_len such that tokens[-m:] occurs followed by a token, and its node (0, None: none)."""
-        lo, hi, best = 1, min(max_len, len(tokens), self.max_depth - 1), (0, None)
+        lo, hi = 1, min(max_len, len(tokens), self.max_depth - 1)
+        best: tuple[int, _Node | None] = (0, None)
         while lo <= hi:
             m = (lo + hi) // 2
             node = self._find(tokens[len(tokens) - m :])
@@ -133,9 +135,10 @@ class SuffixTrie:
     def _find(self, pattern: Sequence[int]) -> _Node | None:
         node = self.root
         for depth, t in enumerate(pattern):
-            node = self.continuations(node, depth).get(t)
-            if node is None:
+            child = self.continuations(node, depth).get(t)
+            if child is None:
                 return None
+            node = child
         return node
 
     def _child(self, node: _Node, t: int, doc: list[int] | None, tail_pos: int) -> _Node:
@@ -186,7 +189,7 @@ class _Global:
                     trie = self.tries[salt] = SuffixTrie(self.max_depth)
                 trie.extend(doc, tokens[at : at + step])
         with self.lock:
-            trie.close(doc)
+            trie.close(doc)  # type: ignore[union-attr]  # set in the loop: tokens is not empty
             self.docs.append((salt, doc))
             while len(self.docs) > self.max_requests:
                 old_salt, old = self.docs.popleft()

@@ -14,9 +14,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # the stubs' TypedDict (not exported at run time)
 import llguidance.hf
 
 from specdec_core.errors import InvalidArgument
@@ -109,7 +112,7 @@ def _grammar_text(constraint: Constraint) -> str:
     """llguidance's grammar for a constraint (not yet checked: the matcher does that)."""
     M = llguidance.LLMatcher
     # Defaults apply before the schema's "x-guidance", which may still ask for flexible whitespace or other separators.
-    defaults = {"whitespace_flexible": False} if constraint.compact else None
+    defaults: JsonCompileOptions | None = {"whitespace_flexible": False} if constraint.compact else None
     if constraint.kind == "json_object":
         return M.grammar_from_json_schema('{"type": "object"}', defaults=defaults)
     if constraint.kind == "json_schema":

@@ -4,9 +4,13 @@ RMSNorm, q/k/v and gate/up each fused into one linear layer, and the MLP's activ
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from specdec_core.models.transformer import ForwardContext
 
 from specdec_core.kernels.linear import FastCPULinear
 
@@ -22,7 +26,7 @@ class CPUAttention:
         self.inv_freq = inv_freq.float().contiguous()  # [hd/2]
         self._forward: tuple[object, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def rows(self, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rows(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Positions [B*T], slots [B] and first positions [B] as the kernels read them (int64, contiguous):
         converted once per forward (`ctx` is the forward's), not once per layer."""
         if self._forward is None or self._forward[0] is not ctx:
@@ -32,7 +36,9 @@ class CPUAttention:
             self._forward = (ctx, positions, slots, starts)
         return self._forward[1:]
 
-    def __call__(self, q, k, v, ctx, layer: int) -> torch.Tensor:  # q [B, T, H, hd] -> [B, T, H, hd]
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int
+    ) -> torch.Tensor:  # q [B, T, H, hd] -> [B, T, H, hd]
         positions, slots, starts = self.rows(ctx)
         for x in (q, k):  # rotated in place: both are fresh outputs of the projections
             self._lib.specdec_rope_bf16(
@@ -101,7 +107,7 @@ class FusedAttention(nn.Module):
         self.o_proj = attn.o_proj
         self._split = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
 
-    def forward(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self._split, dim=-1)  # [B, T, H*hd], [B, T, Hkv*hd] x 2
         # Contiguous copies: the rotary kernel rotates q and k in place and assumes dense rows.

@@ -35,6 +35,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from specdec_core import environment
 from specdec_core.hardware import AVX2_FLAGS, AVX512_FLAGS, cpu_flags
@@ -326,7 +327,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, fn).restype = ctypes.c_int
 
 
-def _check_status(status: int, func, args) -> int:
+def _check_status(status: int, func: Any, args: tuple[Any, ...]) -> int:
     """ctypes errcheck: a kernel returns 0, or an errno value (ENOMEM: its scratch memory could not be allocated)."""
     if status == errno.ENOMEM:
         raise MemoryError(f"{func.__name__}: could not allocate its scratch memory")

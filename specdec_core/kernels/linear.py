@@ -6,6 +6,7 @@ call (but `Int4CPULinear`'s calls of many rows on fbgemm), so verification repro
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 from torch import nn
@@ -140,7 +141,7 @@ class _KernelCall:
     pointers are read once here; the tensors are held with them, so they stay valid whatever happens to the
     module's attributes."""
 
-    def __init__(self, kernel, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> None:
+    def __init__(self, kernel: Any, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> None:
         self._kernel = kernel
         self._held = (*weights, bias)  # keeps the memory behind the pointers alive
         self._pointers = tuple(w.data_ptr() for w in weights)

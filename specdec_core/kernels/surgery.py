@@ -17,6 +17,7 @@ Like tensor parallelism, this is a transformation of a built model: the model co
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -88,7 +89,7 @@ def _run_layers_in_one_call(model: nn.Module, lib: ctypes.CDLL) -> None:
         model.run_layers = model.run_layers.fallback
     if not isinstance(getattr(model, "attention", None), CPUAttention) or model.run_layers is not run_in_turn:
         return
-    linears = []
+    linears: list[nn.Module] = []
     for layer in model.layers:
         if not (
             type(layer) is DecoderLayer
@@ -105,7 +106,9 @@ def _run_layers_in_one_call(model: nn.Module, lib: ctypes.CDLL) -> None:
         model.run_layers = layers_quant.QuantLayers(model, lib, model.attention, model.run_layers, bits)
 
 
-def _quantize_linears(model: nn.Module, make, lib: ctypes.CDLL, k_multiple: int) -> int:
+def _quantize_linears(
+    model: nn.Module, make: Callable[[nn.Linear], nn.Module], lib: ctypes.CDLL, k_multiple: int
+) -> int:
     block = lib.specdec_block_rows()
     swapped = 0
     for parent in list(model.modules()):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,7 +92,7 @@ with open(path, "r") as handle:
 """
 
 
-def build_tiny_tokenizer(path: Path | str | None = None):
+def build_tiny_tokenizer(path: Path | str | None = None) -> Any:
     """A byte-level BPE `PreTrainedTokenizerFast` with ChatML special tokens; saved to `path` if given.
 
     Byte-level means every string encodes (no unknown token) and decodes back to itself.
@@ -117,7 +118,7 @@ def build_tiny_tokenizer(path: Path | str | None = None):
     return tokenizer
 
 
-def _config_class(family: str):
+def _config_class(family: str) -> type:
     """The transformers config class per family; the only family-specific line in this module."""
     from transformers import LlamaConfig, Qwen2Config
 
@@ -256,7 +257,7 @@ def build_tiny_gguf(
     return path
 
 
-def _vocab_and_merges(tokenizer) -> tuple[list[str], list[str]]:
+def _vocab_and_merges(tokenizer: Any) -> tuple[list[str], list[str]]:
     """Tokens ordered by id, and merges as "left right" strings, read from the tokenizer's JSON."""
     state = json.loads(tokenizer.backend_tokenizer.to_str())
     vocab = tokenizer.get_vocab()

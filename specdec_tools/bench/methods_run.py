@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specdec_core.build import DraftSpec, build_engine, load_pair
+from specdec_core.build import DraftSpec, build_engine
 from specdec_core.chat import encode_prompt
 from specdec_core.config import SamplingParams, parse_num_speculative_tokens
 from specdec_core.drafters import registry
@@ -157,14 +157,7 @@ def run_methods_bench(config: MethodsBenchConfig) -> dict[str, Any]:
     SamplingParams(temperature=config.temperature, seed=config.seed, max_tokens=config.max_new_tokens)
     items = read_workload(config)
     needs_draft = any(m != OFF and registry.resolve(m).runs_draft_model for m in asked)
-    target, draft = load_pair(
-        config.target,
-        config.draft if needs_draft else None,
-        dtype=config.dtype,
-        device=config.device,
-        draft_quantization=config.draft_quantization,
-        draft_vocabulary=config.draft_vocabulary,
-    )
+    target, draft = config.load_models(config.target, config.draft if needs_draft else None)
     workload = encode_workload(config, items, target.tokenizer)
     names = engine_names(asked, thresholds)
     methods = tuple(names)

@@ -10,7 +10,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from specdec_core.build import load_pair
 from specdec_core.hardware import DRAFT_QUANTIZATIONS
+from specdec_core.models.loader import LoadedModel
 from specdec_tools.loadgen.command import non_negative_float, non_negative_int, positive
 
 QUANTIZATION_HELP = (
@@ -70,6 +72,17 @@ class RunOptions:
     num_speculative_tokens: int | str = "auto"
     max_seq_len: int = 4096
     progress: bool = True  # a progress bar on stderr; no flag: tests turn it off
+
+    def load_models(self, target: str, draft: str | None) -> tuple[LoadedModel, LoadedModel | None]:
+        """The target and the draft (None: none) as these options have them run."""
+        return load_pair(
+            target,
+            draft,
+            dtype=self.dtype,
+            device=self.device,
+            draft_quantization=self.draft_quantization,
+            draft_vocabulary=self.draft_vocabulary,
+        )
 
 
 def run_options(args: argparse.Namespace) -> dict[str, Any]:

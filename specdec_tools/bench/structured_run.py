@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specdec_core.build import DraftSpec, build_engine, load_pair
+from specdec_core.build import DraftSpec, build_engine
 from specdec_core.config import SamplingParams, parse_num_speculative_tokens
 from specdec_core.drafters import registry
 from specdec_core.engine import SpecEngine
@@ -179,14 +179,7 @@ def run_structured_bench(config: StructuredBenchConfig) -> dict[str, Any]:
     k = check_config(config)
     items = read_workload(config)
     needs_draft = registry.resolve(config.method).runs_draft_model
-    target, draft = load_pair(
-        config.target,
-        config.draft if needs_draft else None,
-        dtype=config.dtype,
-        device=config.device,
-        draft_quantization=config.draft_quantization,
-        draft_vocabulary=config.draft_vocabulary,
-    )
+    target, draft = config.load_models(config.target, config.draft if needs_draft else None)
     requests = [encode(item, target.tokenizer) for item in items]
     engines = build_engines(config, target, draft)
     check_fits(requests, engines[CONSTRAINED_PLAIN].target.max_seq_len, config.max_new_tokens)
