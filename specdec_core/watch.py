@@ -3,7 +3,7 @@
 A draft that served well for weeks can stop paying without any error: the target is updated, the traffic drifts to
 another language, a quantised draft is deployed by mistake. What shows it is acceptance (accepted / proposed draft
 tokens, overall and per position) and whether a speculative round still yields more tokens per second than a plain
-one. The router records every round of every sequence here and exports snapshots as gauges (deployments.metrics,
+one. The router records every round of every sequence here and exports snapshots as gauges (deployments.prometheus,
 `WatchMetrics`); alert rules compare them with the variant's own past (k8s/monitoring/specdec-alerts.yaml).
 
 Words as in `adaptive`: a round proposes `proposed` draft tokens (k of them, fewer where the drafter had fewer), the

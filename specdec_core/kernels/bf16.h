@@ -55,7 +55,7 @@ static inline float vec_sum(vec_t v) {
 }
 
 #else
-#error "the CPU kernels need AVX-512 (F, BW) or AVX2 with FMA (cpu.py does not build them elsewhere)"
+#error "the CPU kernels need AVX-512 (F, BW) or AVX2 with FMA (library.py does not build them elsewhere)"
 #endif
 
 /*

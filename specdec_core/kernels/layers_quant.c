@@ -49,7 +49,7 @@ typedef struct {
     const uint16_t *bias;
 } specdec_linear_q;
 
-/* One decoder layer's weights (cpu.py's `LayerPointers` mirrors this). */
+/* One decoder layer's weights (layers_quant.py's `Layer` mirrors this). */
 typedef struct {
     const uint16_t *input_norm, *post_norm; /* [D] bf16 */
     specdec_linear_q qkv, o, gate_up, down;
