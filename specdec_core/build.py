@@ -47,6 +47,7 @@ def prepare_model(
     if vocabulary < 0:
         raise InvalidArgument("vocabulary", f"must be >= 0 (0: the whole vocabulary), got {vocabulary}")
     loaded = load_model(source, dtype=dtype, device=device)
+    assert loaded.model is not None  # `load_model` always returns the weights
     if vocabulary and cut_vocabulary(loaded.model, vocabulary, special_ids(loaded)):
         log.debug("draft head: the first %d ids, the special tokens and the contexts'", loaded.model.lm_head.keep)
     if shard is not None:
@@ -135,6 +136,7 @@ def build_engine(
 ) -> SpecEngine:
     """An engine over `target`, drafting as `spec` says (`drafters.registry`; method "none": plain decoding only).
     `draft`: the loaded draft model, for a method that runs one."""
+    assert target.model is not None  # a LoadedModel (`models.loader.load_model`) always carries its weights
     runner = ModelRunner(target.model, runner_config)
     method = registry.resolve(spec.method)
     drafter = None
@@ -143,6 +145,7 @@ def build_engine(
         if method.runs_draft_model:
             if draft is None:
                 raise InvalidArgument("draft.model", f"method {method.name} needs a draft model")
+            assert draft.model is not None  # as for the target
             draft_runner = ModelRunner(draft.model, runner_config)
         context = DraftContext(spec, runner.vocab_size, draft_runner)
         drafter = registry.assemble(method, method.build(context), context)

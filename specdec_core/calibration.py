@@ -3,8 +3,8 @@
 `auto` picks k from the seconds that draft calls and verify forwards take at the current batch size
 (`adaptive.CostModel`). A batch size it has not measured is explored: its first rounds try k = 1 .. explore_up_to
 a few times each. Under load that exploration is dear, and it falls on real requests: every row of the batch pays
-a draft start and wider verifies. Served on two CPU cores, the first wave of 8 concurrent requests spent about 20
-rounds exploring at 8 sequences, where speculation does not pay, and took 10% longer than the waves after it.
+a draft start and wider verifies. The first wave of concurrent requests then spends its early rounds exploring at a
+batch size where speculation may not pay, and runs slower than the waves that follow it.
 
 Calibration runs those rounds before any request arrives, on synthetic sequences and through the engine's own
 round code: at batch sizes 1, 2, 4, ... up to the target's free slots, plain rounds and then rounds at each

@@ -24,6 +24,7 @@ class CausalAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int
     ) -> torch.Tensor:
         # q [B, T, H, hd], k and v [B, T, Hkv, hd] -> [B, T, H, hd]
+        assert ctx.cos is not None and ctx.sin is not None  # needs_tables: the model built the rotary tables
         q = q * ctx.cos + rotate_half(q) * ctx.sin
         k = k * ctx.cos + rotate_half(k) * ctx.sin
         out = F.scaled_dot_product_attention(

@@ -7,10 +7,15 @@ frozen (under LoRA). Dropout is 0: the run is then a pure function of the seed, 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import nn
 
 from specdec_core.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def projection_names(model: Transformer) -> list[str]:
@@ -20,7 +25,7 @@ def projection_names(model: Transformer) -> list[str]:
     )
 
 
-def trainable(model: Transformer, rank: int, alpha: float | None = None, seed: int = 0) -> nn.Module:
+def trainable(model: Transformer, rank: int, alpha: int | None = None, seed: int = 0) -> nn.Module:
     """The module to train: `model` wrapped with LoRA adapters of `rank` (alpha 2 * rank unless given), or at
     rank 0 `model` itself with every weight trainable. Mutates `model` (adapters are injected into it). The
     adapters' initial weights are drawn from `seed` (peft draws from torch's global generator: forked here, so
@@ -47,4 +52,4 @@ def merged(module: nn.Module) -> Transformer:
     """The plain model with any adapters folded into its weights (peft's `merge_and_unload`)."""
     if isinstance(module, Transformer):
         return module
-    return module.merge_and_unload()
+    return cast("PeftModel", module).merge_and_unload()  # not a Transformer: the PeftModel `trainable` wrapped

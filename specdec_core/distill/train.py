@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -128,7 +128,7 @@ def checkpoint_step(path: Path) -> int:
     return int(torch.load(path, weights_only=True, mmap=True)["step"]) if path.exists() else 0
 
 
-def _fingerprint(config: TrainConfig, examples: Sequence[Example], params: dict[str, torch.Tensor]) -> str:
+def _fingerprint(config: TrainConfig, examples: Sequence[Example], params: Mapping[str, torch.Tensor]) -> str:
     """What a checkpoint must have been trained on to be resumed: the config, the data and the trainable
     parameters' names and shapes. Not the step count: a rerun with more steps goes on from the checkpoint (on
     the new schedule, so not bit for bit what a run begun with that count would give)."""
@@ -147,7 +147,7 @@ def _fingerprint(config: TrainConfig, examples: Sequence[Example], params: dict[
 
 
 def _save(
-    path: Path, fingerprint: str, step: int, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer
+    path: Path, fingerprint: str, step: int, params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer
 ) -> None:
     """Written whole or not at all (a temporary file renamed): an interruption mid-write leaves the last one."""
     state = {
@@ -163,7 +163,7 @@ def _save(
     os.replace(tmp, path)
 
 
-def _restore(path: Path, fingerprint: str, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+def _restore(path: Path, fingerprint: str, params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
     state = torch.load(path, weights_only=True)
     if state["fingerprint"] != fingerprint:
         raise InvalidArgument(

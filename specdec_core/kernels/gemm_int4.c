@@ -27,8 +27,8 @@
  * changes a draft).
  * Why the panels: the kernel was bound by its instructions, not by memory. With one output row a pass (the layout
  * before) each group of 32 weights cost every input row five vector operations and a sum across the lanes at the
- * end; here 32 weights of 8 rows cost each input row about as many. Measured on a 2-core AVX2 CPU, the demo draft's
- * step took 0.77 of the time at one token and 0.63-0.70 at two to four (docs/engine.md).
+ * end; here 32 weights of 8 rows cost each input row about as many. The demo draft's step measured faster this way on
+ * AVX2 at one token and more so at two to four (docs/engine.md has the figures).
  *
  * Written with AVX2 instructions (and F16C's conversion where the CPU has it), which CPUs with AVX-512 also run
  * (measured on AVX2 only). K a multiple of 2 G (the caller checks).

@@ -177,3 +177,22 @@ def test_a_labelled_proposal_is_trimmed_to_what_its_record_makes_worth_verifying
     for _ in range(60):
         hybrid.label_estimate("span").update(4, 4)  # now right to its end
     assert hybrid.trim(proposal, 1, costs).token_ids == [1, 2, 3, 4]
+
+
+def test_a_label_is_valued_by_its_record_only_from_two_trials_at_its_first_position():
+    hybrid = HybridDrafter(None)
+    proposal = Proposal([1, 2, 3], None, label="span")
+    for _ in range(2):  # decayed trials at position 1: 1.0, then 1.99
+        hybrid.label_estimate("span").update(3, 0)
+        assert hybrid.free_value(proposal) == FreeProposal(4.0, 3)  # still explored
+    hybrid.label_estimate("span").update(3, 0)  # 2.97 trials: the record speaks
+    assert hybrid.free_value(proposal).expected_tokens < 4.0
+
+
+def test_a_trim_that_gains_nothing_by_length_keeps_the_shortest_proposal():
+    hybrid, costs = HybridDrafter(None), CostModel()
+    proposal = Proposal([1, 2, 3, 4], None, label="span")
+    hybrid.label_estimate("span").update(4, 2)
+    gains = hybrid.acceptance_by_label["span"].expected_tokens(4)
+    costs.verify = {1: {t + 1: gains[t] for t in range(5)}}  # every length commits as many tokens per second
+    assert hybrid.trim(proposal, 1, costs).token_ids == [1]

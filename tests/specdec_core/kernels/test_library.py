@@ -1,5 +1,6 @@
 """The kernel cache: a private directory, libraries named by what they are built from, and only verified bytes
-loaded. Built from a one-line C file, so these run wherever a C compiler does (no AVX-512 needed)."""
+loaded. Built from a one-line C file, so these run wherever a C compiler does (no AVX-512 needed). And the
+kernels' C signatures: a status a kernel returns is raised."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdec_core.kernels import library
+from tests.specdec_core.kernels.marks import needs_kernels
 
 COMPILER = shutil.which("cc") or shutil.which("gcc")
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="needs a C compiler")
@@ -233,3 +236,37 @@ def test_kernels_never_load_from_a_refused_directory(tmp_path, monkeypatch):
         assert library.load_library() is None
     finally:
         library.load_library.cache_clear()
+
+
+@needs_kernels
+def test_kernels_that_cannot_allocate_their_scratch_raise_memory_error():
+    """Sizes whose scratch (2^62 bytes) no machine can allocate: the kernel returns ENOMEM before touching the
+    (small) tensors, and the call raises instead of writing through a NULL pointer."""
+    lib = library.load_library()
+    q, out = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16), torch.empty(1, 1, 1, 16, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 1, 4, 16, dtype=torch.bfloat16)
+    zeros = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(MemoryError, match="specdec_attention_bf16"):
+        lib.specdec_attention_bf16(
+            q.data_ptr(),
+            kv.data_ptr(),
+            kv.data_ptr(),
+            zeros.data_ptr(),
+            zeros.data_ptr(),
+            out.data_ptr(),
+            1,
+            1,
+            1,
+            1,
+            16,
+            1 << 60,
+            0.25,
+            2,
+        )
+    if lib.specdec_has_int8():
+        x, y = torch.zeros(1, 64, dtype=torch.bfloat16), torch.empty(1, 8, dtype=torch.bfloat16)
+        w, sw, wsum = torch.zeros(8, 64, dtype=torch.int8), torch.ones(8), torch.zeros(8, dtype=torch.int32)
+        with pytest.raises(MemoryError, match="specdec_gemm_w8a8"):
+            lib.specdec_gemm_w8a8(
+                x.data_ptr(), w.data_ptr(), sw.data_ptr(), wsum.data_ptr(), None, y.data_ptr(), 1 << 56, 8, 64, 1
+            )

@@ -1,0 +1,36 @@
+"""What runs a built model (`report.py`): the kernel path named, and rows batch-invariant only on the kernels."""
+
+from __future__ import annotations
+
+from specdec_core import hardware
+from specdec_core.build import prepare_model
+from specdec_core.kernels import fbgemm_rows, library, report
+from tests.specdec_core.kernels.marks import needs_kernels
+
+pytestmark = needs_kernels
+
+
+def test_the_kernel_path_is_named_and_batch_invariant_only_on_the_kernels(bf16_pair, tiny_dir):
+    fast, plain = bf16_pair
+    lib = library.load_library()
+    native = "native bf16" if lib.specdec_has_native_bf16() else "fp32 widening"
+    isa = "AVX-512" if lib.specdec_has_avx512() else "AVX2"
+    assert isa == ("AVX-512" if {"avx512f", "avx512bw"} <= hardware.cpu_flags() else "AVX2")
+    assert report.kernel_path(fast.model) == f"bf16 {isa} ({native}), layers in one call"
+    assert report.rows_batch_invariant(fast.model)
+    assert report.kernel_path(plain.model).startswith("torch fallback (")  # loaded, never given the kernels
+    assert not report.rows_batch_invariant(plain.model)
+    if library.load_library().specdec_has_int8():
+        # auto: int8 on AVX-512 (with VNNI: the int8 kernel needs it there), 4-bit weights on AVX2
+        draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="auto")
+        int4 = "int4 AVX2" + (f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if fbgemm_rows.available() else "")
+        int4 += ", layers in one call"
+        chosen = "int8 VNNI, layers in one call" if lib.specdec_has_avx512() else int4
+        assert report.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {chosen}"
+        draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int8")
+        int8 = "int8 VNNI" if lib.specdec_has_vnni() else "int8 AVX2"
+        assert report.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {int8}, layers in one call"
+    draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int4")
+    rows = f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if fbgemm_rows.available() else ""
+    assert report.kernel_path(draft.model) == f"bf16 {isa} ({native}) + int4 AVX2{rows}, layers in one call"
+    assert report.rows_batch_invariant(draft.model) is not fbgemm_rows.available()
