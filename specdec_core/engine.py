@@ -34,7 +34,7 @@ from specdec_core.outputs import RequestOutput, RoundInfo
 from specdec_core.request import PromptLimits, Request
 from specdec_core.sequence import SequenceState, seeded_generator
 from specdec_core.stopping import FinishReason, IncrementalDetokenizer, StopChecker
-from specdec_core.target import PartialPrefill, PartialVerifyFailure, Prefilled, Target, VerifyItem
+from specdec_core.target import PartialPrefill, PartialVerifyFailure, Prefilled, Target, VerifyItem, VerifyOutcome
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,18 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.policy.max_k != self.max_speculative_tokens:
             object.__setattr__(self, "policy", replace(self.policy, max_k=self.max_speculative_tokens))
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One row of a round's verify: what it proposes, how it came by it, and the target's item."""
+
+    seq: SequenceState
+    proposal: Proposal
+    k: int  # the draft model's k (0: it drafted nothing for the row)
+    free: bool  # it verifies a proposal that cost no draft call
+    method: str | None  # `RoundInfo.method`
+    item: VerifyItem
 
 
 class SpecEngine:
@@ -184,7 +196,16 @@ class SpecEngine:
         admitted, self._waiting = self._waiting[:room], self._waiting[room:]
         if not admitted:
             return []
-        items = [seq.prefill_item() for seq in admitted]
+        items, failed = [], []
+        for seq in admitted:
+            try:
+                items.append(seq.prefill_item())
+            except Exception as exc:  # its grammar failed: it ends before any work, the others are prefilled
+                failed.append(seq.final(FinishReason.ERROR, exc))
+                log.warning("request %s failed: %s", seq.seq_id, exc, exc_info=True)
+        admitted = [seq for seq in admitted if seq.seq_id in {item.seq_id for item in items}]  # the same order
+        if not admitted:
+            return failed
         first: list[Prefilled | None]
         try:
             first = list(self.target.prefill(items))
@@ -193,8 +214,8 @@ class SpecEngine:
             self._waiting = [seq for seq, done in zip(admitted, first) if done is None] + self._waiting
         except Exception as exc:  # the target released whatever it had allocated for these
             log.warning("prefill of %d requests failed: %s", len(admitted), exc, exc_info=True)
-            return [seq.final(FinishReason.ERROR, exc) for seq in admitted]
-        outputs = []
+            return failed + [seq.final(FinishReason.ERROR, exc) for seq in admitted]
+        outputs = failed
         for seq, done in zip(admitted, first):
             if done is None:
                 continue
@@ -206,17 +227,23 @@ class SpecEngine:
         return outputs
 
     def _round(self, seqs: list[SequenceState]) -> list[RequestOutput]:
-        """One round for `seqs`. Should the target fail, every sequence of the round ends with an error and its
-        state is released: a failed call leaves caches in no known state. A drafter that fails costs only drafts
-        (`drafts_failed`). A constrained row whose grammar forces the rest of its output commits it without taking
-        part (`forced_round`)."""
-        try:
-            forced = [seq.forced(self.target.max_seq_len) for seq in seqs]
-        except Exception as exc:
-            return self._fail(seqs, exc)
-        ending = [structured.completes(chain, self._room(seq), self.eos_token_ids) for seq, chain in zip(seqs, forced)]
-        outputs = [self._commit_forced(seq, chain) for seq, chain, end in zip(seqs, forced, ending) if end]
-        rest = [(seq, chain[: self._spec_cap(seq)]) for seq, chain, end in zip(seqs, forced, ending) if not end]
+        """One round for `seqs`. A failure is attributed where it belongs: a row's own (its grammar, its commit)
+        ends that row alone (`_row_failed`), leaving every other row's stream and caches as if it had not happened;
+        should the target's call fail, every row of that call ends, as a failed call leaves caches in no known
+        state. A drafter that fails costs only drafts (`drafts_failed`). A constrained row whose grammar forces the
+        rest of its output commits it without taking part (`forced_round`)."""
+        outputs, rest = [], []
+        for seq in seqs:
+            try:
+                chain = seq.forced(self.target.max_seq_len)
+                ends = structured.completes(chain, self._room(seq), self.eos_token_ids)
+            except Exception as exc:
+                outputs.append(self._row_failed(seq, exc))
+                continue
+            if ends:
+                outputs.append(self._commit_forced(seq, chain))
+            else:
+                rest.append((seq, chain[: self._spec_cap(seq)]))
         if rest:
             outputs += self._speculate([seq for seq, _ in rest], [chain for _, chain in rest])
         return outputs
@@ -234,6 +261,12 @@ class SpecEngine:
             self._free(seq)
         return [seq.final(FinishReason.ERROR, exc) for seq in seqs]
 
+    def _row_failed(self, seq: SequenceState, exc: Exception) -> RequestOutput:
+        """`seq` alone ends with `exc`; what the target and the drafters hold for it is freed."""
+        log.warning("request %s failed: %s", seq.seq_id, exc, exc_info=True)
+        self._free(seq)
+        return seq.final(FinishReason.ERROR, exc)
+
     def _speculate(self, seqs: list[SequenceState], forced: list[list[int]]) -> list[RequestOutput]:
         """Draft, verify and accept for `seqs`; a row with `forced` tokens verifies them instead of drafting."""
         started = time.perf_counter()
@@ -245,43 +278,74 @@ class SpecEngine:
                     ks[i], takes_free[i] = 0, True
             if self.drafter is not None and any(ks):
                 ks = [0] * len(ks) if self._draft_faults.resting() else self._start_drafting(seqs, ks)
-            proposals = [
-                offer
-                if free and offer is not None
-                else self.hybrid.trim(structured.cut_to_grammar(seq.grammar, p), len(seqs), self.costs)
-                for seq, p, offer, free in zip(seqs, self._propose(seqs, ks), offers, takes_free)
-            ]
-            items = [seq.verify_item(proposal) for seq, proposal in zip(seqs, proposals)]
-            t0 = time.perf_counter()
-            outcomes, failed = self._verify(items)
-        except Exception as exc:
+            drafted = self._propose(seqs, ks)
+        except Exception as exc:  # the round's own logic failed before the target was called
             return self._fail(seqs, exc)
+        outputs, rows = [], []
+        for seq, proposal, offer, k, free, chain in zip(seqs, drafted, offers, ks, takes_free, forced):
+            try:
+                rows.append(self._row(seq, proposal, offer, len(seqs), k, free, chain))
+            except Exception as exc:  # its grammar failed: the row ends before its verify, the others go on
+                outputs.append(self._row_failed(seq, exc))
+        if not rows:
+            return outputs
+        t0 = time.perf_counter()
+        try:
+            outcomes, failed = self._verify([row.item for row in rows])
+        except Exception as exc:
+            return outputs + self._fail([row.seq for row in rows], exc)
         if not failed:
-            self.costs.observe_verify(len(seqs), 1 + max(len(p.token_ids) for p in proposals), time.perf_counter() - t0)
+            width = 1 + max(len(row.proposal.token_ids) for row in rows)
+            self.costs.observe_verify(len(rows), width, time.perf_counter() - t0)
         seconds = time.perf_counter() - started
-        outputs = []
-        for i, (seq, proposal, k, free, outcome) in enumerate(zip(seqs, proposals, ks, takes_free, outcomes)):
+        for i, (row, outcome) in enumerate(zip(rows, outcomes)):
             if i in failed:  # its target replica is gone: this request ends, the others go on
-                self._free(seq)
-                outputs.append(seq.final(FinishReason.ERROR, failed[i]))
+                outputs.append(self._row_failed(row.seq, failed[i]))
                 continue
-            draft, n = proposal.token_ids, outcome.num_accepted
-            method = structured.FORCED if forced[i] else self._method(proposal, k, free)
-            info = RoundInfo(
-                k=len(draft) if free else k,
-                proposed_token_ids=tuple(draft),
-                num_accepted=n,
-                bonus=n == len(draft),
-                draft_probs=proposal.draft_probs,
-                target_probs=outcome.target_probs,
-                method=method,
-                seconds=seconds,
-            )
-            self._learn(seq, proposal, k, free, n)
-            outputs.append(self._commit(seq, list(outcome.token_ids), info))
-            if k > 0:
-                seq.draft.drafted(len(seq.tokens))
+            try:
+                outputs.append(self._accept(row, outcome, seconds))
+            except Exception as exc:
+                outputs.append(self._row_failed(row.seq, exc))
         return outputs
+
+    def _row(
+        self,
+        seq: SequenceState,
+        drafted: Proposal,
+        offer: Proposal | None,
+        batch_size: int,
+        k: int,
+        free: bool,
+        forced: list[int],
+    ) -> _Row:
+        """A row's share of the verify: the free `offer` it takes, else its `drafted` proposal cut to its grammar
+        and to what it is worth; and the target's item."""
+        if free and offer is not None:
+            proposal = offer
+        else:
+            proposal = self.hybrid.trim(structured.cut_to_grammar(seq.grammar, drafted), batch_size, self.costs)
+        method = structured.FORCED if forced else self._method(proposal, k, free)
+        return _Row(seq, proposal, k, free, method, seq.verify_item(proposal))
+
+    def _accept(self, row: _Row, outcome: VerifyOutcome, seconds: float) -> RequestOutput:
+        """Commit a verified row's outcome; what the round teaches the estimates first."""
+        seq, proposal, k, free = row.seq, row.proposal, row.k, row.free
+        draft, n = proposal.token_ids, outcome.num_accepted
+        info = RoundInfo(
+            k=len(draft) if free else k,
+            proposed_token_ids=tuple(draft),
+            num_accepted=n,
+            bonus=n == len(draft),
+            draft_probs=proposal.draft_probs,
+            target_probs=outcome.target_probs,
+            method=row.method,
+            seconds=seconds,
+        )
+        self._learn(seq, proposal, k, free, n)
+        output = self._commit(seq, list(outcome.token_ids), info)
+        if k > 0:
+            seq.draft.drafted(len(seq.tokens))
+        return output
 
     def _learn(self, seq: SequenceState, proposal: Proposal, k: int, free: bool, num_accepted: int) -> None:
         """What a verified row teaches: the draft model's estimates (the request's, the engine's) unless it verified
@@ -421,21 +485,23 @@ class SpecEngine:
     # -- commit and release --------------------------------------------------------------------------------------
 
     def _commit(self, seq: SequenceState, tokens: list[int], info: RoundInfo | None) -> RequestOutput:
-        committed = seq.stopper.commit(tokens)
-        seq.tokens.extend(committed)
-        if seq.grammar is not None and seq.grammar.advance(committed) != len(committed):
-            # Every token was sampled under the grammar's masks: one it refuses is the engine's fault (or a target
-            # that ignored the masks), and the grammar's state no longer says where the output is.
-            self._free(seq)
-            kind = seq.params.constraint.kind if seq.params.constraint is not None else None
-            error = RuntimeError(f"{seq.seq_id}: committed tokens {committed} leave the {kind} constraint")
-            return seq.final(FinishReason.ERROR, error)
-        reason = seq.stopper.finish_reason
-        if reason is None:
-            seq.draft.observe(self.drafter, self.hybrid.free, len(seq.tokens), self._draft_faults)
-        else:
-            self._free(seq)
-        return seq.output(committed, info)
+        """Commit `tokens` to `seq` and say what they were. A failure here is the row's alone: it ends, and no
+        other row's commit or stream is touched (`_row_failed`)."""
+        try:
+            committed = seq.stopper.commit(tokens)
+            seq.tokens.extend(committed)
+            if seq.grammar is not None and seq.grammar.advance(committed) != len(committed):
+                # Every token was sampled under the grammar's masks: one it refuses is the engine's fault (or a
+                # target that ignored the masks), and the grammar's state no longer says where the output is.
+                kind = seq.params.constraint.kind if seq.params.constraint is not None else None
+                raise RuntimeError(f"{seq.seq_id}: committed tokens {committed} leave the {kind} constraint")
+            if seq.stopper.finish_reason is None:
+                seq.draft.observe(self.drafter, self.hybrid.free, len(seq.tokens), self._draft_faults)
+            else:
+                self._free(seq)
+            return seq.output(committed, info)
+        except Exception as exc:
+            return self._row_failed(seq, exc)
 
     def _free(self, seq: SequenceState) -> None:
         """Release what the target and the drafters hold for `seq` (a running sequence: the target holds it)."""

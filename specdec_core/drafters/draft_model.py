@@ -64,6 +64,8 @@ class DraftModelDrafter:
         self.q_support = q_support
         self.confidence_threshold = confidence_threshold
         self._slots: dict[str, int] = {}
+        # Per sequence, the drafts its last round wrote to its cache: (their first position, the tokens).
+        self._fed: dict[str, tuple[int, list[int]]] = {}
         head = getattr(runner.model, "lm_head", None)
         self._keep = head.keep if isinstance(head, VocabHead) else None
 
@@ -101,6 +103,7 @@ class DraftModelDrafter:
         return self.runner.cached_prefix(self._readable(token_ids[:-1]), cache_salt)
 
     def release(self, seq_id: str) -> None:
+        self._fed.pop(seq_id, None)
         slot = self._slots.pop(seq_id, None)
         if slot is not None:
             self.runner.release(slot)
@@ -122,6 +125,7 @@ class DraftModelDrafter:
         feeds = {}  # row -> the committed tokens its slot has not read (a long backlog read first, alone)
         for i in rows:
             slot = self._slots[requests[i].seq_id]
+            self._drop_stale_drafts(requests[i].seq_id, slot, requests[i].token_ids)
             feeds[i] = self._catch_up(slot, self._readable(requests[i].token_ids[self.runner.length(slot) :]))
         advanced = [0] * len(requests)  # drafts each row's grammar was moved along: moved back before returning
         extra = (
@@ -163,10 +167,28 @@ class DraftModelDrafter:
             for request, n in zip(requests, advanced):
                 if n and request.grammar is not None:  # advanced only where there is a grammar
                     request.grammar.rollback(n)
+        for r, drafted in zip(requests, tokens):
+            if r.num_tokens > 0:
+                written = self.runner.length(self._slots[r.seq_id]) - len(r.token_ids)
+                self._fed[r.seq_id] = (len(r.token_ids), drafted[:written])
         return [
             Proposal(token_ids=t, q=_stack(q), draft_probs=tuple(c) if r.return_probs else None)
             for t, q, c, r in zip(tokens, qs, chosen, requests)
         ]
+
+    def _drop_stale_drafts(self, seq_id: str, slot: int, token_ids: Sequence[int]) -> None:
+        """Keep the last round's drafts in the cache only as far as the committed tokens agree with them. `observe`
+        does this after each commit; a caller that tells the committed length only with the next round (a remote
+        draft worker hears of rounds without drafts only then) would otherwise leave a rejected draft behind a
+        prefix that since grew past it, and the draft would read a context that was never committed."""
+        if seq_id not in self._fed:
+            return
+        start, fed = self._fed.pop(seq_id)
+        committed = self._readable(token_ids[start : start + len(fed)])
+        agree = next((j for j, (a, b) in enumerate(zip(fed, committed)) if a != b), len(committed))
+        keep = min(start + agree, len(token_ids) - 1)  # the last committed token is read with the next step
+        if keep < self.runner.length(slot):
+            self.runner.truncate(slot, keep)
 
     def _catch_up(self, slot: int, feed: list[int]) -> list[int]:
         """Read all but the last token of a long feed (a sequence that sat at k = 0 for a while) in a forward of

@@ -110,8 +110,8 @@ class DraftSession:
 
     def observe(self, drafter: Drafter | None, free: Drafter | None, num_committed: int, faults: Faults) -> None:
         """Tell the drafters that hold state for the sequence its committed length. A draft model that raises is
-        dropped (`drop`: started again later). The free drafter's observe is not guarded: a lookup structure in
-        this process that fails here has a bug, not a lost connection."""
+        dropped (`drop`: started again later); a free drafter that raises is stopped for the sequence
+        (`stop_free`). Either costs proposals, never the request."""
         if self.drafting and drafter is not None:
             try:
                 drafter.observe(self.seq_id, num_committed)
@@ -119,7 +119,11 @@ class DraftSession:
                 faults.failed(exc)
                 self.drop(drafter, faults)
         if self.free is DraftState.ACTIVE and free is not None:
-            free.observe(self.seq_id, num_committed)
+            try:
+                free.observe(self.seq_id, num_committed)
+            except Exception:
+                log.warning("the %s drafter failed to observe %s", free.name, self.seq_id, exc_info=True)
+                self.stop_free(free)
 
     def drop(self, drafter: Drafter | None, faults: Faults) -> None:
         """ACTIVE -> IDLE on the draft model: what it holds for the sequence is freed (or lost, if the release

@@ -47,6 +47,28 @@ def test_a_stale_row_beside_a_long_one_drafts_as_each_would_alone(tiny_target):
     assert drafter.runner.length(drafter._slots["stale"]) == len(stale) + 2  # read it all, plus two drafts
 
 
+@pytest.mark.parametrize("accepted", [0, 1, 2])
+def test_drafts_rejected_rounds_ago_are_not_read_as_context(tiny_target, accepted):
+    """A remote draft worker hears of the committed tokens only with its next Propose: here one round drafts 4,
+    the target accepts `accepted` of them and replaces the next, and three plain rounds (no drafts, no observe)
+    commit more before the next Propose. The rejected drafts must not stay in the cache behind the prefix that
+    grew past them: the next proposal and its q are those of a drafter started on the committed tokens."""
+    vocab = tiny_target.model.vocab_size
+    prompt = torch.randint(0, vocab, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    drafter = _drafter(tiny_target.model)
+    drafter.start("r", prompt)
+    (first,) = drafter.propose([_request("r", prompt, k=4)])
+    replaced = (first.token_ids[accepted] + 1) % vocab
+    committed = prompt + first.token_ids[:accepted] + [replaced] + [5, 6, 7]
+    request = DraftRequest("r", committed, 3, TokenShaping(), None, return_probs=True)
+    (after,) = drafter.propose([request])
+    fresh = _drafter(tiny_target.model)
+    fresh.start("r", committed)
+    (alone,) = fresh.propose([request])
+    assert after.token_ids == alone.token_ids
+    assert after.draft_probs == pytest.approx(alone.draft_probs, abs=1e-5)
+
+
 def test_a_sparse_row_draws_what_its_dense_row_draws():
     """The drafter samples from q's sparse rows: ids ascending, the same uniform draws the same token as the dense
     row would, so q's sparseness changes no output."""
