@@ -1,8 +1,10 @@
 """Who may call what: a bearer token on the public API; mutual TLS and a shared secret on the internal services.
 
-Public: when SPECDEC_AUTH_TOKEN is set in the router's environment (or `auth_token_file` names a file), every
-call must carry `authorization: Bearer <token>`; anything else is UNAUTHENTICATED. Tokens are compared as
-SHA-256 digests with `hmac.compare_digest`: constant time, and the length of the token leaks nothing either.
+Public: every call must carry `authorization: Bearer <token>`, the token being SPECDEC_AUTH_TOKEN in the router's
+environment or the contents of `auth_token_file`; anything else is UNAUTHENTICATED. A router with no token refuses
+to start unless the config says `auth: none` (`public_auth`): auth is on unless someone wrote that it is off.
+Tokens are compared as SHA-256 digests with `hmac.compare_digest`: constant time, and the length of the token leaks
+nothing either.
 
 Internal: the draft and target workers serve only over mutual TLS (`deployments.tls`: a handshake needs a client
 certificate from the application's CA, and the router checks the worker's), and only callers that also present
@@ -18,12 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
+import yaml
 
 from deployments.tls import TlsBundle, channel_credentials, channel_options
 from specdec_core import environment
@@ -31,6 +35,8 @@ from specdec_core.errors import InvalidArgument
 
 ENV_TOKEN = environment.AUTH_TOKEN
 INTERNAL_KEY = "specdec-internal-token"
+
+log = logging.getLogger(__name__)
 
 
 class Unauthenticated(Exception):
@@ -42,7 +48,8 @@ def _digest(token: str) -> bytes:
 
 
 def load_public_token(token_file: str | None) -> str | None:
-    """The public API's token: SPECDEC_AUTH_TOKEN, else the contents of `token_file`, else None (no auth)."""
+    """The public API's token: SPECDEC_AUTH_TOKEN, else the contents of `token_file`, else None (`public_auth`
+    decides whether None may serve)."""
     token = environment.auth_token()
     if token:
         return token
@@ -57,24 +64,86 @@ def load_public_token(token_file: str | None) -> str | None:
     return token
 
 
-class BearerAuth:
-    """Checks `authorization: Bearer <token>` metadata against one token (None: every call is allowed)."""
+def load_tenant_tokens(tokens_file: str | None) -> dict[str, str]:
+    """Tokens per tenant from `tokens_file` (YAML: tenant name -> token); {} without one."""
+    if tokens_file is None:
+        return {}
+    path = Path(tokens_file)
+    if not path.is_file():
+        raise InvalidArgument("auth_tokens_file", f"no file at {tokens_file!r}")
+    tenants = yaml.safe_load(path.read_text())
+    if not isinstance(tenants, dict) or not tenants:
+        raise InvalidArgument("auth_tokens_file", "must map each tenant's name to its token")
+    for tenant, token in tenants.items():
+        if not isinstance(tenant, str) or not tenant or not isinstance(token, str) or not token.strip():
+            raise InvalidArgument("auth_tokens_file", f"tenant {tenant!r}: a name and a non-empty token")
+    tokens = [token.strip() for token in tenants.values()]
+    if len(set(tokens)) < len(tokens):
+        raise InvalidArgument("auth_tokens_file", "two tenants share a token: a token names one tenant")
+    return {tenant: token.strip() for tenant, token in tenants.items()}
 
-    def __init__(self, token: str | None) -> None:
-        self._digest = None if token is None else _digest(token)
+
+def public_auth(mode: Literal["bearer", "none"], token_file: str | None, tokens_file: str | None = None) -> BearerAuth:
+    """The public API's check for the config's `auth` and `auth_token_file`, read when the router starts.
+
+    bearer without a token raises `InvalidArgument`: the router does not start, rather than serve an open API
+    because a Secret or a file went missing. none logs a WARNING; a token present all the same is enforced (the
+    stricter of the two: whoever set it meant it), and that is logged too."""
+    token = load_public_token(token_file)
+    tenants = load_tenant_tokens(tokens_file)
+    if tenants:
+        log.info("auth: %d tenants with tokens of their own, each its own prefix-cache namespace", len(tenants))
+        return BearerAuth(token, tenants)
+    if token is None and mode == "bearer":
+        raise InvalidArgument(
+            "auth",
+            f"the public API needs a bearer token and there is none: set {ENV_TOKEN} in the router's environment "
+            "(on Kubernetes: the Secret specdec-api-token, key `token`) or name a file holding it in "
+            "auth_token_file; or say `auth: none` in the config to serve without auth",
+        )
+    if mode == "none" and token is None:
+        log.warning("auth: none: the public API admits every caller without a token (gRPC and HTTP alike)")
+    elif mode == "none":
+        log.warning("auth: none, but %s is set: every call must carry it all the same", ENV_TOKEN)
+    return BearerAuth(token)
+
+
+class BearerAuth:
+    """Checks `authorization: Bearer <token>` metadata against the tokens: one shared token and tokens per tenant
+    (none at all: every call is allowed)."""
+
+    def __init__(self, token: str | None, tenants: Mapping[str, str] | None = None) -> None:
+        # digest -> tenant (None: the shared token's callers)
+        self._tenants: dict[bytes, str | None] = {_digest(t): name for name, t in (tenants or {}).items()}
+        if token is not None:
+            self._tenants.setdefault(_digest(token), None)
 
     @property
     def enabled(self) -> bool:
-        return self._digest is not None
+        return bool(self._tenants)
 
-    def check(self, metadata: Sequence[tuple[str, Any]]) -> None:
-        if self._digest is None:
-            return
+    def check(self, metadata: Sequence[tuple[str, Any]]) -> str | None:
+        """The caller's tenant (None: the shared token's, or no auth); `Unauthenticated` without a valid token.
+        Every known digest is compared, whichever matches: the time taken says nothing of which."""
+        if not self._tenants:
+            return None
         values = [v for k, v in metadata if k.lower() == "authorization"]
         scheme, _, token = (values[0] if values else "").partition(" ")
         presented = _digest(token.strip()) if scheme.lower() == "bearer" else b""
-        if not hmac.compare_digest(presented, self._digest):  # b"" never equals a digest
+        matches = [tenant for digest, tenant in self._tenants.items() if hmac.compare_digest(presented, digest)]
+        if not matches:  # b"" never equals a digest
             raise Unauthenticated("missing or invalid bearer token (metadata `authorization: Bearer <token>`)")
+        return matches[0]
+
+
+def cache_namespace(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The salt a request's cached prefixes are shared under: its own `cache_salt` within its tenant's namespace.
+    A tenant's requests without a salt share among themselves only; requests of the shared token (or of no auth)
+    keep their salt as it is, and those without one share the common namespace. Fixed length, whatever the two."""
+    if tenant is None:
+        return cache_salt
+    key = f"{len(tenant)}:{tenant}:{cache_salt or ''}".encode("utf-8", "surrogatepass")
+    return "tenant-" + hashlib.sha256(key).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ codec (`deployments.worker_codec`), and the OpenAI-compatible API decodes to the
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -165,6 +167,8 @@ def decode_structured(request: pb.GenerateRequest) -> Constraint | None:
         raise InvalidArgument("structured.json_object", "must be true (leave structured unset for any text)")
     if structured.lenient_schema and kind != "json_schema":
         raise InvalidArgument("structured.lenient_schema", f"applies to json_schema only, not {kind}")
+    if kind == "json_schema":
+        check_json_depth("structured.json_schema", structured.json_schema)
     try:
         return Constraint(
             kind,
@@ -174,6 +178,28 @@ def decode_structured(request: pb.GenerateRequest) -> Constraint | None:
         )
     except InvalidArgument as exc:
         raise InvalidArgument(f"structured.{kind}", exc.message) from None
+
+
+# JSON a request carries (a schema, a tool's parameters, a call's arguments) nests at most this deep: parsers, schema
+# compilers and chat templates recurse once a level, and Python's recursion gives out near a thousand levels.
+# OpenAI's structured outputs allow 10 levels; 64 leaves room and keeps every recursion short.
+MAX_JSON_DEPTH = 64
+_JSON_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)  # a bracket in a string does not nest
+_BRACKETS = re.compile(r"[][{}]")
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def json_depth(text: str) -> int:
+    """How deeply the arrays and objects of JSON `text` nest (0: a scalar), counted without parsing it (a parser
+    would recurse); malformed text gets a count too, and its parser's own error later."""
+    steps = map(_STEP.__getitem__, _BRACKETS.findall(_JSON_STRINGS.sub("", text)))
+    return max(itertools.accumulate(steps), default=0)
+
+
+def check_json_depth(field: str, text: str) -> None:
+    """Refuse JSON `text` nested deeper than MAX_JSON_DEPTH, naming `field`."""
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise InvalidArgument(field, f"nesting deeper than {MAX_JSON_DEPTH} levels")
 
 
 def encode_structured(constraint: Constraint) -> pb.StructuredOutput:

@@ -108,7 +108,7 @@ class RemoteDrafter:
                 session.placed(token_ids)
                 session.constrained = False  # a new session: its grammar goes with its first Propose
                 return worker_codec.decode_started(responses[replica.address], 1)[0]
-            self.pool.unpin(seq_id)
+            self.pool.release(seq_id)  # it may hold the session after all (a Start that ran past the timeout)
             if not isinstance(failures[replica.address], WorkerDraining):  # the pool retired a draining one
                 log.warning("draft session %s not started: %s", seq_id, failures[replica.address])
                 return None
@@ -125,7 +125,9 @@ class RemoteDrafter:
             return proposals
         if self.tracer is not None:
             self.tracer.begin_round([requests[i].seq_id for i in live])
-        by_replica = group_by_replica(self.pool, [requests[i] for i in live], lambda r: r.seq_id)
+        by_replica, unplaced = group_by_replica(self.pool, [requests[i] for i in live], lambda r: r.seq_id)
+        for j in unplaced:  # no replica holds it after all: placed again later
+            self._evict(requests[live[j]].seq_id)
         groups = {address: [live[j] for j in idx] for address, idx in by_replica.items()}
         messages = {address: self._propose_message(requests, idx) for address, idx in groups.items()}
         responses, failures = self._send(requests, groups, messages)
@@ -200,7 +202,7 @@ class RemoteDrafter:
         """The session's draft state is lost or in doubt: free it where possible, and place it again later."""
         session = self._sessions[seq_id]
         session.lost()
-        self.pool.release(seq_id)  # a no-op for a replica marked failed (its sessions are already unpinned)
+        self.pool.release(seq_id)  # a failed replica is told once it answers again
         session.retry_at = time.monotonic() + self.retry_s
 
     def release(self, seq_id: str) -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+REPROBE_S = 0.5  # how stale a full replica's word on its free slots may be before it is asked again
+
 
 @dataclass
 class Replica:
@@ -41,10 +44,33 @@ class Replica:
     last_pinned: int = 0  # when it last got a session: ties go to the one that waited longest
     retired: bool = False  # no longer registered, or draining (being stopped): takes no new sessions
     failed: bool = False  # a call to it failed: takes no new sessions until a probe finds it answering again
+    # Its own last word on its free KV slots (every router's sessions counted), and the sessions this router
+    # placed there since: several routers share a worker, and only the worker knows what all of them took.
+    free_reported: int = 0
+    pinned_since_report: int = 0
+    reported_at: float = field(default_factory=time.monotonic)
+    # Sessions whose state there is in doubt (a call that failed, a release it did not answer): released once it
+    # answers again, so that nothing stays held there until its idle timeout.
+    orphans: set[str] = field(default_factory=set)
 
     @property
     def usable(self) -> bool:
         return not (self.retired or self.failed)
+
+    @property
+    def room(self) -> int:
+        """New sessions it can take, by what it last said and what this router placed there since."""
+        by_us = self.stats.num_slots - len(self.sessions)
+        return max(0, min(by_us, self.free_reported - self.pinned_since_report))
+
+    def reported(self, free_slots: int) -> None:
+        """The worker said how many slots it has free now (mutates)."""
+        self.free_reported, self.pinned_since_report, self.reported_at = free_slots, 0, time.monotonic()
+
+    @property
+    def full_by_others(self) -> bool:
+        """It said it had no room for us, though our own sessions leave some: others' sessions may have ended."""
+        return self.room == 0 and len(self.sessions) < self.stats.num_slots
 
 
 class ReplicaPool:
@@ -86,12 +112,17 @@ class ReplicaPool:
                     self._drop(address)
                 else:
                     replica.retired = True
-        for replica in [r for r in self.replicas if r.failed]:
-            if self._probe(replica.stub, replica.address) is not None:
-                replica.failed = False
+        for replica in self.replicas:
+            stats = self._probe(replica.stub, replica.address)
+            if stats is not None:
+                replica.stats = stats
+                replica.reported(stats.free_slots)
+                replica.failed = not self._release_orphans(replica)  # it answered: back if it takes them
             elif not replica.sessions:
                 with self._lock:
                     self._drop(replica.address)
+            else:
+                replica.failed = True
         for address in addresses:
             if address in self._replicas:
                 continue
@@ -102,7 +133,7 @@ class ReplicaPool:
                 channel.close()
                 continue
             with self._lock:
-                self._replicas[address] = Replica(address, stub, channel, set(), stats)
+                self._replicas[address] = Replica(address, stub, channel, set(), stats, free_reported=stats.free_slots)
 
     def _probe(self, stub: object, address: str) -> wpb.WorkerStats | None:
         try:
@@ -115,22 +146,43 @@ class ReplicaPool:
         self._replicas.pop(address).channel.close()
         self.affinity.forget(address)
 
-    def mark_failed(self, address: str) -> list[str]:
-        """A call to `address` failed: it takes no new sessions, and the sessions pinned to it are unpinned
-        (their state there is lost). Returns those sessions."""
+    def mark_failed(self, address: str) -> None:
+        """A call to `address` failed (unreachable, or no answer in time): it takes no new sessions until a probe
+        finds it answering (`update`). The sessions pinned there stay pinned: each learns of the failure by its
+        own next call, and only the sessions of a failed call end (a stalled replica may still hold the others
+        well)."""
         with self._lock:
             replica = self._replicas.get(address)
             if replica is None:
-                return []
+                return
             replica.failed = True
             self.affinity.forget(address)  # its cache is lost or in doubt
-            lost = sorted(replica.sessions)
-            for seq_id in lost:
-                self._pinned.pop(seq_id, None)
-            replica.sessions.clear()
         self.failure.set()
-        log.warning("%s worker at %s failed; %d sessions lost there", self.kind, address, len(lost))
-        return lost
+        log.warning("%s worker at %s failed; %d sessions are pinned there", self.kind, address, len(replica.sessions))
+
+    def _answered(self, replica: Replica) -> None:
+        """A failed replica answered a call: it is back, as if a probe had found it (`update`)."""
+        if replica.failed and not replica.retired and self._release_orphans(replica):
+            replica.failed = False
+
+    def _release_orphans(self, replica: Replica) -> bool:
+        """Release what `replica` may still hold of sessions whose calls failed; whether it answered."""
+        if not replica.orphans:
+            return True
+        orphans = sorted(replica.orphans)
+        try:
+            replica.stub.Release(wpb.ReleaseRequest(seq_ids=orphans), timeout=min(self.timeout_s, 10.0))  # type: ignore[attr-defined]
+        except grpc.RpcError as exc:
+            log.warning(
+                "%s worker at %s did not take back %d sessions: %s",
+                self.kind,
+                replica.address,
+                len(orphans),
+                exc.code(),
+            )
+            return False
+        replica.orphans.difference_update(orphans)
+        return True
 
     def retire(self, address: str) -> None:
         """The replica is draining (Serve is stopping it): it takes no new sessions, and those it holds go on there
@@ -156,7 +208,23 @@ class ReplicaPool:
 
     @property
     def free_slots(self) -> int:
-        return sum(max(0, r.stats.num_slots - len(r.sessions)) for r in self.replicas if r.usable)
+        """New sessions the usable replicas can take, by their own last word (`Replica.room`). A replica full of
+        other routers' sessions is asked again when its word is older than `REPROBE_S`: their sessions end
+        without a word to us, and a verify's answer (which refreshes it) comes only from replicas we use."""
+        for replica in self.replicas:
+            if replica.usable and replica.full_by_others and time.monotonic() - replica.reported_at > REPROBE_S:
+                stats = self._probe(replica.stub, replica.address)
+                replica.reported_at = time.monotonic()
+                if stats is not None:
+                    replica.stats = stats
+                    replica.reported(stats.free_slots)
+        return sum(r.room for r in self.replicas if r.usable)
+
+    def reported(self, address: str, free_slots: int) -> None:
+        """A replica's answer said how many KV slots it has free now."""
+        replica = self._replicas.get(address)
+        if replica is not None:
+            replica.reported(free_slots)
 
     def pin(self, seq_id: str, token_ids: Sequence[int] = (), salt: str | None = None) -> Replica:
         """The replica for a new session: the one that most likely holds a long prefix of `token_ids` in its
@@ -167,15 +235,16 @@ class ReplicaPool:
             live = [r for r in self._replicas.values() if r.usable]
             if not live:
                 raise WorkerUnavailable(f"no {self.kind} worker is available")
-            candidates = [Candidate(r.address, len(r.sessions), len(r.sessions) < r.stats.num_slots) for r in live]
+            candidates = [Candidate(r.address, len(r.sessions), r.room > 0) for r in live]
             preferred = self.affinity.choose(candidates, salt, token_ids)
             replica = (
                 self._replicas[preferred]
                 if preferred is not None
-                else min(live, key=lambda r: (len(r.sessions) - r.stats.num_slots, r.last_pinned))
+                else min(live, key=lambda r: (-r.room, r.last_pinned))
             )
             self.affinity.record(replica.address, salt, token_ids)
             replica.last_pinned = self._tick
+            replica.pinned_since_report += 1
             replica.sessions.add(seq_id)
             self._pinned[seq_id] = replica
             return replica
@@ -188,6 +257,9 @@ class ReplicaPool:
                 (self.affinity.match(r.address, salt, token_ids) for r in self._replicas.values() if r.usable),
                 default=0,
             )
+
+    def pinned(self, seq_id: str) -> Replica | None:
+        return self._pinned.get(seq_id)
 
     def replica_of(self, seq_id: str) -> Replica:
         replica = self._pinned.get(seq_id)
@@ -224,6 +296,7 @@ class ReplicaPool:
         for address, call in calls.items():
             try:
                 responses[address] = call.result()
+                self._answered(groups[address][0])
             except grpc.RpcError as exc:
                 what = f"{self.kind} worker {address}: {method}"
                 error = failures[address] = status.error_of(exc.code(), exc.details(), what)
@@ -235,17 +308,22 @@ class ReplicaPool:
 
     def release(self, seq_id: str, held: Sequence[int] = (), salt: str | None = None) -> None:
         """The session ended. `held`: the tokens its replica's cache holds for it now (kept there as a prefix-cache
-        entry), remembered for placing later sessions and for `likely_cached`."""
+        entry), remembered for placing later sessions and for `likely_cached`. A failed replica is not waited on:
+        the session is released there once it answers a probe (`update`)."""
         replica = self.unpin(seq_id)
         if replica is None:
+            return
+        if replica.failed:
+            replica.orphans.add(seq_id)
             return
         if held:
             with self._lock:
                 self.affinity.record(replica.address, salt, held)
         try:
             replica.stub.Release(wpb.ReleaseRequest(seq_ids=[seq_id]), timeout=min(self.timeout_s, 10.0))
-        except grpc.RpcError as exc:  # the worker's idle timeout frees it in the end
+        except grpc.RpcError as exc:
             log.warning("could not release %s session %s on %s: %s", self.kind, seq_id, replica.address, exc.code())
+            replica.orphans.add(seq_id)
 
     def close(self) -> None:
         for replica in self._replicas.values():
@@ -257,12 +335,20 @@ def replica_lost(error: Exception) -> bool:
     return isinstance(error, WorkerUnavailable) and error.code == grpc.StatusCode.UNAVAILABLE
 
 
-def group_by_replica(pool: ReplicaPool, items: Sequence[T], session_of: Callable[[T], str]) -> dict[str, list[int]]:
-    """Indices of `items` per replica address."""
+def group_by_replica(
+    pool: ReplicaPool, items: Sequence[T], session_of: Callable[[T], str]
+) -> tuple[dict[str, list[int]], list[int]]:
+    """Indices of `items` per replica address, and those of sessions no replica holds (each is its row's error,
+    never the batch's)."""
     groups: dict[str, list[int]] = {}
+    unplaced = []
     for i, item in enumerate(items):
-        groups.setdefault(pool.replica_of(session_of(item)).address, []).append(i)
-    return groups
+        replica = pool.pinned(session_of(item))
+        if replica is None:
+            unplaced.append(i)
+        else:
+            groups.setdefault(replica.address, []).append(i)
+    return groups, unplaced
 
 
 def item_sizes(groups: dict[str, list[int]], requests: dict[str, tuple[Replica, object]], n: int) -> list[int]:

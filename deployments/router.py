@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 from deployments import generation_codec, swap
 from deployments.ab_variants import ABTest
-from deployments.auth import BearerAuth, Unauthenticated
+from deployments.auth import BearerAuth, Unauthenticated, cache_namespace
 from deployments.discovery import WorkerFollower
 from deployments.openai.http import build_http_app
 from deployments.openai.tools import ToolCallFormat
@@ -36,6 +36,7 @@ from specdec.v1 import generation_pb2 as pb
 from specdec_core.chat import encode_chat, encode_prompt
 from specdec_core.engine import SpecEngine
 from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.grammar.constraint import Constraint
 from specdec_core.models.loader import LoadedTokenizer
 from specdec_core.outputs import RequestOutput
 from specdec_core.request import PromptLimits
@@ -253,7 +254,8 @@ class Router:
             # Only requests whose records carry probabilities make the workers compute them.
             return_probs = self.proposals is not None and self.proposals.start(seq_id, request_id, prompt_ids, variant)
             self.ab.start(seq_id, variant)
-            request = replace(request, seq_id=seq_id, prompt_ids=prompt_ids, return_probs=return_probs)
+            salt = cache_namespace(self.auth.check(metadata), request.cache_salt)  # authenticated already
+            request = replace(request, seq_id=seq_id, prompt_ids=prompt_ids, return_probs=return_probs, cache_salt=salt)
             self.scheduler.submit(request, deliver)
             while not finished:
                 item = await inbox.get()
@@ -277,6 +279,7 @@ class Router:
         first: a prompt's size is checked before it is tokenized (tokenizing costs CPU in proportion to the text), its
         length in tokens after."""
         self._check_size(call.prompt)
+        self._check_constraint_size(call.request.params.constraint)
         if self.scheduler.num_active >= self.config.router.max_ongoing_requests:
             raise ResourceExhausted("requests", "the router is at max_ongoing_requests; retry later")
         # Tokenizing still takes a while: off the event loop, which serves every other request.
@@ -287,8 +290,26 @@ class Router:
             # Off the engine thread: the first constrained request builds the tokenizer's tables (slow for a large
             # vocabulary) and every new schema must compile, which every round would otherwise wait for.
             # The engine then finds it compiled; one that does not compile is refused here.
-            await asyncio.to_thread(self.scheduler.engine.compile, params.constraint)
+            await asyncio.to_thread(self._compile_unless_queue_full, params.constraint)
         return prompt
+
+    def _compile_unless_queue_full(self, constraint: Constraint) -> None:
+        """Compile `constraint` (for the engine), unless the queue is full: refused as the scheduler would refuse it
+        (`Scheduler.queue_full`, asked again as the request joins), before paying for a compile that may take
+        long. In a worker thread: a remote target's free slots may take a call to read."""
+        refusal = self.scheduler.queue_full()
+        if refusal is not None:
+            raise refusal
+        self.scheduler.engine.compile(constraint)
+
+    def _check_constraint_size(self, constraint: Constraint | None) -> None:
+        """Refuse a constraint longer than router.max_schema_bytes before it is compiled, naming it by its kind
+        (the request's field: `structured.json_schema`, `response_format.json_schema.schema`, `tools`, ...)."""
+        limit = self.config.router.max_schema_bytes
+        if constraint is not None and (size := _utf8_bytes(constraint.value)) > limit:
+            raise InvalidArgument(
+                constraint.kind, f"{size} bytes; this server takes at most {limit} (router.max_schema_bytes)"
+            )
 
     def _measure(self, output: RequestOutput, times: list, variant: str) -> None:
         if times[1] is None and output.new_token_ids:

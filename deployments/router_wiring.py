@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from deployments import worker_registry
-from deployments.auth import BearerAuth, InternalCredentials, load_public_token
+from deployments.auth import InternalCredentials, public_auth
 from deployments.discovery import WorkerFollower, wait_for_workers
 from deployments.prometheus import ServingMetrics
 from deployments.proposal_log import ProposalLog
@@ -40,10 +40,11 @@ def connect_router(config: dict[str, Any]) -> RouterParts:
     router's replica: it waits for the workers to register, connects to them, builds the engine over them (the
     drafter runs in the router for a method without a draft model) and calibrates it."""
     cfg = parse_config(config)
+    # First: no token, no router (and no waiting for workers).
+    auth = public_auth(cfg.auth, cfg.auth_token_file, cfg.auth_tokens_file)
     setup_tracing(cfg.app_name)
     tracer = RequestTracer(cfg.target.model, cfg.draft.label)
     metrics = ServingMetrics(cfg.target.model, cfg.draft.label)
-    auth = BearerAuth(load_public_token(cfg.auth_token_file))
     tokenizer = load_tokenizer(cfg.target.model)
     # The workers serve only these.
     credentials = worker_registry.credentials(cfg.app_name, Role.CLIENT, cfg.tls_setting)

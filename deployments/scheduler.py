@@ -136,14 +136,20 @@ class Scheduler:
                 except Exception:
                     log.exception("a call on the engine thread failed")
 
-    def _admit(self, command: _Submit) -> None:
+    def queue_full(self) -> ResourceExhausted | None:
+        """The refusal a request joining now would get for want of room in the queue; None if it would join. Read
+        from any thread (counts a round stale at worst): the router asks before work it would otherwise waste."""
         backlog = self.engine.num_waiting - self.engine.target.free_slots  # those that will not start next round
-        if backlog >= self.admission.max_queued:
-            command.sink(
-                ResourceExhausted(
-                    "queue", f"{self.engine.num_waiting} requests already wait for a KV cache slot; retry later"
-                )
-            )
+        if backlog < self.admission.max_queued:
+            return None
+        return ResourceExhausted(
+            "queue", f"{self.engine.num_waiting} requests already wait for a KV cache slot; retry later"
+        )
+
+    def _admit(self, command: _Submit) -> None:
+        refusal = self.queue_full()
+        if refusal is not None:
+            command.sink(refusal)
             return
         try:
             self.engine.add_request(command.request)

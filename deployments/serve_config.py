@@ -170,6 +170,7 @@ class DraftConfig(Placement):
     suffix_max_depth: int = Field(32, ge=2, le=256)
     suffix_min_match: int = Field(2, ge=1)
     suffix_max_requests: int = Field(256, ge=0)
+    suffix_max_bytes: int = Field(256 * 1024 * 1024, ge=0)
     suffix_min_prob: float = Field(0.1, ge=0.0, le=1.0)
     suffix_index_prompts: bool = True
     # draft_model, hybrid: stop a row's drafts after one the draft gives less than this probability (0: off).
@@ -220,6 +221,7 @@ class DraftConfig(Placement):
             suffix_max_depth=self.suffix_max_depth,
             suffix_min_match=self.suffix_min_match,
             suffix_max_requests=self.suffix_max_requests,
+            suffix_max_bytes=self.suffix_max_bytes,
             suffix_min_prob=self.suffix_min_prob,
             suffix_index_prompts=self.suffix_index_prompts,
             confidence_threshold=self.confidence_threshold,
@@ -314,6 +316,12 @@ class RouterConfig(_Strict):
     # A 32k-token context is ~130 KiB of English or code (~4 bytes a token) and less of CJK (~2): 1 MiB holds it 8
     # times over (32 bytes a token: whitespace-heavy text packs many bytes into one), a 128k-token one 2 times.
     max_prompt_bytes: int = Field(1024 * 1024, ge=1)
+    # A request's constraint in UTF-8 (gRPC `structured`, HTTP `response_format`, the grammar of a forced tool call)
+    # longer than this is INVALID_ARGUMENT before it is compiled. A limit of its own rather than a share of
+    # max_prompt_bytes: a constraint costs what a prompt does not (its compile, the compiled grammar the router and
+    # the draft workers keep, a mask from it at every position), and a long prompt must not decide how large a
+    # schema may be. 256 KiB holds the schemas of many tools.
+    max_schema_bytes: int = Field(256 * 1024, ge=1)
     # Longer prompts (in tokens) are INVALID_ARGUMENT. None: the context, max_seq_len less one output token.
     max_prompt_tokens: int | None = Field(None, ge=1)
     max_output_tokens: int | None = Field(None, ge=1)  # a larger sampling.max_tokens is INVALID_ARGUMENT
@@ -363,9 +371,17 @@ class ServeConfig(_Strict):
     served_model_name: str | None = Field(None, min_length=1)
     worker_grpc_port: int = Field(0, ge=0, le=65535)  # workers' internal gRPC servers; 0: any free port
     session_idle_timeout_s: float = Field(300.0, gt=0)  # a worker frees a session unused this long
-    # Bearer-token auth on the public API: a file holding the token (SPECDEC_AUTH_TOKEN in the router's
-    # environment takes precedence). Neither set: no auth.
+    # The public API's auth (`deployments.auth.public_auth`). bearer: every call carries `authorization: Bearer
+    # <token>`, and a router with no token (SPECDEC_AUTH_TOKEN in its environment, else auth_token_file) refuses to
+    # start, so that a forgotten Secret stops the deployment instead of opening it. none: an open API, for a
+    # machine of one's own; the router logs a WARNING saying so at start.
+    auth: Literal["bearer", "none"] = "bearer"
+    # A file holding the bearer token (SPECDEC_AUTH_TOKEN in the router's environment takes precedence).
     auth_token_file: str | None = None
+    # Tokens per tenant: a YAML file mapping each tenant's name to its token, accepted beside the one above. A
+    # tenant's requests share cached prefixes only among themselves (`deployments.auth.cache_namespace`), so no
+    # tenant can learn another's prompts from `cached_tokens` or from what its own requests find cached.
+    auth_tokens_file: str | None = None
     # Mutual TLS between the router and the workers (`deployments.tls`): certificates from a CA the registry actor
     # makes for the application. false: internal traffic in plaintext (the secret check stays), with a warning.
     internal_tls: bool = True
@@ -444,6 +460,12 @@ class ServeConfig(_Strict):
             return self.drafts
         # Not validated again: a single draft may run any method (hybrid, none), which a variant of drafts may not.
         return (DraftVariant.model_construct(name=DEFAULT_VARIANT, weight=1.0, **dict(self.draft)),)
+
+    @model_validator(mode="after")
+    def _auth(self) -> ServeConfig:
+        if self.auth == "none" and (self.auth_token_file is not None or self.auth_tokens_file is not None):
+            raise ValueError("auth_token_file and auth_tokens_file need auth: bearer (auth: none serves without one)")
+        return self
 
     @model_validator(mode="after")
     def _tls(self) -> ServeConfig:

@@ -30,10 +30,11 @@ def encode_token_sampling(shaping: TokenShaping) -> wpb.TokenSampling:
 
 
 def decode_token_sampling(sampling: wpb.TokenSampling) -> TokenShaping:
-    """The token shaping of a request's settings: all a worker needs. top_p 0 is proto3's unset: off (1)."""
-    return validated_sampling(
-        TokenShaping, temperature=sampling.temperature, top_p=sampling.top_p or 1.0, top_k=sampling.top_k
-    )
+    """The token shaping of a request's settings: all a worker needs. top_p unset is off (1); a top_p sent as 0 is
+    refused, never read as unset. float32 carries every shaping the router accepts with the sampler's meaning (it
+    samples in float32: `specdec_core.config`'s bounds)."""
+    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
+    return validated_sampling(TokenShaping, temperature=sampling.temperature, top_p=top_p, top_k=sampling.top_k)
 
 
 def encode_distributions(q: SparseQ) -> list[wpb.SparseDistribution]:

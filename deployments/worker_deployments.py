@@ -24,7 +24,7 @@ from deployments.workers import DraftServicer, TargetServicer, start_server
 from specdec_core.build import prepare_draft, prepare_model
 from specdec_core.drafters.base import DraftContext
 from specdec_core.drafters.draft_model import DraftModelDrafter
-from specdec_core.grammar.compiler import GrammarCompiler
+from specdec_core.grammar.compiler import NoGrammars, grammar_compiler
 from specdec_core.hardware import use_threads, worker_summary
 from specdec_core.kernels.report import kernel_path
 from specdec_core.models.loader import load_tokenizer
@@ -207,7 +207,11 @@ class DraftWorker(_Worker):
 
     def _start(self, model: str) -> None:
         # The router's engine compiles for the same tokenizer, vocabulary and eos: the draft's masks are the target's.
-        grammars = GrammarCompiler(self.target.tokenizer, self.target_vocab, sorted(self.target.eos_token_ids))
+        # Structured output is optional: a tokenizer the grammar engine cannot read leaves it unavailable, not the
+        # worker down (Serve would restart it, to fail again, forever).
+        grammars = grammar_compiler(self.target.tokenizer, self.target_vocab, sorted(self.target.eos_token_ids))
+        if isinstance(grammars, NoGrammars):
+            serve_log.warning("draft worker %s: structured requests are refused: %s", self.kind, grammars.why)
         servicer = DraftServicer(self._load(model), model, self.cfg.session_idle_timeout_s, grammars)
         self._serve(self.cfg, self.draft, servicer)
 

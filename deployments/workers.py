@@ -25,6 +25,7 @@ from opentelemetry.trace import SpanKind
 
 from deployments import worker_codec
 from deployments.auth import InternalAuthInterceptor, InternalCredentials
+from deployments.scheduler import DeadlineExceeded
 from deployments.status import UnknownSession, WorkerDraining, grpc_status_of
 from deployments.telemetry import context_from_metadata, tracer
 from deployments.tls import server_credentials
@@ -32,7 +33,7 @@ from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.errors import InvalidArgument, ResourceExhausted
-from specdec_core.grammar.compiler import GrammarCompiler
+from specdec_core.grammar.compiler import CompiledGrammar, GrammarCompiler, NoGrammars
 from specdec_core.grammar.state import GrammarState
 from specdec_core.runner import ModelRunner
 from specdec_core.target import LocalTarget
@@ -51,8 +52,13 @@ GRPC_OPTIONS = [
 _CACHES_IN_DOUBT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
 
 
-def rpc(method: Callable) -> Callable:
-    """Serve a method in a span joined to the caller's trace (W3C traceparent in the call's metadata)."""
+def rpc(method: Callable | None = None, *, prepare: Callable | None = None) -> Callable:
+    """Serve a method in a span joined to the caller's trace (W3C traceparent in the call's metadata). `prepare`:
+    `prepare(self, request)` runs first, outside the worker's lock, and the method gets its result as a second
+    argument: for work that touches no session and may take long (compiling a grammar), which under the lock would
+    hold up every other call on the worker."""
+    if method is None:
+        return functools.partial(rpc, prepare=prepare)
 
     @functools.wraps(method)
     def wrapper(self: _SessionWorker, request: Any, context: grpc.ServicerContext) -> Any:
@@ -69,21 +75,35 @@ def rpc(method: Callable) -> Callable:
             kind=SpanKind.SERVER,
             attributes=attributes,
         ):
-            return _call(self, method, request, context)
+            return _call(self, method, request, context, prepare)
 
     return wrapper
 
 
-def _call(self: _SessionWorker, method: Callable, request: Any, context: grpc.ServicerContext) -> Any:
-    """The call under the worker's lock, with its counters; an error aborts it with its status."""
+def _call(
+    self: _SessionWorker,
+    method: Callable,
+    request: Any,
+    context: grpc.ServicerContext,
+    prepare: Callable | None = None,
+) -> Any:
+    """The call under the worker's lock, with its counters; an error aborts it with its status. A call whose
+    caller gave up (its deadline passed while it waited for the lock, or while it ran) keeps nothing: the caller
+    counts its sessions as failed, so what the call started or advanced is released here."""
     try:
+        prepared = () if prepare is None else (prepare(self, request),)  # `rpc`: before the lock
         with self._lock:
+            if not context.is_active():
+                raise DeadlineExceeded(f"{method.__name__}: the caller gave up waiting")
             start = time.perf_counter()
-            response = method(self, request)
+            response = method(self, request, *prepared)
             self.calls += 1
             self.busy_seconds += time.perf_counter() - start
             self.bytes_received += request.ByteSize()
             self.bytes_sent += response.ByteSize()
+            if not context.is_active():
+                log.warning("%s ran past its caller's deadline; its sessions are released", method.__name__)
+                self._release_after_error(request)
             return response
     except Exception as exc:
         code, details = grpc_status_of(exc)
@@ -241,22 +261,28 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
 
     @rpc
     def Prefill(self, request: wpb.PrefillRequest) -> wpb.PrefillResponse:
+        """Start the items that find a free slot, the first ones first; the others hold nothing and are left out
+        of the response (several routers share the slots: one may find them taken since it last looked)."""
         self._refuse_if_draining()
-        items = worker_codec.decode_prefill(request, self.target.vocab_size)
+        items = worker_codec.decode_prefill(request, self.target.vocab_size)[: self.target.free_slots]
         for item in items:
             if not item.prompt_ids or max(item.prompt_ids) >= self.target.vocab_size:
                 raise InvalidArgument("prompt_token_ids", "empty, or a token id outside the vocabulary")
             if len(item.prompt_ids) >= self.target.max_seq_len:
                 raise ResourceExhausted("prompt_token_ids", f"{len(item.prompt_ids)} tokens do not fit the context")
-        results = self.target.prefill(items)
+        results = self.target.prefill(items) if items else []
         self._started(item.seq_id for item in items)
-        return worker_codec.encode_prefilled(results)
+        response = worker_codec.encode_prefilled(results)
+        response.free_slots = self.target.free_slots
+        return response
 
     @rpc
     def Verify(self, request: wpb.VerifyRequest) -> wpb.VerifyResponse:
         self._touch(item.seq_id for item in request.items)
         items = worker_codec.decode_verify(request, self.target.vocab_size)
-        return worker_codec.encode_outcomes(self.target.verify(items))
+        response = worker_codec.encode_outcomes(self.target.verify(items))
+        response.free_slots = self.target.free_slots
+        return response
 
     def stats(self) -> wpb.WorkerStats:
         return self._stats(
@@ -274,7 +300,8 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
 class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
     """A draft model's sessions: the committed tokens it has been told about, its cache, and a constrained session's
     grammar, which masks its drafts (`grammars` compiles them, for the target's tokenizer and vocabulary: without
-    one, a constrained session is refused)."""
+    one, or with `NoGrammars` for a target whose tokenizer the grammar engine cannot read, a constrained session is
+    refused). Grammars compile before the worker's lock is taken (`_compile_brought`)."""
 
     kind = "draft"
 
@@ -283,7 +310,7 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
         drafter: DraftModelDrafter,
         model_name: str,
         idle_timeout_s: float = 300.0,
-        grammars: GrammarCompiler | None = None,
+        grammars: GrammarCompiler | NoGrammars | None = None,
     ) -> None:
         super().__init__(model_name, idle_timeout_s)
         self.drafter = drafter  # new sessions start on it
@@ -329,11 +356,12 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
         self._refuse_if_draining()
         runner = self.runner
         items = worker_codec.decode_start(request)
+        # A session started again: its router lost track of it (a Start or Propose that ran past its timeout), and
+        # what is held here for it is stale.
+        self.release([item.seq_id for item in items if item.seq_id in self._tokens])
         if len(items) > runner.cache.free_slots:
             raise ResourceExhausted("sessions", f"{len(items)} new sessions, {runner.cache.free_slots} free")
         for item in items:
-            if item.seq_id in self._tokens:
-                raise InvalidArgument("seq_id", f"session {item.seq_id!r} is already active")
             if not item.token_ids or len(item.token_ids) >= runner.max_seq_len:
                 raise InvalidArgument("prompt_token_ids", "empty, or longer than the draft's context")
         cached = []
@@ -344,8 +372,24 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
             self._started([item.seq_id])
         return wpb.StartResponse(cached_tokens=cached)
 
-    @rpc
-    def Propose(self, request: wpb.ProposeRequest) -> wpb.ProposeResponse:
+    def _compile_brought(self, request: wpb.ProposeRequest) -> dict[str, tuple[CompiledGrammar, int]]:
+        """The grammars the items bring, compiled, and where each one's output starts, by seq_id. Run before the
+        worker's lock (`rpc`): a compile reads no session and a large schema's takes long, and a router whose
+        Propose waits past its draft timeout counts this replica failed."""
+        compiled = {}
+        for item in request.items:
+            brought = worker_codec.decode_grammar(item)
+            if brought is not None:
+                if self.grammars is None:
+                    raise InvalidArgument("items.grammar", "this draft worker cannot compile grammars")
+                constraint, start = brought
+                compiled[item.seq_id] = (self.grammars.compile(constraint), start)
+        return compiled
+
+    @rpc(prepare=_compile_brought)
+    def Propose(
+        self, request: wpb.ProposeRequest, brought: dict[str, tuple[CompiledGrammar, int]]
+    ) -> wpb.ProposeResponse:
         self._touch(item.seq_id for item in request.items)
         requests = []
         for item in request.items:
@@ -357,7 +401,8 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
                     f"session {item.seq_id!r} has {len(tokens)} tokens, router says {item.num_committed}",
                 )
             self._drafter_of[item.seq_id].observe(item.seq_id, len(tokens))
-            requests.append(worker_codec.decode_propose_item(item, tokens, self._grammar(item, tokens)))
+            grammar = self._grammar(item, tokens, brought.get(item.seq_id))
+            requests.append(worker_codec.decode_propose_item(item, tokens, grammar))
         proposals = self._propose(request.items, requests)
         return wpb.ProposeResponse(proposals=[worker_codec.encode_proposal(p) for p in proposals])
 
@@ -374,20 +419,20 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
                 proposals[i] = proposal
         return proposals
 
-    def _grammar(self, item: wpb.ProposeRequest.Item, tokens: list[int]) -> GrammarState | None:
-        """The session's grammar after its committed tokens: the one the item brings, moved along the output so
-        far, or the one it holds, moved along the item's new tokens. Committed tokens the grammar refuses mean the
-        router and this worker disagree: refused (the router then drops the session here)."""
-        brought = worker_codec.decode_grammar(item)
+    def _grammar(
+        self, item: wpb.ProposeRequest.Item, tokens: list[int], brought: tuple[CompiledGrammar, int] | None
+    ) -> GrammarState | None:
+        """The session's grammar after its committed tokens: the one the item brings (`brought`: compiled, and where
+        its output starts), moved along the output so far, or the one it holds, moved along the item's new tokens.
+        Committed tokens the grammar refuses mean the router and this worker disagree: refused (the router then
+        drops the session here)."""
         if brought is not None:
-            constraint, start = brought
-            if self.grammars is None:
-                raise InvalidArgument("items.grammar", "this draft worker cannot compile grammars")
+            compiled, start = brought
             if start > len(tokens):
                 raise InvalidArgument(
                     "items.grammar.output_start", f"{start} is past the {len(tokens)} committed tokens"
                 )
-            state, new = GrammarState(self.grammars.compile(constraint)), tokens[start:]
+            state, new = GrammarState(compiled), tokens[start:]
             self._grammar_states[item.seq_id] = state
         else:
             state, new = self._grammar_states.get(item.seq_id), list(item.new_token_ids)

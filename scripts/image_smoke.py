@@ -33,6 +33,7 @@ from pathlib import Path
 DEFAULT_RUN_FLAGS = "--runtime runc --ulimit nofile=20000:20000 --ulimit nproc=32768:32768"
 MOUNT = "/smoke"  # the temporary directory, read-only, in the container
 CONFIG = f"""\
+auth: none
 grpc_port: 9000
 http_port: 8000
 target:

@@ -17,6 +17,17 @@ MAX_SEED = 2**63 - 1
 # 0 asks for greedy decoding, the limit such temperatures approach. float32(1e-3) rounds up, so 0.001 sent as the
 # wire's float32 (client -> router -> workers) passes too; float32(1e-2) would round down and fail.
 MIN_TEMPERATURE = 1e-3
+# The sampler holds temperature and top_p as float32 (in process and on the workers alike), so a value is accepted only
+# where float32 keeps its meaning: a temperature past float32's largest is inf there (logits / inf, and -inf / inf is
+# NaN under a grammar's mask); a top_p below float32's smallest normal number is 0 there or a subnormal some devices
+# flush to 0, and a top_p of 0 keeps no token (NaN). Any top_p below 1 / vocabulary keeps only the most likely token
+# anyway, so MIN_TOP_P asks for nothing a smaller one could.
+MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest finite value
+MIN_TOP_P = 2.0**-126  # float32's smallest normal value, exact in float32 and in double
+# top_k as large as int32 holds: every signed and unsigned 32-bit wire carries it, and it is far past any vocabulary,
+# so every accepted k keeps the sampler's one meaning (k >= V is off). A larger one is refused, not clamped: 2**40 is
+# a client's bug more likely than a request for "off", and the edge names such values rather than rewriting them.
+MAX_TOP_K = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -89,11 +100,17 @@ def _check_shaping(temperature: float, top_p: float, top_k: int) -> None:
         raise InvalidArgument("temperature", f"must be >= 0, got {temperature}")
     if 0 < temperature < MIN_TEMPERATURE:
         raise InvalidArgument("temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
+    if temperature > MAX_TEMPERATURE:
+        raise InvalidArgument(
+            "temperature", f"must be at most {MAX_TEMPERATURE} (float32's largest), got {temperature}"
+        )
     _check_finite("top_p", top_p)
     if not 0 < top_p <= 1:
         raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise InvalidArgument("top_k", f"must be an integer >= 0 (0 = off), got {top_k}")
+    if top_p < MIN_TOP_P:
+        raise InvalidArgument("top_p", f"must be at least 2**-126 (float32's smallest normal), got {top_p}")
+    if not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
+        raise InvalidArgument("top_k", f"must be an integer in [0, 2**31 - 1] (0 = off), got {top_k}")
 
 
 def _check_finite(name: str, value: float) -> None:

@@ -209,9 +209,12 @@ class SpecEngine:
         first: list[Prefilled | None]
         try:
             first = list(self.target.prefill(items))
-        except PartialPrefill as exc:  # no room for some after all: they wait again, first in line
+        except PartialPrefill as exc:  # some failed alone; no room for others after all: they wait again, first
             first = exc.results
-            self._waiting = [seq for seq, done in zip(admitted, first) if done is None] + self._waiting
+            for i, error in exc.errors.items():
+                failed.append(admitted[i].final(FinishReason.ERROR, error))
+            again = [seq for i, (seq, done) in enumerate(zip(admitted, first)) if done is None and i not in exc.errors]
+            self._waiting = again + self._waiting
         except Exception as exc:  # the target released whatever it had allocated for these
             log.warning("prefill of %d requests failed: %s", len(admitted), exc, exc_info=True)
             return failed + [seq.final(FinishReason.ERROR, exc) for seq in admitted]

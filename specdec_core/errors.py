@@ -45,3 +45,13 @@ class ModelIntegrityError(SpecdecError):
 
 class TokenizerMismatch(SpecdecError):
     """Draft and target tokenizers map tokens to ids differently."""
+
+
+class GrammarError(SpecdecError, RuntimeError):
+    """A request's grammar engine failed part-way through its output (the matcher reports an error, or no token
+    continues the output and it cannot end): that output can no longer be shown to be in its language, so the
+    request ends with an error, never with a normal stop. `kind` names the constraint (`Constraint.kind`)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind} constraint: {message}")
+        self.kind, self.message = kind, message

@@ -8,16 +8,19 @@ they are committed with no forward pass at all. docs/engine.md says why each ste
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Collection
 from typing import Any
 
 from specdec_core.drafters.base import Proposal
-from specdec_core.grammar.compiler import CompiledGrammar, GrammarCompiler
+from specdec_core.grammar.compiler import CompiledGrammar, GrammarCompiler, NoGrammars, grammar_compiler
 from specdec_core.grammar.constraint import Constraint
 from specdec_core.grammar.masks import draft_masks
 from specdec_core.grammar.state import GrammarState
 from specdec_core.outputs import RoundInfo
+
+logger = logging.getLogger(__name__)
 
 FORCED = "forced"  # `RoundInfo.method` of a round that verified (or committed) the tokens a grammar forces
 FORCED_LOOKAHEAD = 32  # forced tokens looked for per round: a longer run is taken over several rounds
@@ -27,18 +30,23 @@ class LazyCompiler:
     """A grammar compiler built with the first constrained request: its tables of the tokenizer take seconds at a
     large vocabulary, which an engine never asked for structured output should not pay. Its masks span the target's
     logits (`vocab_size`), eos allowed exactly where the grammar can end. Thread-safe: a server compiles a request's
-    constraint on another thread first, so that no round waits for the tables or a compile."""
+    constraint on another thread first, so that no round waits for the tables or a compile. A tokenizer the grammar
+    engine cannot read leaves structured output unavailable (`NoGrammars`): logged once, as a WARNING, and each
+    constrained request refused saying why; the tables are not tried again."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int]) -> None:
         self._args = (tokenizer, vocab_size, sorted(eos_token_ids))
-        self._compiler: GrammarCompiler | None = None
+        self._compiler: GrammarCompiler | NoGrammars | None = None
         self._lock = threading.Lock()
 
     def compile(self, constraint: Constraint) -> CompiledGrammar:
-        """`constraint` compiled (kept in the compiler's LRU), or `InvalidArgument` naming its kind."""
+        """`constraint` compiled (kept in the compiler's LRU), or `InvalidArgument` naming its kind (it does not
+        compile, or structured output is unavailable for this model)."""
         with self._lock:
             if self._compiler is None:
-                self._compiler = GrammarCompiler(*self._args)
+                self._compiler = grammar_compiler(*self._args)
+                if isinstance(self._compiler, NoGrammars):
+                    logger.warning("structured requests are refused: %s", self._compiler.why)
         return self._compiler.compile(constraint)
 
 

@@ -85,12 +85,14 @@ class PartialVerifyFailure(Exception):
 
 
 class PartialPrefill(Exception):
-    """A prefill that started only some sequences: the target found no room for the others after all (a replica it
-    counted on stopped taking new sequences). `results[i]` is None for those: they hold nothing, and wait for a
-    slot again."""
+    """A prefill that started only some sequences. `results[i]` is None for the others: they hold nothing. Those in
+    `errors` (index -> why) failed alone and end; the rest found no room after all (a replica it counted on
+    stopped taking new sequences, or others took its slots) and wait for a slot again."""
 
-    def __init__(self, results: list[Prefilled | None]) -> None:
-        super().__init__(f"{results.count(None)} of {len(results)} sequences found no slot")
+    def __init__(self, results: list[Prefilled | None], errors: dict[int, Exception] | None = None) -> None:
+        self.errors = errors or {}
+        waiting = results.count(None) - len(self.errors)
+        super().__init__(f"of {len(results)} sequences, {waiting} found no slot and {len(self.errors)} failed")
         self.results = results
 
 

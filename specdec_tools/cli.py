@@ -11,9 +11,9 @@ import logging
 import sys
 
 from specdec_core.errors import SpecdecError
-from specdec_tools import bench, demo, distill, generate, models, proposals, serve, soak
+from specdec_tools import bench, chaos, demo, distill, generate, models, proposals, serve, soak
 
-SUBCOMMANDS = (models, serve, generate, bench, soak, demo, proposals, distill)
+SUBCOMMANDS = (models, serve, generate, bench, soak, chaos, demo, proposals, distill)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -119,6 +119,7 @@ def served(ray_cluster, tiny_dir, near_draft_dir):
 
     config = parse_config(
         {
+            "auth": "none",  # a test stack on this machine; tests/deployments/test_reliability.py checks the token
             "grpc_port": free_port(),
             "http_port": free_port(),
             "target": {

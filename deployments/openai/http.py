@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from deployments.generation_codec import GenerateCall
+from deployments.generation_codec import MAX_JSON_DEPTH, GenerateCall
 from deployments.openai import codec
 from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from deployments.openai.tool_parser import ToolCallParser
@@ -166,6 +166,8 @@ async def _json_body(request: Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidArgument("body", f"not valid JSON: {exc}") from None
+    except RecursionError:  # the parser recurses once a level; shallower bodies are bounded by `parse_body`
+        raise InvalidArgument("body", f"nesting deeper than {MAX_JSON_DEPTH} levels") from None
 
 
 async def _events(
@@ -211,7 +213,13 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 
 def _error(message: str, kind: str, param: str | None, code: str | None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    # A message or param may quote the request (a key, a value), lone surrogates included, which no UTF-8 body can
+    # hold: they are written as their escapes, so that the error itself never fails.
+    return {"error": {"message": _printable(message), "type": kind, "param": param and _printable(param), "code": code}}
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(exc: BaseException) -> JSONResponse:

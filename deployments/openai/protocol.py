@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
+from deployments.generation_codec import MAX_JSON_DEPTH
 from deployments.openai.tool_protocol import MessageToolCall, ToolChoice, ToolDefinition
 from specdec_core.errors import InvalidArgument
 
@@ -246,6 +247,7 @@ def parse_body(cls: type[_Body], data: Any) -> Any:
     """`data` (decoded JSON) as a `cls`; `InvalidArgument` naming the parameter (OpenAI's `param`) otherwise."""
     if not isinstance(data, dict):
         raise InvalidArgument("body", "expected a JSON object")
+    check_json_values(data)
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
@@ -255,6 +257,39 @@ def parse_body(cls: type[_Body], data: Any) -> Any:
             where = _param(error["loc"])
             raise InvalidArgument(f"{where}.{cause.field}" if where else cause.field, cause.message) from None
         raise InvalidArgument(_param(error["loc"]) or "body", error["msg"]) from None
+
+
+def check_json_values(body: dict[str, Any]) -> None:
+    """Refuse what no field may hold, before any model reads the body: a string or key that is not Unicode text (a
+    lone surrogate, which JSON's escapes can write: protobuf, tokenizers and UTF-8 encoders refuse it), named by its
+    path; nesting deeper than MAX_JSON_DEPTH, named by the top-level field it is under (the path is that deep)."""
+    stack: list[tuple[str, str, Any, int]] = []  # (top-level field, path, value, depth: the body is 1)
+    _push(stack, "", "", body.items(), 2)
+    while stack:
+        top, path, value, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(path, value, "the value")
+        elif depth > MAX_JSON_DEPTH:
+            raise InvalidArgument(top, f"nesting deeper than {MAX_JSON_DEPTH} levels")
+        else:
+            _push(stack, top, path, value.items() if isinstance(value, dict) else enumerate(value), depth + 1)
+
+
+def _push(stack: list[tuple[str, str, Any, int]], top: str, path: str, items: Any, depth: int) -> None:
+    """A container's strings, arrays and objects onto `stack` (other scalars hold nothing to refuse); keys checked."""
+    for key, value in items:
+        if isinstance(key, str):
+            _check_text(path or "body", key, f"the key {ascii(key[:64])}")
+        if isinstance(value, (str, dict, list)):
+            where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+            stack.append((top or key, where, value, depth))
+
+
+def _check_text(field: str, text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument(field, f"{what} is not valid Unicode text (it holds a lone surrogate)") from None
 
 
 def _param(loc: tuple[Any, ...]) -> str:

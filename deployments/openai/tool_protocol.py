@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, model_validator
 
+from deployments.generation_codec import check_json_depth
 from specdec_core.errors import InvalidArgument
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
@@ -71,6 +72,7 @@ class CalledFunction(BaseModel):
 
     @model_validator(mode="after")
     def _an_object(self) -> CalledFunction:
+        check_json_depth("arguments", self.arguments)  # before json.loads, which recurses once a level
         try:
             value = json.loads(self.arguments)
         except json.JSONDecodeError as exc:

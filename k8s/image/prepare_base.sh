@@ -25,6 +25,9 @@ fi
 # KubeRay runs its commands through `bash -lc`, and a login shell on Debian takes PATH from /etc/profile: give it the
 # base's PATH (its Python's bin first, if it has one there). The Containerfile changes no PATH after this step.
 printf 'export PATH="%s"\n' "$PATH" > /etc/profile.d/specdec-path.sh
+# uid and gid 1000: the manifests' runAsUser, runAsGroup and fsGroup (k8s/base/rayservice.yaml) name these numbers.
+# Ray's images have the user already, as uid 1000 (group 100); the pods run it with group 1000 either way.
 if ! id ray >/dev/null 2>&1; then
-    useradd --create-home --uid 1000 --shell /bin/bash ray
+    groupadd --gid 1000 ray
+    useradd --create-home --uid 1000 --gid 1000 --shell /bin/bash ray
 fi

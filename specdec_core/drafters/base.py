@@ -134,6 +134,9 @@ class DraftSpec:
     suffix_max_depth: int = 32  # suffix: the trie's depth; matches up to half of it, continuations below them
     suffix_min_match: int = 2  # suffix: a shorter match proposes nothing
     suffix_max_requests: int = 256  # suffix: ended requests kept in the global structure (oldest evicted)
+    # suffix: the global structure's estimated size in memory (`SuffixTrie.bytes`), oldest requests evicted beyond:
+    # where text repeats, a request of a few thousand tokens can cost megabytes, which the count alone does not bound.
+    suffix_max_bytes: int = 256 * 1024 * 1024
     suffix_min_prob: float = 0.1  # suffix: stop once the continuation's frequency product falls below this
     suffix_index_prompts: bool = True  # suffix: the global structure also holds ended requests' prompts
     # draft_model: a row stops drafting after a draft the draft model gave less than this probability (kept: it

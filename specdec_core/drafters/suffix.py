@@ -26,13 +26,17 @@ indexing thread, which inserts it a chunk at a time under the structure's lock, 
 meanwhile (in the router a round mostly waits on its workers, and the thread runs then). Lookups take the same
 lock, one request at a time. A request's `start` first waits until every request of its salt released before it
 is indexed, so what a request can draft from is what synchronous indexing would give it: the same proposals.
+
+The global structure is bounded twice: by ended requests kept (`max_requests`) and by its estimated size in bytes
+(`max_bytes`, `SuffixTrie.bytes`), oldest evicted first. The count alone does not bound memory: where text repeats,
+a request of a few thousand tokens materialises up to D nodes a token, some hundred bytes each.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +46,16 @@ log = logging.getLogger(__name__)
 
 # Tokens the indexing thread inserts per hold of the lock: the most a lookup waits for, so it must stay small.
 INDEX_CHUNK = 64
+
+# What the structure costs in CPython, by what it is made of (`SuffixTrie.bytes`): an estimate, checked against
+# tracemalloc by a test. A node: the object with its four slots (64 bytes) and its entry in its parent's dict
+# (a dict's table grows by doubling: about 32 bytes an entry). A node with children: its dict (header and a
+# table of at least 8 slots). A token: its slot in the document's list and its int object (ids past 256 are not
+# cached by CPython: each is its own object).
+NODE_BYTES = 96
+DICT_BYTES = 240
+TOKEN_BYTES = 48
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 
 
 class _Node:
@@ -68,6 +82,7 @@ class SuffixTrie:
         # Per document: (start, node, depth) of paths still growing that follow already materialised nodes.
         self._open: dict[int, list[tuple[int, _Node, int]]] = {}
         self.num_nodes = 1
+        self.num_dicts = 0  # nodes whose `children` is a dict (never an empty one)
 
     def extend(self, doc: list[int], new_tokens: Sequence[int]) -> None:
         """Append `new_tokens` to `doc` (mutates it) and index every substring ending in them."""
@@ -105,12 +120,22 @@ class SuffixTrie:
                 child.count -= 1
                 if child.count == 0:
                     del children[t]
-                    self.num_nodes -= self._size(child)
+                    nodes, dicts = self._size(child)
+                    self.num_nodes -= nodes
+                    self.num_dicts -= dicts
+                    if not children:
+                        node.children = None
+                        self.num_dicts -= 1
                     break
                 node = child
             else:
                 if node.tail_doc is doc:  # this occurrence ended here, at the document's end
                     node.tail_doc = None
+
+    @property
+    def bytes(self) -> int:
+        """The nodes' estimated size in memory (the documents' tokens are their owner's to count)."""
+        return NODE_BYTES * self.num_nodes + DICT_BYTES * self.num_dicts
 
     def longest_match(self, tokens: Sequence[int], max_len: int) -> tuple[int, _Node | None]:
         """The longest m <= max_len such that tokens[-m:] occurs followed by a token, and its node (0, None: none)."""
@@ -144,13 +169,22 @@ class SuffixTrie:
     def _child(self, node: _Node, t: int, doc: list[int] | None, tail_pos: int) -> _Node:
         if node.children is None:
             node.children = {}
+            self.num_dicts += 1
         child = node.children[t] = _Node(doc, tail_pos)
         self.num_nodes += 1
         return child
 
     @staticmethod
-    def _size(node: _Node) -> int:
-        return 1 + sum(SuffixTrie._size(c) for c in (node.children or {}).values())
+    def _size(node: _Node) -> tuple[int, int]:
+        """The nodes and the dicts of the subtree at `node`."""
+        nodes, dicts, below = 0, 0, [node]
+        while below:
+            n = below.pop()
+            nodes += 1
+            if n.children:
+                dicts += 1
+                below.extend(n.children.values())
+        return nodes, dicts
 
 
 @dataclass
@@ -167,18 +201,23 @@ class _Request:
 @dataclass
 class _Global:
     """Ended requests' tokens, one trie per cache salt (requests share what they learn only within a salt, as
-    they share prefix caches), evicted oldest-ended first beyond `max_requests` requests in all. Read and written
-    under `lock`."""
+    they share prefix caches), evicted oldest-ended first beyond `max_requests` requests or `max_bytes` (`bytes`)
+    in all. Read and written under `lock`."""
 
     max_depth: int
     max_requests: int
+    max_bytes: int = DEFAULT_MAX_BYTES
     tries: dict[str | None, SuffixTrie] = field(default_factory=dict)
     docs: deque[tuple[str | None, list[int]]] = field(default_factory=deque)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _per_salt: Counter[str | None] = field(default_factory=Counter)  # docs held per salt
+    _tokens: int = 0  # tokens of `docs`
 
     def add(self, salt: str | None, tokens: Sequence[int], chunk: int | None = None) -> None:
-        """Index `tokens` under `salt`, taking the lock once per `chunk` tokens (None: once)."""
-        if self.max_requests == 0 or not tokens:
+        """Index `tokens` under `salt`, taking the lock once per `chunk` tokens (None: once). Older requests are
+        evicted as it grows, so the structure stays within `max_bytes` but for one chunk; a request larger than
+        `max_bytes` alone is dropped, as soon as it is seen to be."""
+        if self.max_requests == 0 or self.max_bytes == 0 or not tokens:
             return
         step = chunk or len(tokens)
         doc: list[int] = []
@@ -188,19 +227,48 @@ class _Global:
                 if trie is None:
                     trie = self.tries[salt] = SuffixTrie(self.max_depth)
                 trie.extend(doc, tokens[at : at + step])
+                self._evict(indexing=(salt, len(doc)))
+                if self.bytes + TOKEN_BYTES * len(doc) > self.max_bytes:  # nothing older is left: it alone is too big
+                    self._drop(salt, doc)
+                    return
         with self.lock:
             trie.close(doc)  # type: ignore[union-attr]  # set in the loop: tokens is not empty
             self.docs.append((salt, doc))
-            while len(self.docs) > self.max_requests:
-                old_salt, old = self.docs.popleft()
-                self.tries[old_salt].remove(old)
-                if not any(s == old_salt for s, _ in self.docs):
-                    del self.tries[old_salt]
+            self._per_salt[salt] += 1
+            self._tokens += len(doc)
+            self._evict()
+
+    @property
+    def bytes(self) -> int:
+        """The structure's estimated size in memory: its tries' nodes and its documents' tokens. Under `lock`."""
+        return sum(trie.bytes for trie in self.tries.values()) + TOKEN_BYTES * self._tokens
 
     @property
     def num_tokens(self) -> int:
         with self.lock:
-            return sum(len(doc) for _, doc in self.docs)
+            return self._tokens
+
+    def _evict(self, indexing: tuple[str | None, int] | None = None) -> None:
+        """Evict the oldest documents while over either bound. `indexing`: the salt and tokens so far of a
+        document being added, which count towards `max_bytes` and keep their salt's trie."""
+        extra = TOKEN_BYTES * indexing[1] if indexing else 0
+        while self.docs and (len(self.docs) > self.max_requests or self.bytes + extra > self.max_bytes):
+            salt, doc = self.docs.popleft()
+            self._per_salt[salt] -= 1
+            self._tokens -= len(doc)
+            self.tries[salt].remove(doc)
+            self._forget_if_empty(salt, keep=indexing is not None and indexing[0] == salt)
+
+    def _drop(self, salt: str | None, doc: list[int]) -> None:
+        """Forget `doc`, being added, whole."""
+        self.tries[salt].remove(doc)
+        log.debug("suffix: an ended request of %d tokens is larger than max_bytes alone: not kept", len(doc))
+        self._forget_if_empty(salt, keep=False)
+
+    def _forget_if_empty(self, salt: str | None, keep: bool) -> None:
+        if not keep and not self._per_salt[salt]:
+            del self.tries[salt]
+            self._per_salt.pop(salt, None)
 
 
 class _Indexer:
@@ -258,6 +326,7 @@ class SuffixDrafter:
         min_match: int = 2,
         max_requests: int = 256,
         min_prob: float = 0.1,
+        max_bytes: int = DEFAULT_MAX_BYTES,
         index_prompts: bool = True,
         background: bool = False,
     ) -> None:
@@ -267,6 +336,8 @@ class SuffixDrafter:
             raise ValueError(f"need 1 <= min_match <= max_depth // 2, got min_match={min_match}, max_depth={max_depth}")
         if max_requests < 0:
             raise ValueError(f"need max_requests >= 0, got {max_requests}")
+        if max_bytes < 0:
+            raise ValueError(f"need max_bytes >= 0, got {max_bytes}")
         if not 0.0 <= min_prob <= 1.0:
             raise ValueError(f"need 0 <= min_prob <= 1, got {min_prob}")
         self.max_depth, self.min_match, self.min_prob, self.index_prompts = (
@@ -275,7 +346,7 @@ class SuffixDrafter:
             min_prob,
             index_prompts,
         )
-        self.global_ = _Global(max_depth, max_requests)
+        self.global_ = _Global(max_depth, max_requests, max_bytes)
         self._indexer = _Indexer(self.global_) if background else None
         self._requests: dict[str, _Request] = {}
 
@@ -379,6 +450,7 @@ def _build(context: DraftContext) -> SuffixDrafter:
         min_match=spec.suffix_min_match,
         max_requests=spec.suffix_max_requests,
         min_prob=spec.suffix_min_prob,
+        max_bytes=spec.suffix_max_bytes,
         index_prompts=spec.suffix_index_prompts,
         background=True,
     )

@@ -4,6 +4,11 @@ The tokenizer's side (every token's bytes, arranged for fast masking) is built o
 seconds at a large vocabulary, so an engine builds one compiler and keeps it. A compiled grammar is a pristine
 matcher; each sequence's `GrammarState` runs on a copy of it (a copy is far cheaper than a compile), so
 compiled grammars are kept in a small LRU keyed by the constraint.
+
+Structured output is optional per model: the grammar engine must read every token's bytes from the tokenizer, and
+some tokenizers it cannot read (a WordLevel tokenizer without a decoder, which transformers and the engine handle
+fine). `grammar_compiler` then gives `NoGrammars`, which refuses each constraint saying why, and everything else
+serves as before.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import llguidance
 
@@ -91,6 +96,30 @@ class GrammarCompiler:
         for warning in matcher.get_grammar_warnings():  # non-strict schemas: the keywords left unenforced
             logger.info("%s: %s", constraint.kind, warning)
         return matcher
+
+
+@dataclass(frozen=True)
+class NoGrammars:
+    """In place of a `GrammarCompiler` for a model that cannot have one: structured output is unavailable, `why`."""
+
+    why: str
+
+    def compile(self, constraint: Constraint) -> NoReturn:
+        """`InvalidArgument(constraint.kind, ...)`, always: the field that asked for structured output."""
+        raise InvalidArgument(constraint.kind, f"structured output is unavailable for this model: {self.why}")
+
+
+def grammar_compiler(
+    tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 64
+) -> GrammarCompiler | NoGrammars:
+    """A `GrammarCompiler` (its arguments), or `NoGrammars` saying why none can be built for this model: serving
+    goes on without structured output rather than failing to start, which for a server's replica means being
+    restarted, and failing again, forever."""
+    try:
+        return GrammarCompiler(tokenizer, vocab_size, eos_token_ids, cache_size)
+    except Exception as exc:  # llguidance refuses a tokenizer with a plain ValueError: any error will do
+        why = f"the grammar engine cannot use its tokenizer ({type(exc).__name__}: {_short(str(exc))})"
+        return NoGrammars(why)
 
 
 def check(constraint: Constraint) -> None:

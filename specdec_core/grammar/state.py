@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
+from specdec_core.errors import GrammarError
 from specdec_core.grammar.bits import has, only_token, popcount, set_bit, unpack_bitmask
 from specdec_core.grammar.compiler import CompiledGrammar
 from specdec_core.grammar.constraint import Constraint
 
-logger = logging.getLogger(__name__)
-
 # Masks kept behind the current position: rolling back a round (at most this many drafts) finds its masks cached.
 _KEPT_BEHIND = 32
 _MAX_FORCED = 32
+_MAX_ERROR = 400  # characters of the matcher's error kept: it can quote the grammar
 
 
 class GrammarState:
@@ -25,7 +23,9 @@ class GrammarState:
     computed once: the masks along the last path explored stay cached (packed, 4 bytes per 32 tokens) until a
     different token is advanced at their position, so a round's drafting, verifying and committing share them.
     After an eos token the state is terminated and its mask allows the eos tokens only, so that every mask has a
-    token to renormalise onto.
+    token to renormalise onto. A grammar engine that fails (its matcher in an error state, which llguidance masks
+    to the eos tokens alone; or a mask with no token at all) raises `GrammarError`: ending the output there would
+    report output that may break its constraint as a normal stop.
     """
 
     def __init__(self, grammar: CompiledGrammar) -> None:
@@ -63,9 +63,7 @@ class GrammarState:
             # once nothing else may follow, taken but not counted for rollback by consume_token). Allowed where the
             # grammar accepts, it ends the output; this class tracks that itself.
             if token not in self._eos and self._matcher.try_consume_tokens([token]) != 1:
-                raise RuntimeError(
-                    f"the grammar's mask allows token {token} but it was refused: {self._matcher.get_error()}"
-                )
+                raise self._failed(f"the mask allows token {token} but the matcher refused it")
             self._step(token)
             consumed += 1
         for position in [p for p in self._packed if p < self._n - _KEPT_BEHIND]:
@@ -78,9 +76,7 @@ class GrammarState:
             raise ValueError(f"cannot roll back {n} of {self._n} tokens")
         in_matcher = n - (1 if n and self.is_terminated() else 0)  # the eos was never the matcher's
         if in_matcher and not self._matcher.rollback(in_matcher):
-            raise RuntimeError(
-                f"the grammar engine refused to roll back {in_matcher} tokens: {self._matcher.get_error()}"
-            )
+            raise self._failed(f"the matcher refused to roll back {in_matcher} tokens")
         self._n -= n
 
     def allowed_mask(self) -> torch.Tensor:  # [V] bool
@@ -102,7 +98,7 @@ class GrammarState:
                 break
             token = only_token(packed)
             if self.advance([token]) != 1:
-                raise RuntimeError(f"the grammar's one allowed token {token} was refused: {self._matcher.get_error()}")
+                raise self._failed(f"the one allowed token {token} was refused")
             out.append(token)
         self.rollback(len(out))
         return out
@@ -138,20 +134,27 @@ class GrammarState:
         self._trail.append(token)
         self._n += 1
 
+    def _failed(self, what: str) -> GrammarError:
+        """The error ending this sequence: what failed, and the matcher's own error (its first line: the rest
+        dumps the matcher's state and the whole grammar)."""
+        error = (self._matcher.get_error() or "").strip().splitlines()
+        detail = f": {error[0][:_MAX_ERROR]}" if error else ""
+        return GrammarError(self.constraint.kind, f"the grammar engine failed after {self._n} tokens, {what}{detail}")
+
     def _packed_mask(self) -> np.ndarray:  # [W] uint32
         if self._n not in self._packed:
             vocab = self.grammar.tokenizer_vocab_size
             words = np.zeros((vocab + 31) // 32, dtype=np.uint32)  # [W]
-            if not self.is_terminated():
+            if self.is_terminated():
+                for token in self._eos:
+                    set_bit(words, token, True)
+            else:
                 self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
                 if vocab % 32:  # the last word's bits past the tokenizer: never allowed, whatever the engine left
                     words[-1] &= np.uint32((1 << (vocab % 32)) - 1)
-                if popcount(words) == 0:
-                    # Nothing continues the grammar and it cannot end (an engine error, a grammar with no way out):
-                    # ending the output beats a distribution with nothing to renormalise onto.
-                    logger.warning("grammar has no allowed token (%s); allowing eos", self._matcher.get_error())
-            if popcount(words) == 0:  # terminated, or the fallback above
-                for token in self._eos:
-                    set_bit(words, token, True)
+                if self._matcher.is_error():  # its mask then allows the eos tokens: an error posing as an end
+                    raise self._failed("no token may follow")
+                if popcount(words) == 0:  # a grammar with no way out: nothing to renormalise onto
+                    raise self._failed("no token continues the output and it cannot end")
             self._packed[self._n] = words
         return self._packed[self._n]

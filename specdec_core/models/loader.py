@@ -83,6 +83,7 @@ def load_tokenizer(source: str | Path) -> LoadedTokenizer:
     from transformers import AutoTokenizer
 
     path = resolve_source(source)
+    _verify_pulled(path, weights=False)
     if path.is_file():
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         return LoadedTokenizer(tokenizer=tokenizer, path=path, hf_config={})
@@ -103,6 +104,7 @@ def load_model(
     """
     torch_dtype, torch_device = parse_dtype(dtype), parse_device(device)
     path = resolve_source(source)
+    _verify_pulled(path, weights=True)
     return (
         _load_gguf(path, torch_dtype, torch_device) if path.is_file() else _load_hf_dir(path, torch_dtype, torch_device)
     )
@@ -124,6 +126,15 @@ def resolve_source(source: str | Path) -> Path:
     if resolved is not None:
         return resolved
     return _download_from_hub(source)
+
+
+def _verify_pulled(path: Path, *, weights: bool) -> None:
+    """A directory `specdec models pull` wrote (by name or by path) is re-hashed before it is read
+    (`store.verify_cached`): a shared models volume is written by other pods than the one loading."""
+    if path.is_dir():
+        from specdec_core.models import store
+
+        store.verify_cached(path, weights=weights)
 
 
 def _download_from_hub(repo_id: str) -> Path:

@@ -10,6 +10,10 @@ Layout under `specdec_home()`:
 What must stay true: a directory in `models/` is complete iff its marker exists. The marker is the
 last file written into the staging directory, and the staging directory reaches `models/` by one
 rename, so an interrupted pull (exception, Ctrl-C, kill) never leaves a half-written model there.
+
+The cache keeps the converted files, not the GGUF whose SHA-256 the catalog pins: the marker records
+that hash (checked at download) and the SHA-256 of every file the conversion wrote. `verify_cached`
+re-checks both before a load: the source hash against the catalog's pin, each file against the marker.
 """
 
 from __future__ import annotations
@@ -81,11 +85,12 @@ def pull(
     spec = get_spec(name, specs)
     home = Path(home) if home is not None else specdec_home()
     target = model_dir(name, home)
-    if is_cached(name, home):
+    # A directory pulled before the marker recorded file hashes is pulled again: it could never be checked.
+    if is_cached(name, home) and _has_file_hashes(target):
         return target
     extra = [*pip_args, *environment.pip_args()]
     with _exclusive(home / "locks" / f"{name}.lock"):
-        if is_cached(name, home):  # another process finished it while we waited
+        if is_cached(name, home) and _has_file_hashes(target):  # another process finished it while we waited
             return target
         _sweep_stale_tmp(home, name)
         tmp = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_mkdir(home / "tmp")))
@@ -227,16 +232,82 @@ def _write_marker(hf: Path, spec: ModelSpec, digest: str) -> None:
         "source_size": spec.size_bytes,
         "dtype": config.get("dtype") or config.get("torch_dtype") or "unknown",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "files": _file_hashes(hf),
     }
     staging = hf / f".{MARKER}.tmp"
     staging.write_text(json.dumps(marker, indent=2) + "\n")
     os.replace(staging, hf / MARKER)
 
 
+def _file_hashes(directory: Path) -> dict[str, str]:
+    """SHA-256 of every file under `directory`, by its path relative to it (the marker excepted)."""
+    return {name: _file_sha256(directory / name) for name in sorted(_listing(directory))}
+
+
+def _has_file_hashes(target: Path) -> bool:
+    try:
+        return isinstance(json.loads((target / MARKER).read_text()).get("files"), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def verify_cached(directory: Path, *, weights: bool = True, specs: Mapping[str, ModelSpec] | None = None) -> None:
+    """Refuse to load a pulled model whose files changed since the pull: `ModelIntegrityError` naming the file
+    and both hashes. A directory without a marker (not pulled by `pull`) is not checked.
+
+    Checked: the marker's source SHA-256 against the catalog's pin for its name (a model pulled from other bytes
+    than those pinned now is refused), then every file the marker lists, streamed, and that no file was added
+    (the loader reads every *.safetensors it finds). `weights=False` checks all but the *.safetensors, for a
+    process that reads only the tokenizer and config. Not covered: a writer who rewrites the marker as well.
+    """
+    directory = Path(directory)
+    marker_path = directory / MARKER
+    if not marker_path.is_file():
+        return
+    marker = json.loads(marker_path.read_text())
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        raise ModelIntegrityError(
+            f"{directory}: pulled before specdec recorded its files' hashes, so it cannot be checked: "
+            f"run `specdec models pull {marker.get('name', directory.name)}` again (it replaces the directory)"
+        )
+    spec = (CATALOG if specs is None else specs).get(marker.get("name", ""))
+    if spec is not None and spec.sha256 is not None and marker.get("sha256") != spec.sha256:
+        raise ModelIntegrityError(
+            f"{marker_path}: pulled from a GGUF with SHA-256 {marker.get('sha256')}, the catalog pins {spec.sha256}"
+        )
+    _check_files(directory, files, weights)
+
+
+def _check_files(directory: Path, files: dict[str, str], weights: bool) -> None:
+    def wanted(name: str) -> bool:
+        return weights or not name.endswith(".safetensors")
+
+    present = {name for name in _listing(directory) if wanted(name)}
+    extra = sorted(present - set(files))
+    if extra:
+        raise ModelIntegrityError(
+            f"{directory}: {extra[0]} was not written by the pull (the marker lists no such file)"
+        )
+    for name, expected in files.items():
+        if not wanted(name):
+            continue
+        path = directory / name
+        if not path.is_file():
+            raise ModelIntegrityError(f"{path}: missing (the pull wrote it with SHA-256 {expected})")
+        actual = _file_sha256(path)
+        if actual != expected:
+            raise ModelIntegrityError(f"{path}: SHA-256 mismatch: the pull wrote {expected}, found {actual}")
+
+
+def _listing(directory: Path) -> list[str]:
+    return [p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() and p.name != MARKER]
+
+
 def _publish(staged: Path, target: Path) -> None:
     """Move the complete `staged` directory to `target` with one rename (same filesystem)."""
-    if target.exists():  # only a stale, markerless leftover can be here: we hold the lock
-        logger.warning("removing incomplete model directory %s", target)
+    if target.exists():  # a stale, markerless leftover or one pulled before file hashes: we hold the lock
+        logger.warning("replacing model directory %s (incomplete, or without file hashes)", target)
         shutil.rmtree(target)
     _mkdir(target.parent)
     os.replace(staged, target)

@@ -79,6 +79,7 @@ def stack(tiny_dir, near_draft_dir):
     cluster = Cluster(initialize_head=True, head_node_args=ROLES["head"])
     config = parse_config(
         {
+            "auth": "none",  # a test stack on this machine; tests/deployments/test_reliability.py checks the token
             "app_name": APP,
             "grpc_port": free_port(),
             "http_port": free_port(),

@@ -10,6 +10,8 @@ from specdec_core.config import AUTO, SamplingParams
 from specdec_core.errors import InvalidArgument
 from specdec_core.grammar.constraint import Constraint
 
+DEEP_SCHEMA = '{"type": "array", "items": ' * 1000 + "{}" + "}" * 1000  # parsers recurse: a RecursionError
+
 
 @pytest.mark.parametrize(
     "request_kwargs, field",
@@ -24,6 +26,9 @@ from specdec_core.grammar.constraint import Constraint
         ({"prompt": "hi", "sampling": pb.SamplingParams(temperature=1e-45)}, "sampling.temperature"),  # overflows
         ({"prompt": "hi", "sampling": pb.SamplingParams(top_p=1.5)}, "sampling.top_p"),
         ({"prompt": "hi", "sampling": pb.SamplingParams(max_tokens=0)}, "sampling.max_tokens"),
+        ({"prompt": "hi", "sampling": pb.SamplingParams(top_k=2**32 - 1)}, "sampling.top_k"),
+        ({"prompt": "hi", "sampling": pb.SamplingParams(top_p=1e-40)}, "sampling.top_p"),  # subnormal in float32
+        ({"prompt": "hi", "structured": pb.StructuredOutput(json_schema=DEEP_SCHEMA)}, "structured.json_schema"),
     ],
 )
 def test_bad_requests_name_the_field(request_kwargs, field):
@@ -96,3 +101,24 @@ def test_compile_errors_are_named_as_structured_fields():
     """The engine compiles the constraint and names its kind; the client reads its request's field."""
     for kind in ("json_schema", "json_object", "regex", "grammar"):
         assert generation_codec.in_request_terms(InvalidArgument(kind, "bad")).field == f"structured.{kind}"
+
+
+@pytest.mark.parametrize(
+    "text, depth",
+    [
+        ("1", 0),
+        ('{"a": [1, {"b": 2}]}', 3),
+        ('{"a": "[[[{{{"}', 1),  # brackets in a string do not nest
+        ('["\\\\", ["\\"]"]]', 2),  # nor do escaped quotes end a string
+        ("[" * 2000 + "]" * 2000, 2000),
+    ],
+)
+def test_json_depth_counts_nesting_without_parsing(text, depth):
+    assert generation_codec.json_depth(text) == depth
+
+
+def test_a_schema_at_the_depth_limit_is_accepted():
+    levels = generation_codec.MAX_JSON_DEPTH - 1  # and the innermost {}
+    schema = '{"type": "array", "items": ' * levels + "{}" + "}" * levels
+    request = pb.GenerateRequest(prompt="x", structured=pb.StructuredOutput(json_schema=schema))
+    assert generation_codec.decode_generate(request, 16).request.params.constraint.value == schema

@@ -49,6 +49,7 @@ def rel(served, tiny_dir, tmp_path_factory):
         {
             **base.model_dump(mode="json"),
             "app_name": APP,
+            "auth": "bearer",
             "auth_token_file": str(token_file),
             "session_idle_timeout_s": IDLE_S,
             "target": {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -101,6 +102,47 @@ def test_a_stalled_draft_replica_times_out_into_target_only_rounds(pair, plain_t
         stalling.released.set()
         tserver.stop(0)
         dserver.stop(0)
+
+
+class SlowStartDraft(DraftServicer):
+    """A draft worker whose first Start outlives the router's timeout (a long GC): it starts the session late."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stalls = 1
+
+    def Start(self, request, context):
+        if self.stalls:
+            self.stalls -= 1
+            time.sleep(1.5)
+        return super().Start(request, context)
+
+
+def test_a_start_that_outlives_its_timeout_leaves_the_session_free_to_start_again(pair, plain_tokens):
+    """The router gives up on the Start and the worker starts the session late: the worker keeps nothing of it,
+    the same session is started there again once the replica answers a probe, drafts for the rest of the
+    request, and the worker holds no session at the end."""
+    slow = draft_servicer(pair, SlowStartDraft)
+    tserver, taddr = serve_locally(target_servicer(pair))
+    dserver, daddr = serve_locally(slow)
+    try:
+        engine, dpool = remote_engine(pair, [taddr], [daddr], draft_timeout_s=0.5)
+        engine.add_request(Request("r", tuple(PROMPT), GREEDY, num_speculative_tokens=3))
+
+        def follow(rounds):  # what the router's worker follower does after a failure
+            if not dpool.has_usable:
+                time.sleep(1.5)  # the late Start ends on the worker
+                dpool.update([daddr])
+
+        tokens, rounds, last = run_steps(engine, follow)
+        held = slow.active_sessions
+    finally:
+        tserver.stop(0)
+        dserver.stop(0)
+    assert slow.stalls == 0  # the fault happened
+    assert tokens == plain_tokens and last.error is None
+    assert any(r.proposed_token_ids for r in rounds[3:])  # drafting again
+    assert held == 0
 
 
 def test_a_draining_draft_replica_takes_no_new_session_and_speculation_goes_on(pair, plain_tokens):

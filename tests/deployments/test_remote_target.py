@@ -7,6 +7,7 @@ draining replica finishes what it holds; a grammar's masks cross with every pref
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -126,3 +127,98 @@ def test_constrained_requests_over_the_workers_give_constrained_plain_decodings_
         assert got[request_id][0] == tokens and got[request_id][2].finish_reason == last.finish_reason
         if last.finish_reason == FinishReason.EOS:
             assert satisfies_served_schema(json.loads(text)), text
+
+
+def _greedy(i, max_tokens=20):
+    return Request(f"r{i}", tuple(range(5 + i, 20 + i)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0)
+
+
+def _step_to_end(engine, results):
+    """Step until the engine is idle, adding each output to `results` ({seq_id: (tokens, last output)})."""
+    while engine.has_work:
+        for out in engine.step():
+            tokens, _ = results.get(out.seq_id, ([], None))
+            results[out.seq_id] = (tokens + list(out.new_token_ids), out)
+    return results
+
+
+def _alone(pair, request):
+    engine = make_engine(pair[0])
+    engine.add_request(request)
+    return _step_to_end(engine, {})[request.seq_id][0]
+
+
+def test_a_prefill_that_outlives_its_timeout_costs_no_other_request_and_leaks_nothing(pair):
+    """r2's prefill stalls past the router's timeout on the replica it was placed on: r2 starts on the other one,
+    unseen by its client; r0 and r1, running on both replicas, go on as if nothing happened (the stalled replica
+    answers their next verify); the late prefill keeps nothing on the worker, and at the end no worker holds a
+    session."""
+    servicers = (target_servicer(pair, "first"), target_servicer(pair, "second"))
+    servers = [serve_locally(s) for s in servicers]
+    pool = ReplicaPool("target", [a for _, a in servers], wpb_grpc.TargetServiceStub, timeout_s=3.0)
+    engine = SpecEngine(RemoteTarget(pool), None, pair[0].tokenizer, pair[0].eos_token_ids)
+    stalled = []
+    for servicer in servicers:
+
+        def slow_once(items, prefill=servicer.target.prefill, servicer=servicer):
+            if any(item.seq_id == "r2" for item in items) and not stalled:
+                stalled.append(servicer)
+                time.sleep(4.5)  # past the router's timeout; shorter than the timeout plus one verify's wait
+            return prefill(items)
+
+        servicer.target.prefill = slow_once
+    requests = [_greedy(i) for i in range(3)]
+    try:
+        for request in requests[:2]:
+            engine.add_request(request)
+        results = {out.seq_id: (list(out.new_token_ids), out) for out in engine.step()}
+        assert {pool.replica_of("r0").address, pool.replica_of("r1").address} == {a for _, a in servers}
+        engine.add_request(requests[2])
+        _step_to_end(engine, results)
+        time.sleep(2.0)  # the stalled prefill ends on its worker
+        held = [servicer.active_sessions for servicer in servicers]
+    finally:
+        for server, _ in servers:
+            server.stop(0)
+    assert stalled  # the fault happened
+    for request in requests:
+        tokens, last = results[request.seq_id]
+        assert tokens == _alone(pair, request) and last.error is None, request.seq_id
+    assert held == [0, 0]
+
+
+def test_routers_sharing_a_worker_wait_for_its_slots_instead_of_failing(pair):
+    """Two routers, one target worker of four slots: the first fills it; the second, which counted four free
+    slots when it started, admits its requests as the worker's slots come free, every one exact, none refused."""
+    servicer = target_servicer(pair, "shared")
+    server, address = serve_locally(servicer)
+    engines = [
+        SpecEngine(
+            RemoteTarget(ReplicaPool("target", [address], wpb_grpc.TargetServiceStub, timeout_s=30)),
+            None,
+            pair[0].tokenizer,
+            pair[0].eos_token_ids,
+        )
+        for _ in range(2)
+    ]
+    first = [_greedy(i, max_tokens=8) for i in range(4)]
+    second = [_greedy(i, max_tokens=8) for i in range(4, 7)]
+    try:
+        for request in first:
+            engines[0].add_request(request)
+        results = {out.seq_id: (list(out.new_token_ids), out) for out in engines[0].step()}  # the worker is full
+        for request in second:
+            engines[1].add_request(request)
+        while any(engine.has_work for engine in engines):
+            for engine in engines:
+                for out in engine.step() if engine.has_work else []:
+                    tokens, _ = results.get(out.seq_id, ([], None))
+                    results[out.seq_id] = (tokens + list(out.new_token_ids), out)
+            time.sleep(0.01)
+        held = servicer.active_sessions
+    finally:
+        server.stop(0)
+    for request in first + second:
+        tokens, last = results[request.seq_id]
+        assert last.error is None and tokens == _alone(pair, request), request.seq_id
+    assert held == 0

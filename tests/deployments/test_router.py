@@ -30,7 +30,7 @@ from specdec_core.drafters import registry as methods
 from specdec_core.drafters.base import DraftContext
 from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.grammar.constraint import Constraint
-from specdec_core.models.loader import load_tokenizer
+from specdec_core.models.loader import LoadedTokenizer, load_tokenizer
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.target import LocalTarget
 from tests.helpers import SERVED_SCHEMA, asgi_post, make_engine, run_to_completion, satisfies_served_schema
@@ -749,3 +749,139 @@ def test_http_pins_a_variant_and_names_it_in_speculation(ab_router):
     assert status == 200 and reply["speculation"]["draft_variant"] == "bad", reply
     status, error = asyncio.run(_post(app, "/v1/completions", {**body, "draft_variant": "ugly"}))
     assert status == 400 and error["error"]["param"] == "draft_variant"
+
+
+# -- what a constraint costs, and a model without structured output ------------------------------------------------
+
+
+def counted_compiles(engine: SpecEngine) -> list[Constraint]:
+    """The constraints `engine` is asked to compile from now on, compiled by its own (real) compiler."""
+    compiled, real = [], engine.compile
+
+    def compile(constraint: Constraint):
+        compiled.append(constraint)
+        return real(constraint)
+
+    engine.compile = compile
+    return compiled
+
+
+def test_a_full_queue_refuses_a_structured_request_before_compiling_it(make_router):
+    """RESOURCE_EXHAUSTED for the queue, as the scheduler would say, with no compile paid for it; once there is
+    room the same request compiles and runs."""
+    router, engine = make_router(gated=True, max_queued_requests=0)
+    compiled = counted_compiles(engine)
+    structured = _structured_request(pb.StructuredOutput(json_schema=json.dumps(SERVED_SCHEMA)), max_tokens=8)
+
+    async def scenario() -> None:
+        busy = [
+            asyncio.ensure_future(router.Generate(request(PROMPT, k=3, max_tokens=100, ignore_eos=True), Context(AUTH)))
+            for _ in range(SLOTS)
+        ]
+        # Requests join between rounds: a round at a time until every slot is taken (one needs 25 rounds to end).
+        deadline = time.monotonic() + WAIT_S
+        while engine.target.active_sequences < SLOTS:
+            assert time.monotonic() < deadline, "the requests did not all start"
+            engine.target.permits.release(1)
+            await asyncio.sleep(0.05)
+        context = Context(AUTH)
+        with pytest.raises(RequestFailed):  # at once: not after the round the engine thread is held in
+            await asyncio.wait_for(router.Generate(structured, context), 10)
+        assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED and context.details.startswith("queue: ")
+        assert compiled == []
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
+        engine.target.gated = False
+        engine.target.permits.release(1000)
+        await _until(lambda: not engine.has_work and router.scheduler.num_active == 0)
+        await router.Generate(structured, Context(AUTH))
+
+    asyncio.run(scenario())
+    assert compiled  # the router's compile, and the engine's (which finds it compiled)
+
+
+def test_a_constraint_over_max_schema_bytes_is_refused_naming_its_field_before_it_compiles(make_router):
+    router, engine = make_router(max_schema_bytes=64)
+    compiled = counted_compiles(engine)
+    schema = json.dumps(SERVED_SCHEMA)
+    assert len(schema) > 64
+    context = Context(AUTH)
+    with pytest.raises(RequestFailed):
+        asyncio.run(router.Generate(_structured_request(pb.StructuredOutput(json_schema=schema)), context))
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert context.details.startswith("structured.json_schema: ") and "router.max_schema_bytes" in context.details
+    body = {
+        "model": router.served_model_name,
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SERVED_SCHEMA}},
+    }
+    status, reply = asyncio.run(_post(router.__serve_build_asgi_app__(), "/v1/completions", body))
+    assert status == 400 and reply["error"]["param"] == "response_format.json_schema.schema"
+    assert compiled == []
+    within = _structured_request(pb.StructuredOutput(regex="[0-9]{3}"), max_tokens=4)
+    assert asyncio.run(router.Generate(within, Context(AUTH))).text.isdigit()  # a short constraint still serves
+    assert compiled
+
+
+def test_a_model_without_grammars_serves_and_refuses_structured_requests_naming_the_field(tiny_dir, pair):
+    """A target whose tokenizer the grammar engine cannot read: the router comes up and serves; a structured
+    request is INVALID_ARGUMENT (gRPC) or 400 (HTTP) naming its field and saying why."""
+    from tests.specdec_core.test_structured import EOS_ID, wordlevel_tokenizer
+
+    tokenizer = wordlevel_tokenizer()
+    config = parse_config(
+        {
+            "target": {"model": str(tiny_dir / "target"), "dtype": "float32"},
+            "draft": {"method": "none"},
+            "router": {"max_seq_len": 64, "default_max_tokens": 4, "calibrate": False},
+        }
+    )
+    runner = ModelRunner(pair[0].model, RunnerConfig(num_slots=SLOTS, max_seq_len=64))
+    engine = SpecEngine(LocalTarget(runner), None, tokenizer, frozenset({EOS_ID}))
+    parts = RouterParts(
+        config=config,
+        engine=engine,
+        tokenizer=LoadedTokenizer(tokenizer, tiny_dir / "target", {}),
+        auth=BearerAuth(TOKEN),
+        tracer=RequestTracer(config.target.model, config.draft.label),
+        metrics=ServingMetrics(config.target.model, config.draft.label),
+        max_seq_len=64,
+    )
+    router = Router(lambda: parts)
+    try:
+        plain = request([5, 6, 7], max_tokens=4, ignore_eos=True)
+        assert len(asyncio.run(router.Generate(plain, Context(AUTH))).token_ids) == 4
+        structured = pb.GenerateRequest(
+            prompt_token_ids=[5, 6, 7], structured=pb.StructuredOutput(json_schema='{"type": "object"}')
+        )
+        context = Context(AUTH)
+        with pytest.raises(RequestFailed):
+            asyncio.run(router.Generate(structured, context))
+        assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert context.details.startswith("structured.json_schema: structured output is unavailable for this model")
+        body = {"model": router.served_model_name, "prompt": [5, 6, 7], "response_format": {"type": "json_object"}}
+        status, reply = asyncio.run(_post(router.__serve_build_asgi_app__(), "/v1/completions", body))
+        assert status == 400 and reply["error"]["param"] == "response_format"
+        assert "structured output is unavailable for this model" in reply["error"]["message"]
+    finally:
+        router.close()
+
+
+def test_tenants_share_cached_prefixes_only_among_themselves(make_router):
+    """Tokens per tenant: a tenant's repeat finds its own prompt cached; the same prompt from another tenant, or
+    from the shared token's callers, finds nothing, so `cached_tokens` tells no tenant about another's prompts."""
+    from deployments.auth import BearerAuth
+
+    router, _ = make_router(prefix_caching=True)
+    router.auth = BearerAuth(TOKEN, {"alice": "alice-token", "bob": "bob-token"})
+
+    def cached(token):
+        context = Context((("authorization", f"Bearer {token}"),))
+        response = asyncio.run(router.Generate(request(PROMPT, k=3, max_tokens=4, ignore_eos=True), context))
+        assert context.code is None
+        return response.usage.cached_tokens
+
+    runs = [cached(t) for t in ("alice-token", "bob-token", TOKEN, "alice-token", "bob-token", TOKEN)]
+    assert runs == [0, 0, 0, len(PROMPT) - 1, len(PROMPT) - 1, len(PROMPT) - 1]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deployments import generation_codec, worker_codec
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import worker_pb2 as wpb
-from specdec_core.config import MIN_TEMPERATURE, TokenShaping
+from specdec_core.config import MIN_TEMPERATURE, MIN_TOP_P, TokenShaping
 from specdec_core.errors import InvalidArgument
 from specdec_core.grammar.bits import PackedMasks
 from specdec_core.sparse_q import SparseQ
@@ -96,6 +98,46 @@ def test_workers_get_the_token_shaping_only():
     with pytest.raises(InvalidArgument) as err:
         worker_codec.decode_token_sampling(wpb.TokenSampling(temperature=-1.0))
     assert err.value.field == "sampling.temperature"
+
+
+def test_a_top_p_sent_as_zero_is_refused_not_switched_off():
+    """Explicit presence: unset is off (1), and a 0 (what float32 made of a tiny top_p) is never read as unset."""
+    assert worker_codec.decode_token_sampling(wpb.TokenSampling(temperature=1.0)).top_p == 1.0
+    with pytest.raises(InvalidArgument) as err:
+        worker_codec.decode_token_sampling(wpb.TokenSampling(temperature=1.0, top_p=0.0))
+    assert err.value.field == "sampling.top_p"
+
+
+def test_the_smallest_top_p_reaches_the_worker_as_it_left_the_router():
+    shaping = TokenShaping(temperature=1.0, top_p=MIN_TOP_P)
+    sent = wpb.PrefillRequest.FromString(
+        worker_codec.encode_prefill([PrefillItem("s", [1], shaping, 0.5)]).SerializeToString()
+    )
+    assert worker_codec.decode_prefill(sent, 400)[0].shaping == shaping
+
+
+# What a gRPC client can put in the fields that reach the workers: every float32, every uint32 and uint64, any text.
+FLOAT32 = st.floats(width=32)
+SAMPLING = st.builds(
+    pb.SamplingParams,
+    temperature=FLOAT32,
+    top_p=st.one_of(st.none(), FLOAT32),
+    top_k=st.integers(0, 2**32 - 1),
+    seed=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(sampling=SAMPLING, salt=st.text(max_size=300))
+def test_every_generate_request_the_edge_accepts_reaches_the_workers_unchanged(sampling, salt):
+    try:
+        call = generation_codec.decode_generate(pb.GenerateRequest(prompt="x", sampling=sampling, cache_salt=salt), 16)
+    except InvalidArgument:
+        return
+    request = call.request
+    item = PrefillItem("s", [1, 2], request.params.shaping, 0.5, request.cache_salt)
+    sent = wpb.PrefillRequest.FromString(worker_codec.encode_prefill([item]).SerializeToString())
+    assert worker_codec.decode_prefill(sent, 400) == [item]
 
 
 def test_cache_salts_and_cached_counts_cross_to_the_workers_and_back():

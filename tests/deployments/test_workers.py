@@ -6,6 +6,7 @@ An engine whose target and drafter are remote must produce exactly what the in-p
 from __future__ import annotations
 
 import json
+import threading
 
 import grpc
 import pytest
@@ -14,17 +15,20 @@ from deployments.remote_drafter import RemoteDrafter
 from deployments.remote_target import RemoteTarget
 from deployments.replica_pool import ReplicaPool
 from deployments.status import WorkerUnavailable
-from deployments.workers import TargetServicer, start_server
+from deployments.workers import DraftServicer, TargetServicer, start_server
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.config import SamplingParams
+from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.engine import SpecEngine
+from specdec_core.grammar.compiler import GrammarCompiler, grammar_compiler
 from specdec_core.grammar.constraint import Constraint
 from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.stopping import FinishReason
 from specdec_core.target import LocalTarget
 from tests.helpers import SERVED_SCHEMA, make_engine, run_to_completion, serve_pair
+from tests.specdec_core.test_structured import EOS_ID, wordlevel_tokenizer
 
 RUNNER = RunnerConfig(num_slots=4, max_seq_len=256)
 
@@ -261,3 +265,81 @@ def test_remote_workers_reuse_cached_prefixes_within_a_salt_and_change_no_token(
         assert after[kind].prefix_cache_entries >= 1 and after[kind].prefix_cache_bytes > 0
         assert after[kind].computed_tokens > before[kind].computed_tokens
     assert all(servicer.active_sessions == 0 for servicer, _ in cached_servers.values())
+
+
+# -- grammars on the draft worker ----------------------------------------------------------------------------------
+
+WAIT_S = 60.0  # a bound for what takes milliseconds: reached only when the worker is broken
+
+
+class SlowCompiler(GrammarCompiler):
+    """A real compiler whose every compile, once started (`started`), waits for `go`: a large schema's compile."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def compile(self, constraint):
+        self.started.set()
+        assert self.go.wait(WAIT_S)
+        return super().compile(constraint)
+
+
+def _draft_worker(pair, grammars):
+    """A draft worker over the tiny draft with `grammars`, on loopback: (servicer, server, stub)."""
+    target, draft = pair
+    drafter = DraftModelDrafter(ModelRunner(draft.model, RUNNER), target.model.vocab_size)
+    servicer = DraftServicer(drafter, "tiny-draft", grammars=grammars)
+    server, port = start_server(servicer, "127.0.0.1")
+    return servicer, server, wpb_grpc.DraftServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+
+def _constrained_item(seq_id: str, num_committed: int) -> wpb.ProposeRequest.Item:
+    item = wpb.ProposeRequest.Item(
+        seq_id=seq_id,
+        num_committed=num_committed,
+        num_tokens=2,
+        grammar=wpb.Grammar(kind="regex", value="[0-9]+", output_start=num_committed),
+    )
+    item.sampling.temperature = 0.0
+    return item
+
+
+def test_a_grammar_compiles_without_holding_the_draft_workers_lock(pair):
+    """While a session's grammar compiles, calls that take the worker's lock (Release here; every other session's
+    Propose) go through: a slow compile must not stall the worker past its routers' draft timeout."""
+    target, _ = pair
+    grammars = SlowCompiler(target.tokenizer, target.model.vocab_size, sorted(target.eos_token_ids))
+    servicer, server, stub = _draft_worker(pair, grammars)
+    try:
+        stub.Start(wpb.StartRequest(items=[wpb.StartRequest.Item(seq_id="g", prompt_token_ids=[5, 6, 7])]), timeout=10)
+        proposing = stub.Propose.future(wpb.ProposeRequest(items=[_constrained_item("g", 3)]), timeout=WAIT_S)
+        assert grammars.started.wait(WAIT_S)
+        assert stub.Release(wpb.ReleaseRequest(seq_ids=["other"]), timeout=5).released == 0
+        assert not proposing.done()  # still compiling: the Release did not wait for it
+        grammars.go.set()
+        assert len(proposing.result().proposals) == 1
+    finally:
+        grammars.go.set()
+        servicer.close()
+        server.stop(0)
+
+
+def test_a_draft_worker_without_grammars_serves_and_refuses_constrained_sessions_saying_why(pair):
+    """A target tokenizer the grammar engine cannot read: the worker comes up and drafts; a constrained session is
+    INVALID_ARGUMENT naming the constraint and why structured output is unavailable."""
+    grammars = grammar_compiler(wordlevel_tokenizer(), pair[0].model.vocab_size, [EOS_ID])
+    servicer, server, stub = _draft_worker(pair, grammars)
+    try:
+        start = wpb.StartRequest(items=[wpb.StartRequest.Item(seq_id=s, prompt_token_ids=[5, 6, 7]) for s in "ab"])
+        stub.Start(start, timeout=10)
+        plain = wpb.ProposeRequest.Item(seq_id="a", num_committed=3, num_tokens=2)
+        plain.sampling.temperature = 0.0
+        assert len(stub.Propose(wpb.ProposeRequest(items=[plain]), timeout=10).proposals[0].token_ids) == 2
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Propose(wpb.ProposeRequest(items=[_constrained_item("b", 3)]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("structured.regex: structured output is unavailable for this model")
+    finally:
+        servicer.close()
+        server.stop(0)

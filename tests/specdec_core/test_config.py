@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec_core.config import MIN_TEMPERATURE, SamplingParams, TokenShaping
+from specdec_core.config import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams, TokenShaping
 from specdec_core.errors import InvalidArgument
 
 BAD_SHAPING = [
@@ -15,6 +15,10 @@ BAD_SHAPING = [
     ({"top_p": float("nan")}, "top_p"),
     ({"top_k": -1}, "top_k"),
     ({"top_k": 2.5}, "top_k"),
+    ({"top_k": 2**40}, "top_k"),  # past int32: no wire or tensor index need carry it
+    ({"top_p": 1e-50}, "top_p"),  # 0 in the sampler's float32: it would keep no token
+    ({"top_p": MIN_TOP_P / 2}, "top_p"),
+    ({"temperature": 1e39}, "temperature"),  # inf in float32
 ]
 
 
@@ -36,3 +40,12 @@ def test_sampling_params_give_their_shaping_and_nothing_else():
 def test_greedy_is_temperature_zero(temperature, greedy):
     assert TokenShaping(temperature=temperature).greedy is greedy
     assert SamplingParams(temperature=temperature).shaping.greedy is greedy
+
+
+def test_the_bounds_are_accepted_and_mean_the_same_in_float32():
+    """The sampler holds temperature and top_p as float32: at each bound float32 keeps the value exactly."""
+    import numpy as np
+
+    shaping = TokenShaping(temperature=MAX_TEMPERATURE, top_p=MIN_TOP_P, top_k=MAX_TOP_K)
+    assert float(np.float32(shaping.top_p)) == MIN_TOP_P and np.isfinite(np.float32(shaping.temperature))
+    assert SamplingParams(top_p=MIN_TOP_P, top_k=MAX_TOP_K).shaping == TokenShaping(top_p=MIN_TOP_P, top_k=MAX_TOP_K)

@@ -134,7 +134,7 @@ def test_a_free_drafter_failing_for_one_row_costs_its_proposals_only(tiny_target
 
     results = run_to_completion(engine, requests)
 
-    for request_id, prompt, params, k in requests:
+    for request_id, prompt, params, _ in requests:
         tokens, _, last = results[request_id]
         assert tokens == _alone(tiny_target, None, Request(request_id, prompt, params, 0))
         assert last.error is None and last.finish_reason == FinishReason.LENGTH

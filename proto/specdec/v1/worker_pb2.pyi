@@ -132,12 +132,14 @@ class PrefillRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PrefillRequest.Item, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_ids", "cached_tokens")
+    __slots__ = ("first_token_ids", "cached_tokens", "free_slots")
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    free_slots: int
+    def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[_Iterable[int]] = ..., free_slots: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)
@@ -177,10 +179,12 @@ class VerifyOutcome(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., target_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("outcomes",)
+    __slots__ = ("outcomes", "free_slots")
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     outcomes: _containers.RepeatedCompositeFieldContainer[VerifyOutcome]
-    def __init__(self, outcomes: _Optional[_Iterable[_Union[VerifyOutcome, _Mapping]]] = ...) -> None: ...
+    free_slots: int
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[VerifyOutcome, _Mapping]]] = ..., free_slots: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("seq_ids",)

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from deployments import worker_codec
+from deployments.generation_codec import MAX_JSON_DEPTH
 from deployments.openai.codec import DEFAULT_COMPLETION_MAX_TOKENS, DEFAULT_TEMPERATURE, decode_chat, decode_completion
 from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from specdec.v1 import worker_pb2 as wpb
 from specdec_core.chat import ChatMessage
 from specdec_core.config import AUTO
 from specdec_core.errors import InvalidArgument
 from specdec_core.grammar.constraint import Constraint
+from specdec_core.target import PrefillItem
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -91,6 +98,17 @@ def test_no_op_values_of_unimplemented_fields_are_accepted():
     assert call.generate.request.params.max_tokens == 33
 
 
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+DEEP = _nested(MAX_JSON_DEPTH)  # twice as many levels: past the limit wherever in the body it sits
+DEEP_CALL = {"name": "f", "arguments": '{"a": ' * 1000 + "1" + "}" * 1000}  # text: json.loads would recurse
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -124,6 +142,28 @@ def test_no_op_values_of_unimplemented_fields_are_accepted():
         ),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"model": None}, "model"),
+        # Values the workers' wire (or the sampler) cannot hold with their meaning: refused here, not in a batch.
+        ({"top_k": 2**40}, "top_k"),
+        ({"top_p": 1e-50}, "top_p"),  # 0 in float32
+        ({"cache_salt": "\ud800"}, "cache_salt"),  # JSON's escapes can write a lone surrogate
+        ({"stop": ["ok", "a\udfff"]}, "stop[1]"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+            "messages[0].content[0].text",
+        ),
+        ({"\ud800": 1}, "body"),  # an unknown key, which the error would otherwise quote
+        ({"metadata": {"\ud800": "x"}}, "metadata"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": DEEP}}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]}, "tools"),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": DEEP_CALL}]}
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
     ],
 )
 def test_bad_chat_fields_are_refused_naming_the_parameter(extra, param):
@@ -142,6 +182,8 @@ def test_bad_chat_fields_are_refused_naming_the_parameter(extra, param):
         ({"model": "m", "prompt": "a", "echo": True}, "echo"),
         ({"model": "m", "prompt": "a", "best_of": 2}, "best_of"),
         ({"model": "m", "prompt": "a", "messages": []}, "messages"),
+        ({"model": "m", "prompt": "a\ud800"}, "prompt"),  # never reaches the tokenizer
+        ({"model": "m", "prompt": ["\udc00"]}, "prompt[0]"),
         (["not", "an", "object"], "body"),
     ],
 )
@@ -222,3 +264,36 @@ def test_the_engines_constraint_errors_name_the_response_format():
 
     assert http_param("json_schema") == "response_format.json_schema.schema"
     assert http_param("json_object") == "response_format"
+
+
+# Values a client can send for the fields that reach the workers, the unrepresentable ones included.
+TEXT = st.one_of(st.text(max_size=8), st.sampled_from(["\ud800", "a\udfff", "\udc00b"]))
+FLOATS = st.one_of(st.floats(), st.floats(0, 1), st.sampled_from([1e-50, 1e-40, 2.0**-126, 3e38, 1e39]))
+SAMPLING_FIELDS = {
+    "temperature": FLOATS,
+    "top_p": FLOATS,
+    "top_k": st.one_of(st.integers(-2, 100), st.integers(-(2**70), 2**70)),
+    "seed": st.integers(-(2**70), 2**70),
+    "cache_salt": TEXT,
+    "stop": st.lists(TEXT, max_size=3),
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.fixed_dictionaries({}, optional=SAMPLING_FIELDS), content=TEXT)
+def test_every_body_the_edge_accepts_can_be_sent_to_the_workers(fields, content):
+    """What parse_body and decode_chat accept, the router can put on the workers' wire (a value it cannot would fail
+    every request admitted with it), and the worker reads the shaping the sampler would use in process (float32)."""
+    try:
+        call = chat(messages=[{"role": "user", "content": content}], **fields)
+    except InvalidArgument:
+        return
+    request = call.generate.request
+    shaping = request.params.shaping
+    item = PrefillItem("s", [1, 2], shaping, 0.5, request.cache_salt)
+    sent = wpb.PrefillRequest.FromString(worker_codec.encode_prefill([item]).SerializeToString())
+    back = worker_codec.decode_prefill(sent, 400)[0]
+    assert back.cache_salt == request.cache_salt and back.shaping.top_k == shaping.top_k
+    for name in ("temperature", "top_p"):
+        assert np.float32(getattr(back.shaping, name)) == np.float32(getattr(shaping, name)), name
+    worker_codec.encode_start("s", [1, 2], request.cache_salt).SerializeToString()

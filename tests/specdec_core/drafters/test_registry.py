@@ -43,13 +43,14 @@ def test_each_method_builds_its_drafter_from_the_context(tiny_draft):
         suffix_max_depth=16,
         suffix_min_match=3,
         suffix_max_requests=5,
+        suffix_max_bytes=12_345,
         suffix_min_prob=0.2,
         suffix_index_prompts=False,
     )
     suffix = registry.resolve("suffix").build(DraftContext(spec, 400))
     assert isinstance(suffix, SuffixDrafter) and not registry.resolve("suffix").runs_draft_model
     assert (suffix.max_depth, suffix.min_match, suffix.global_.max_requests, suffix.min_prob) == (16, 3, 5, 0.2)
-    assert not suffix.index_prompts
+    assert not suffix.index_prompts and suffix.global_.max_bytes == 12_345
     model = registry.resolve("draft_model").build(DraftContext(DraftSpec("draft_model"), 400, runner))
     assert isinstance(model, DraftModelDrafter) and model.runner is runner and model.target_vocab_size == 400
     assert registry.resolve("draft_model").runs_draft_model

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import tracemalloc
 from collections import Counter
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from specdec_core.config import SamplingParams, TokenShaping
 from specdec_core.drafters.base import DraftRequest
-from specdec_core.drafters.suffix import SuffixDrafter, SuffixTrie
+from specdec_core.drafters.suffix import SuffixDrafter, SuffixTrie, _Global
 
 
 def _occurrences(docs, pattern, max_depth):
@@ -91,8 +92,21 @@ def test_removing_a_document_forgets_exactly_its_occurrences(docs, depth, query,
         trie.remove(held.pop(i))
     for n in range(1, min(len(query), depth) + 1):
         assert _counts(trie, query[-n:]) == _occurrences(held, query[-n:], depth)
+    assert (trie.num_nodes, trie.num_dicts) == _walk(trie.root)  # what the size estimate counts stays true
     if not held:
-        assert not trie.root.children and trie.num_nodes == 1
+        assert not trie.root.children and trie.num_nodes == 1 and trie.num_dicts == 0
+
+
+def _walk(root):
+    """(nodes, nodes with children) under `root`, counted."""
+    nodes, dicts, below = 0, 0, [root]
+    while below:
+        node = below.pop()
+        nodes += 1
+        if node.children:
+            dicts += 1
+            below.extend(node.children.values())
+    return nodes, dicts
 
 
 def test_text_that_does_not_repeat_costs_about_a_node_per_token():
@@ -197,6 +211,64 @@ def test_the_global_structure_keeps_the_most_recent_requests():
     assert len(d.global_.docs) == 2 and d.global_.tries[None].num_nodes <= nodes + 10
 
 
+def _released(d: SuffixDrafter, seq: str, tokens: list[int]) -> None:
+    d.start(seq, tokens)
+    d.release(seq)
+
+
+def test_the_global_structure_is_bounded_by_its_size_in_bytes():
+    """Evicted oldest first once over `max_bytes`, whatever `max_requests` allows; what is kept still proposes."""
+    one = SuffixDrafter(max_depth=16)
+    _released(one, "x", [900] + list(range(1000, 1030)))
+    size = one.global_.bytes
+    d = SuffixDrafter(max_depth=16, max_requests=256, max_bytes=int(2.5 * size))  # room for two such requests
+    docs = [[900 + i] + list(range(1000 + 100 * i, 1030 + 100 * i)) for i in range(6)]
+    for i, doc in enumerate(docs):
+        _released(d, f"r{i}", doc)
+        with d.global_.lock:
+            assert d.global_.bytes <= d.global_.max_bytes
+    assert [doc[0] for _, doc in d.global_.docs] == [904, 905]
+    assert d.global_.num_tokens == 62
+    for i, doc in enumerate(docs):  # evicted requests propose nothing; kept ones their continuation
+        d.start(f"q{i}", doc[:3])
+        assert _propose(d, doc[:3], 3, seq=f"q{i}").token_ids == (doc[3:6] if i >= 4 else [])
+    assert (d.global_.tries[None].num_nodes, d.global_.tries[None].num_dicts) == _walk(d.global_.tries[None].root)
+
+
+def test_a_request_larger_than_the_byte_budget_alone_is_not_kept():
+    d = SuffixDrafter(max_depth=16, max_bytes=20_000)
+    _released(d, "small", list(range(1000, 1010)))
+    _released(d, "huge", [7, 8] * 2000)  # repeats: nodes at every depth
+    assert not d.global_.docs and not d.global_.tries and d.global_.num_tokens == 0
+    _released(d, "next", list(range(1000, 1010)))  # the structure goes on serving
+    d.start("q", [1000, 1001])
+    assert _propose(d, [1000, 1001], 3, seq="q").token_ids == [1002, 1003]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda rng: [(j % 50) + 300 for j in range(1500)],  # repeats: nodes with one child each, D a token
+        lambda rng: [rng.randrange(1000, 150_000) for _ in range(1500)],  # no repeats: about a leaf a token
+        lambda rng: [rng.randrange(300, 320) for _ in range(1500)],  # a small alphabet: bushy near the root
+    ],
+    ids=["periodic", "random", "small-alphabet"],
+)
+def test_the_size_estimate_is_close_to_the_memory_the_structure_holds(make):
+    """`bytes` is what the budget is spent by: it must neither hide most of the memory nor overstate it much."""
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        g = _Global(max_depth=32, max_requests=100)
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(3):
+            g.add(None, [int(str(t)) for t in make(rng)])  # fresh int objects, as tokens off the wire are
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0.75 * held <= g.bytes <= 1.5 * held
+
+
 def _workload(seed: int, requests: int = 12) -> list[tuple[str | None, list[int]]]:
     """Requests that repeat spans of each other, under two salts."""
     rng = random.Random(seed)
@@ -294,6 +366,8 @@ def test_options_are_validated():
         SuffixDrafter(max_depth=8, min_match=5)
     with pytest.raises(ValueError):
         SuffixDrafter(max_requests=-1)
+    with pytest.raises(ValueError):
+        SuffixDrafter(max_bytes=-1)
     with pytest.raises(ValueError):
         SuffixDrafter(min_prob=1.5)
 

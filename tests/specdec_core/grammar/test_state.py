@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,9 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec_core.config import SamplingParams
+from specdec_core.errors import GrammarError
+from specdec_core.grammar.compiler import CompiledGrammar, GrammarCompiler
 from specdec_core.grammar.constraint import Constraint
 from specdec_core.grammar.masks import draft_masks
 from specdec_core.grammar.state import GrammarState
+from specdec_core.stopping import FinishReason
+from tests.helpers import make_engine, run_to_completion
 
 SCHEMA = {
     "type": "object",
@@ -189,3 +195,43 @@ def test_each_position_mask_is_computed_once(compiler, tokenizer):
     assert counting.masks == 5
     state.allowed_mask()  # a new position: computed
     assert counting.masks == 6
+
+
+def _errored(compiler, tokenizer) -> CompiledGrammar:
+    """The regex `ab+` compiled, its pristine matcher fed a token the grammar refuses: llguidance's error state, in
+    which its own mask allows the eos tokens alone."""
+    compiled = compiler.compile(Constraint("regex", "ab+"))
+    matcher = compiled.matcher.deep_copy()
+    assert not matcher.consume_token(tokenizer.convert_tokens_to_ids("z")) and matcher.is_error()
+    return dataclasses.replace(compiled, matcher=matcher)
+
+
+def test_a_grammar_engine_error_is_raised_naming_the_constraint_not_masked_to_eos(compiler, tokenizer):
+    state = GrammarState(_errored(compiler, tokenizer))
+    for read in (state.allowed_words, state.allowed_mask, state.must_end, state.can_end, state.forced):
+        with pytest.raises(GrammarError, match=r"^regex constraint: .*doesn't satisfy the grammar") as caught:
+            read()
+        assert caught.value.kind == "regex" and len(str(caught.value)) < 600  # not the matcher's whole dump
+
+
+def test_a_grammar_engine_error_after_some_tokens_is_raised(compiler, tokenizer):
+    state = GrammarState(compiler.compile(Constraint("regex", "ab+")))
+    assert state.advance(tokenizer.encode("ab", add_special_tokens=False)) == 2
+    state._matcher.consume_token(tokenizer.convert_tokens_to_ids("z"))  # the engine's bug: a token it never allowed
+    with pytest.raises(GrammarError, match="after 2 tokens"):
+        state.allowed_words()
+
+
+def test_a_grammar_engine_error_ends_that_request_with_an_error_not_a_stop(tiny_target):
+    """Through the engine, whose stop tokens the grammar ends on: the request's output reports FinishReason.ERROR and
+    the grammar's error, where an eos-only mask would have ended it as a normal stop."""
+    engine = make_engine(tiny_target)
+    target_compiler = GrammarCompiler(tiny_target.tokenizer, engine.target.vocab_size, sorted(engine.eos_token_ids))
+    broken = _errored(target_compiler, tiny_target.tokenizer)
+    engine.compile = lambda constraint: broken  # the engine's compiler hands the request a matcher in error
+    params = SamplingParams(max_tokens=8, constraint=broken.constraint)
+    results = run_to_completion(engine, [("broken", [5, 6, 7], params, 0)])
+    tokens, _, last = results["broken"]
+    assert last.finish_reason == FinishReason.ERROR and isinstance(last.error, GrammarError)
+    assert tokens == []  # no eos was committed as if the output were complete
+    assert engine.target.free_slots == engine.target.runner.cache.num_slots
