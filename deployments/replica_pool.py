@@ -67,6 +67,10 @@ class Replica:
         """The worker said how many slots it has free now (mutates)."""
         self.free_reported, self.pinned_since_report, self.reported_at = free_slots, 0, time.monotonic()
 
+    def released(self, count: int) -> None:
+        """The worker freed `count` of our sessions' slots (mutates): its last word, less what we took since."""
+        self.free_reported = min(self.stats.num_slots, self.free_reported + count)
+
     @property
     def full_by_others(self) -> bool:
         """It said it had no room for us, though our own sessions leave some: others' sessions may have ended."""
@@ -171,7 +175,8 @@ class ReplicaPool:
             return True
         orphans = sorted(replica.orphans)
         try:
-            replica.stub.Release(wpb.ReleaseRequest(seq_ids=orphans), timeout=min(self.timeout_s, 10.0))  # type: ignore[attr-defined]
+            response = replica.stub.Release(wpb.ReleaseRequest(seq_ids=orphans), timeout=min(self.timeout_s, 10.0))  # type: ignore[attr-defined]
+            replica.released(response.released)
         except grpc.RpcError as exc:
             log.warning(
                 "%s worker at %s did not take back %d sessions: %s",
@@ -320,7 +325,8 @@ class ReplicaPool:
             with self._lock:
                 self.affinity.record(replica.address, salt, held)
         try:
-            replica.stub.Release(wpb.ReleaseRequest(seq_ids=[seq_id]), timeout=min(self.timeout_s, 10.0))
+            response = replica.stub.Release(wpb.ReleaseRequest(seq_ids=[seq_id]), timeout=min(self.timeout_s, 10.0))
+            replica.released(response.released)
         except grpc.RpcError as exc:
             log.warning("could not release %s session %s on %s: %s", self.kind, seq_id, replica.address, exc.code())
             replica.orphans.add(seq_id)

@@ -20,6 +20,7 @@ from specdec_core.grammar.constraint import Constraint
 from specdec_core.request import Request
 from specdec_core.stopping import FinishReason
 from tests.deployments.loopback_workers import (
+    RUNNER,
     draft_servicer,
     serve_locally,
     structured_remotely,
@@ -222,3 +223,21 @@ def test_routers_sharing_a_worker_wait_for_its_slots_instead_of_failing(pair):
         tokens, last = results[request.seq_id]
         assert last.error is None and tokens == _alone(pair, request), request.seq_id
     assert held == 0
+
+
+def test_a_routers_count_of_free_slots_comes_back_as_its_sessions_end(pair):
+    """Two requests end one after the other: the last verify of the first finds the other's slot taken, yet once
+    both are released the router counts every slot free again, without asking the worker (no under-admission)."""
+    servicer = target_servicer(pair, "only")
+    server, address = serve_locally(servicer)
+    pool = ReplicaPool("target", [address], wpb_grpc.TargetServiceStub, timeout_s=30)
+    engine = SpecEngine(RemoteTarget(pool), None, pair[0].tokenizer, pair[0].eos_token_ids)
+    try:
+        results = {}
+        for request in (_greedy(0, max_tokens=4), _greedy(1, max_tokens=9)):
+            engine.add_request(request)
+        _step_to_end(engine, results)
+        free = engine.target.free_slots
+    finally:
+        server.stop(0)
+    assert free == servicer.num_slots == RUNNER.num_slots
