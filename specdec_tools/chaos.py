@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -39,6 +38,7 @@ from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc as pb_grpc
 from specdec_core.environment import auth_token
 from specdec_tools.loadgen.cli import positive
+from specdec_tools.reports import write_report
 
 FAULTS = ("kill-draft", "kill-target", "kill-router", "stall-target", "bad-value", "fill-kv")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -301,8 +301,7 @@ def chaos_main(args: argparse.Namespace) -> int:
         )
     print(format_table(report))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(report, args.json)
     return 0 if report["passed"] else 1
 
 

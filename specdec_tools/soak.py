@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import random
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.environment import auth_token
 from specdec_tools.loadgen.cli import positive
 from specdec_tools.loadgen.client import closed_loop, stream_one
+from specdec_tools.reports import write_report
 from specdec_tools.requests import Speculation, generate_request
 
 # ray, psutil and the stack are imported where they are used: `specdec` builds every subcommand's parser on start.
@@ -574,8 +574,7 @@ def soak_main(args: argparse.Namespace) -> int:
         )
     print(format_summary(report))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(report, args.json)
     return 0 if report["passed"] else 1
 
 
