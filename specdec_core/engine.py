@@ -203,7 +203,8 @@ class SpecEngine:
             except Exception as exc:  # its grammar failed: it ends before any work, the others are prefilled
                 failed.append(seq.final(FinishReason.ERROR, exc))
                 log.warning("request %s failed: %s", seq.seq_id, exc, exc_info=True)
-        admitted = [seq for seq in admitted if seq.seq_id in {item.seq_id for item in items}]  # the same order
+        prefilled = {item.seq_id for item in items}
+        admitted = [seq for seq in admitted if seq.seq_id in prefilled]  # in the order of `items`
         if not admitted:
             return failed
         first: list[Prefilled | None]
