@@ -175,15 +175,20 @@ class InternalAuthInterceptor(grpc.ServerInterceptor):
         return self._refusal
 
 
-class _AddSecret(grpc.UnaryUnaryClientInterceptor):
-    """Client side: every call on the channel carries the internal secret."""
+class _AddSecret(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Client side: every call on the channel carries the internal secret (the target's Decode streams)."""
 
     def __init__(self, secret: str) -> None:
         self._pair = (INTERNAL_KEY, secret)
 
     def intercept_unary_unary(self, continuation: Callable, details: Any, request: Any) -> Any:
-        metadata = list(details.metadata or ()) + [self._pair]
-        return continuation(details._replace(metadata=metadata), request)
+        return continuation(self._with_secret(details), request)
+
+    def intercept_unary_stream(self, continuation: Callable, details: Any, request: Any) -> Any:
+        return continuation(self._with_secret(details), request)
+
+    def _with_secret(self, details: Any) -> Any:
+        return details._replace(metadata=list(details.metadata or ()) + [self._pair])
 
 
 def dial(

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deployments import worker_codec
+from deployments.remote_run import RemoteRun
 from deployments.replica_pool import ReplicaPool, group_by_replica, item_sizes, replica_lost, trace_metadata
 from deployments.status import WorkerDraining, WorkerUnavailable
 from deployments.telemetry import RequestTracer
 from specdec.v1 import worker_pb2 as wpb
+from specdec_core.decode_run import DecodeItem
 from specdec_core.target import PartialPrefill, PartialVerifyFailure, Prefilled, PrefillItem, VerifyItem, VerifyOutcome
 
 if TYPE_CHECKING:
@@ -162,6 +164,9 @@ class RemoteTarget:
         if errors:
             raise PartialVerifyFailure(outcomes, errors)
         return outcomes  # type: ignore[return-value]
+
+    def decode(self, items: Sequence[DecodeItem]) -> RemoteRun:
+        return RemoteRun(self.pool, items, self.tracer, self.metrics)
 
     def release(self, seq_id: str) -> None:
         self.pool.release(seq_id)

@@ -164,7 +164,7 @@ class ReplicaPool:
         self.failure.set()
         log.warning("%s worker at %s failed; %d sessions are pinned there", self.kind, address, len(replica.sessions))
 
-    def _answered(self, replica: Replica) -> None:
+    def answered(self, replica: Replica) -> None:
         """A failed replica answered a call: it is back, as if a probe had found it (`update`)."""
         if replica.failed and not replica.retired and self._release_orphans(replica):
             replica.failed = False
@@ -301,7 +301,7 @@ class ReplicaPool:
         for address, call in calls.items():
             try:
                 responses[address] = call.result()
-                self._answered(groups[address][0])
+                self.answered(groups[address][0])
             except grpc.RpcError as exc:
                 what = f"{self.kind} worker {address}: {method}"
                 error = failures[address] = status.error_of(exc.code(), exc.details(), what)

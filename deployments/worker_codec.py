@@ -17,6 +17,7 @@ import torch
 from deployments.generation_codec import decode_cache_salt, validated_sampling
 from specdec.v1 import worker_pb2 as wpb
 from specdec_core.config import TokenShaping
+from specdec_core.decode_run import DecodeItem, Step
 from specdec_core.drafters.base import DraftGrammar, DraftRequest, Proposal
 from specdec_core.errors import InvalidArgument
 from specdec_core.grammar.bits import PackedMasks
@@ -268,3 +269,41 @@ def decode_proposal(msg: wpb.Proposal, vocab_size: int, return_probs: bool) -> P
     draft_probs = tuple(msg.draft_probs) if return_probs else None
     q = decode_distributions(msg.q, vocab_size)
     return Proposal(token_ids=list(msg.token_ids), q=q, draft_probs=draft_probs, label=msg.label or None)
+
+
+def encode_decode(run_id: str, items: Sequence[DecodeItem]) -> wpb.DecodeRequest:
+    request = wpb.DecodeRequest(run_id=run_id)
+    for item in items:
+        msg = request.items.add(
+            seq_id=item.seq_id,
+            last_token_id=item.last_token_id,
+            uniforms=item.uniforms or (),
+            max_steps=item.max_steps,
+            stop_token_ids=sorted(item.stop_token_ids),
+        )
+        msg.sampling.CopyFrom(encode_token_sampling(item.shaping))
+    return request
+
+
+def decode_decode(request: wpb.DecodeRequest, vocab_size: int) -> list[DecodeItem]:
+    """A run's items, checked as `DecodeItem` checks them, and their ids and uniforms within range."""
+    items = []
+    for item in request.items:
+        if item.last_token_id >= vocab_size:
+            raise InvalidArgument("items.last_token_id", f"{item.last_token_id} is outside the vocabulary")
+        if any(not 0.0 <= u < 1.0 for u in item.uniforms):
+            raise InvalidArgument("items.uniforms", "every uniform must be in [0, 1)")
+        shaping = decode_token_sampling(item.sampling)
+        uniforms = tuple(item.uniforms) if item.uniforms or not shaping.greedy else None
+        stops = frozenset(item.stop_token_ids)
+        items.append(DecodeItem(item.seq_id, item.last_token_id, shaping, uniforms, item.max_steps, stops))
+    return items
+
+
+def encode_step(step: Step, free_slots: int) -> wpb.DecodeStep:
+    """A run's step as the router reads it. The worker sends only tokens: a row whose step failed failed its call."""
+    return wpb.DecodeStep(token_ids=[-1 if t is None else int(t) for t in step], free_slots=free_slots)
+
+
+def decode_step(message: wpb.DecodeStep) -> list[int | None]:
+    return [None if t < 0 else t for t in message.token_ids]

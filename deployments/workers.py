@@ -16,7 +16,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -31,6 +31,7 @@ from deployments.telemetry import context_from_metadata, tracer
 from deployments.tls import server_credentials
 from specdec.v1 import worker_pb2 as wpb
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
+from specdec_core.decode_run import Step, StepwiseRun
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.grammar.compiler import CompiledGrammar, GrammarCompiler, NoGrammars
@@ -251,6 +252,7 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
     def __init__(self, target: LocalTarget, model_name: str, idle_timeout_s: float = 300.0) -> None:
         super().__init__(model_name, idle_timeout_s)
         self.target = target
+        self._runs: dict[str, StepwiseRun] = {}  # runs under way, by run_id (`StopDecode`)
 
     def _free(self, seq_id: str) -> None:
         self.target.release(seq_id)
@@ -283,6 +285,73 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
         response = worker_codec.encode_outcomes(self.target.verify(items))
         response.free_slots = self.target.free_slots
         return response
+
+    def Decode(self, request: wpb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[wpb.DecodeStep]:
+        """A run of plain steps (`specdec_core.decode_run`), each under the lock (other callers' calls go between
+        them), streamed as taken. Like a unary call, a run whose caller went away keeps nothing: the caller counts
+        its sessions failed, so they are released here; and a failed step releases them too."""
+        parent, links = context_from_metadata(context.invocation_metadata() or ())
+        attributes = {
+            "specdec.worker": self.kind,
+            "specdec.model": self.model_name,
+            "specdec.batch_size": len(request.items),
+        }
+        with tracer().start_as_current_span(
+            "specdec.target.Decode", context=parent, links=links, kind=SpanKind.SERVER, attributes=attributes
+        ) as span:
+            steps = 0
+            try:
+                run = self._start_run(request)
+                while (step := self._run_step(run, context)) is not None:
+                    steps += 1
+                    message = worker_codec.encode_step(step, self.target.free_slots)
+                    self.bytes_sent += message.ByteSize()
+                    yield message
+            except GeneratorExit:  # the caller went away between steps
+                self._release_after_error(request)
+                raise
+            except Exception as exc:
+                code, details = grpc_status_of(exc)
+                if code == grpc.StatusCode.INTERNAL:
+                    log.exception("Decode failed")
+                    details = f"Decode failed: {details}"
+                if code in _CACHES_IN_DOUBT:
+                    self._release_after_error(request)
+                context.abort(code, details)
+            finally:
+                self._runs.pop(request.run_id, None)
+                span.set_attribute("specdec.steps", steps)
+
+    def _start_run(self, request: wpb.DecodeRequest) -> StepwiseRun:
+        items = worker_codec.decode_decode(request, self.target.vocab_size)
+        with self._lock:
+            self._touch(item.seq_id for item in items)
+        self.bytes_received += request.ByteSize()
+        run = self._runs[request.run_id] = StepwiseRun(self.target.verify, items, lambda sid: sid in self._last_used)
+        return run
+
+    def _run_step(self, run: StepwiseRun, context: grpc.ServicerContext) -> Step | None:
+        with self._lock:
+            if not context.is_active():
+                self.release(item.seq_id for item in run.items)
+                return None
+            start = time.perf_counter()
+            step = run.step()
+            if step is not None:
+                self.calls += 1
+                self.busy_seconds += time.perf_counter() - start
+                now = time.monotonic()
+                for item, token in zip(run.items, step):
+                    if token is not None and item.seq_id in self._last_used:
+                        self._last_used[item.seq_id] = now
+            return step
+
+    def StopDecode(self, request: wpb.StopDecodeRequest, context: grpc.ServicerContext) -> wpb.StopDecodeResponse:
+        """Not under the lock: the run under way holds it for its step."""
+        run = self._runs.get(request.run_id)
+        if run is not None:
+            run.stop()
+        return wpb.StopDecodeResponse(stopped=run is not None)
 
     def stats(self) -> wpb.WorkerStats:
         return self._stats(

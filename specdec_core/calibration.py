@@ -21,7 +21,7 @@ import copy
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specdec_core.config import SamplingParams
 from specdec_core.engine import SpecEngine
@@ -78,6 +78,8 @@ def calibrate(
     rounds_each = len(sizes) * ((up_to + 1) * samples + 1)
     prompt, params = _synthetic_request(engine, context, max_tokens=rounds_each * (up_to + 1) + 2)
     saved = copy.deepcopy(engine.acceptance), copy.deepcopy(engine.acceptance_by_label)
+    config = engine.config
+    engine.config = replace(config, plain_runs=False)  # a round at a time, each one measured
     tag, start = uuid.uuid4().hex[:8], time.perf_counter()
     ids: list[str] = []
     done: list[int] = []
@@ -98,6 +100,7 @@ def calibrate(
         for seq_id in ids:
             engine.abort(seq_id)
         engine.acceptance, engine.acceptance_by_label = saved
+        engine.config = config
     return Calibration(tuple(done), len(done) * (up_to + 1) * samples, time.perf_counter() - start)
 
 

@@ -3,7 +3,9 @@
 `step()` runs one round for every running sequence: the drafter proposes k tokens per sequence (one batched
 pass per draft position), the target scores every row's last committed token plus its drafts in one batched
 forward, and rejection sampling decides what is kept. Sequences join (prefill) and leave between rounds.
-Plain decoding is the same round with k = 0, so the baseline shares every line of code but the drafter.
+Plain decoding is the same round with k = 0, so the baseline shares every line of code but the drafter. When every
+running row decodes plainly, the target runs those rounds by itself (`decode_run`), and the engine commits each step
+as it arrives; it stops the run to cut in (a request to admit, a row that speculates again).
 
 The engine keeps the loop: admit, choose k, propose, verify, commit. What its drafters hold per sequence is a
 `DraftSession`'s (`drafters/session.py`); a hybrid's free proposals and the per-label records are the
@@ -16,12 +18,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 from specdec_core import structured
 from specdec_core.adaptive import AcceptanceEstimate, AdaptivePolicy, CostModel
 from specdec_core.config import AUTO, parse_num_speculative_tokens
+from specdec_core.decode_run import RUN_STEPS, DecodeRun, Step
 from specdec_core.drafters.base import Drafter, Hybrid, Proposal
 from specdec_core.drafters.hybrid import HybridDrafter
 from specdec_core.drafters.session import DraftSession, allowed, drafts_failed, start_drafting
@@ -46,6 +52,8 @@ class EngineConfig:
     # How `auto` chooses k. Its `max_k` is set to max_speculative_tokens here, whatever the policy passed says: the
     # largest k `auto` considers, and the longest a fixed k is priced at, is the largest a request may ask for.
     policy: AdaptivePolicy = AdaptivePolicy()
+    # Rows that all decode plainly run on the target step after step (`decode_run`); off: one round at a time.
+    plain_runs: bool = True
 
     def __post_init__(self) -> None:
         if self.policy.max_k != self.max_speculative_tokens:
@@ -62,6 +70,20 @@ class _Row:
     free: bool  # it verifies a proposal that cost no draft call
     method: str | None  # `RoundInfo.method`
     item: VerifyItem
+
+
+@dataclass
+class _Run:
+    """A run of plain steps under way: its rows, and what each sampled row's generator held before the run drew
+    its uniforms (rewound to the steps taken when the run ends)."""
+
+    run: DecodeRun
+    steps: Iterator[Step]
+    seqs: list[SequenceState]
+    states: list[torch.Tensor | None]
+    taken: list[int]
+    last_step: float  # time.perf_counter() of the step before
+    stopping: bool = False
 
 
 class SpecEngine:
@@ -90,6 +112,7 @@ class SpecEngine:
         self._running: dict[str, SequenceState] = {}
         self._grammars = structured.LazyCompiler(tokenizer, target.vocab_size, eos_token_ids)
         self._draft_faults = Faults("drafter")  # a drafter that raises: its rows decode plainly, retried after a rest
+        self._run: _Run | None = None
 
     @property
     def acceptance_by_label(self) -> dict[str, AcceptanceEstimate]:
@@ -168,7 +191,7 @@ class SpecEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._run)
 
     @property
     def num_running(self) -> int:
@@ -186,10 +209,85 @@ class SpecEngine:
     # -- the loop ------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests (prefill) and run one round for the running ones."""
-        outputs = self._round(list(self._running.values())) if self._running else []
+        """Admit waiting requests (prefill) and run one round for the running ones; or, while the target runs their
+        plain rounds by itself, commit its next step."""
+        if self._run is not None:
+            return self._run_step(self._run)
+        seqs = list(self._running.values())
+        if seqs and self._runs_plainly(seqs):
+            return self._start_run(seqs)
+        outputs = self._round(seqs) if seqs else []
         outputs += self._admit()
         return outputs
+
+    # -- runs of plain steps -------------------------------------------------------------------------------------
+
+    def _runs_plainly(self, seqs: list[SequenceState]) -> bool:
+        """Whether the target may run these rows' rounds by itself: every row decodes plainly (no grammar either,
+        whose masks follow each token) and no waiting request could start now."""
+        if not self.config.plain_runs or self._admissible():
+            return False
+        return all(seq.k_setting == 0 and seq.grammar is None for seq in seqs)
+
+    def _admissible(self) -> bool:
+        return bool(self._waiting) and self.target.free_slots > 0
+
+    def _start_run(self, seqs: list[SequenceState]) -> list[RequestOutput]:
+        drawn = [seq.decode_item(min(RUN_STEPS, self._room(seq)), self.eos_token_ids) for seq in seqs]
+        try:
+            run = self.target.decode([item for item, _ in drawn])
+        except Exception as exc:
+            return self._fail(seqs, exc)
+        states = [state for _, state in drawn]
+        self._run = _Run(run, iter(run), seqs, states, [0] * len(seqs), time.perf_counter())
+        return self._run_step(self._run)
+
+    def _run_step(self, run: _Run) -> list[RequestOutput]:
+        """Commit the run's next step; once it has no more, rewind what its rows drew beyond the steps they took."""
+        if not run.stopping and self._cut_in(run):
+            run.stopping = True
+            run.run.stop()
+        try:
+            step = next(run.steps, None)
+        except Exception as exc:  # the target's call failed: its rows' caches are in no known state
+            self._run = None
+            return self._fail([seq for seq in run.seqs if seq.seq_id in self._running], exc)
+        if step is None:
+            self._end_run(run)
+            return []
+        now = time.perf_counter()
+        seconds, run.last_step = now - run.last_step, now
+        outputs, first = [], not any(run.taken)
+        for i, (seq, token) in enumerate(zip(run.seqs, step)):
+            if token is None or seq.seq_id not in self._running:  # ended there, or here (stop string, cancel)
+                continue
+            if isinstance(token, Exception):
+                outputs.append(self._row_failed(seq, token))
+                continue
+            run.taken[i] += 1
+            outputs.append(self._commit_plain(seq, token, seconds))
+        if not first:  # the first step's time holds the run's start
+            self.costs.observe_verify(sum(isinstance(token, int) for token in step), 1, seconds)
+        if not any(seq.seq_id in self._running for seq in run.seqs):
+            self._end_run(run)  # its rows all ended: the target, which holds none of them now, ends it too
+        return outputs
+
+    def _cut_in(self, run: _Run) -> bool:
+        """A request could start, or a row of the run speculates again (`set_speculation`)."""
+        return self._admissible() or any(seq.k_setting != 0 for seq in run.seqs if seq.seq_id in self._running)
+
+    def _end_run(self, run: _Run) -> None:
+        self._run = None
+        for seq, state, taken in zip(run.seqs, run.states, run.taken):
+            if state is not None and seq.seq_id in self._running:
+                seq.rewind_run(state, taken)
+
+    def _commit_plain(self, seq: SequenceState, token: int, seconds: float) -> RequestOutput:
+        """A run's token for `seq`, committed as a k = 0 round would commit it."""
+        probs = () if seq.request.return_probs else None
+        info = RoundInfo(0, (), 0, True, draft_probs=probs, target_probs=probs, seconds=seconds)
+        self._learn(seq, Proposal([], None, probs), 0, False, 0)
+        return self._commit(seq, [token], info)
 
     def _admit(self) -> list[RequestOutput]:
         room = self.target.free_slots

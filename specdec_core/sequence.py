@@ -16,6 +16,7 @@ import torch
 from specdec_core import structured
 from specdec_core.adaptive import AcceptanceEstimate
 from specdec_core.config import AUTO, SamplingParams
+from specdec_core.decode_run import DecodeItem
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.drafters.session import DraftSession
 from specdec_core.grammar.masks import verify_masks
@@ -86,6 +87,22 @@ class SequenceState:
         """Mutates: the next `n` draws of the sequence's generator."""
         return torch.rand(n, generator=self.generator, dtype=torch.float64)
 
+    def run_uniforms(self, steps: int) -> tuple[torch.Tensor, tuple[float, ...]]:
+        """Mutates: the draws of `steps` plain rounds, in the order `verify_item` makes them (a k = 0 round draws
+        its accept tests, none, then its sample), and the generator's state before them, for `rewind_run`."""
+        state = self.generator.get_state()
+        draws = []
+        for _ in range(steps):
+            self.uniform(0)
+            draws.append(float(self.uniform(1)))
+        return state, tuple(draws)
+
+    def rewind_run(self, state: torch.Tensor, steps_taken: int) -> None:
+        """Mutates: the generator as if only the `steps_taken` rounds a run used had drawn (`run_uniforms`): a run
+        cut short leaves the draws after it as per-round decoding would have made them."""
+        self.generator.set_state(state)
+        self.run_uniforms(steps_taken)
+
     def room(self, max_seq_len: int) -> int:
         """Tokens the sequence may still commit."""
         return min(self.params.max_tokens - self.stopper.num_output, max_seq_len - len(self.tokens))
@@ -131,6 +148,14 @@ class SequenceState:
         """The free drafter's share of a round: no randomness, and no grammar (its proposals are point masses,
         cut where they leave it, `structured.cut_to_grammar`)."""
         return DraftRequest(self.seq_id, self.tokens, k, self.params.shaping, None, self.request.return_probs)
+
+    def decode_item(self, max_steps: int, stop_token_ids: frozenset[int]) -> tuple[DecodeItem, torch.Tensor | None]:
+        """The target's share of a run of at most `max_steps` plain rounds, and the generator's state before its
+        draws (None when greedy: it draws nothing). Draws its uniforms."""
+        state, uniforms = (None, None) if self.params.greedy else self.run_uniforms(max_steps)
+        stops = frozenset() if self.params.ignore_eos else stop_token_ids
+        item = DecodeItem(self.seq_id, self.tokens[-1], self.params.shaping, uniforms, max_steps, stops)
+        return item, state
 
     def verify_item(self, proposal: Proposal) -> VerifyItem:
         """The target's share of the round; randomness drawn in a fixed order (accept tests, then the sample).

@@ -186,6 +186,49 @@ class VerifyResponse(_message.Message):
     free_slots: int
     def __init__(self, outcomes: _Optional[_Iterable[_Union[VerifyOutcome, _Mapping]]] = ..., free_slots: _Optional[int] = ...) -> None: ...
 
+class DecodeRequest(_message.Message):
+    __slots__ = ("run_id", "items")
+    class Item(_message.Message):
+        __slots__ = ("seq_id", "last_token_id", "sampling", "uniforms", "max_steps", "stop_token_ids")
+        SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+        LAST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+        SAMPLING_FIELD_NUMBER: _ClassVar[int]
+        UNIFORMS_FIELD_NUMBER: _ClassVar[int]
+        MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+        STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        seq_id: str
+        last_token_id: int
+        sampling: TokenSampling
+        uniforms: _containers.RepeatedScalarFieldContainer[float]
+        max_steps: int
+        stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, seq_id: _Optional[str] = ..., last_token_id: _Optional[int] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniforms: _Optional[_Iterable[float]] = ..., max_steps: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    items: _containers.RepeatedCompositeFieldContainer[DecodeRequest.Item]
+    def __init__(self, run_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeRequest.Item, _Mapping]]] = ...) -> None: ...
+
+class DecodeStep(_message.Message):
+    __slots__ = ("token_ids", "free_slots")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    free_slots: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., free_slots: _Optional[int] = ...) -> None: ...
+
+class StopDecodeRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class StopDecodeResponse(_message.Message):
+    __slots__ = ("stopped",)
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    stopped: bool
+    def __init__(self, stopped: _Optional[bool] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("seq_ids",)
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -245,6 +245,16 @@ class TargetServiceStub:
                 request_serializer=specdec_dot_v1_dot_worker__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_worker__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/specdec.v1.TargetService/Decode',
+                request_serializer=specdec_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_worker__pb2.DecodeStep.FromString,
+                _registered_method=True)
+        self.StopDecode = channel.unary_unary(
+                '/specdec.v1.TargetService/StopDecode',
+                request_serializer=specdec_dot_v1_dot_worker__pb2.StopDecodeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_worker__pb2.StopDecodeResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.TargetService/Release',
                 request_serializer=specdec_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
@@ -268,6 +278,23 @@ class TargetServiceServicer:
 
     def Verify(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decode(self, request, context):
+        """A run of plain steps (no drafts): the worker decodes the items step after step by itself and streams each
+        step's tokens, never waiting for the router between them. Each step is a Verify of the items still decoding,
+        with no drafts and the item's uniform for that step. The stream ends when every item has ended (a stop token,
+        its max_steps, its session released) or after StopDecode. Every step streamed is committed in the caches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopDecode(self, request, context):
+        """End a run after the step under way (the router cuts in: a request to prefill, a session that drafts again).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -296,6 +323,16 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specdec_dot_v1_dot_worker__pb2.VerifyRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_worker__pb2.VerifyResponse.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=specdec_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_worker__pb2.DecodeStep.SerializeToString,
+            ),
+            'StopDecode': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopDecode,
+                    request_deserializer=specdec_dot_v1_dot_worker__pb2.StopDecodeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_worker__pb2.StopDecodeResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -362,6 +399,60 @@ class TargetService:
             '/specdec.v1.TargetService/Verify',
             specdec_dot_v1_dot_worker__pb2.VerifyRequest.SerializeToString,
             specdec_dot_v1_dot_worker__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specdec.v1.TargetService/Decode',
+            specdec_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            specdec_dot_v1_dot_worker__pb2.DecodeStep.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopDecode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.TargetService/StopDecode',
+            specdec_dot_v1_dot_worker__pb2.StopDecodeRequest.SerializeToString,
+            specdec_dot_v1_dot_worker__pb2.StopDecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
