@@ -15,6 +15,7 @@ import ray
 from ray import serve
 
 from deployments import autoscaling, swap, worker_registry
+from deployments.compute_thread import ComputeThread
 from deployments.prometheus import WorkerMetrics
 from deployments.serve_config import Placement, ServeConfig, parse_config
 from deployments.telemetry import setup_tracing
@@ -128,6 +129,11 @@ class TargetWorker(_Worker):
 
     def __init__(self, config: dict[str, Any]) -> None:
         cfg = parse_config(config)
+        compute = ComputeThread("target-compute")  # the model is loaded where it runs (`compute_thread`)
+        target = compute.run(self._load, cfg)
+        self._serve(cfg, cfg.target, TargetServicer(target, cfg.target.model, cfg.session_idle_timeout_s, compute))
+
+    def _load(self, cfg: ServeConfig) -> Any:
         t = cfg.target
         # Ray starts workers with OMP_NUM_THREADS=1, and its num_cpus reservation pins no cores: set the threads.
         threads, cores = use_threads(t.threads, share=t.tensor_parallel_size)
@@ -152,7 +158,7 @@ class TargetWorker(_Worker):
             target = LocalTarget(ModelRunner(loaded.model, _runner_config(cfg, t)))
         who = self.kind if t.tensor_parallel_size == 1 else f"{self.kind} rank 0"
         serve_log.info("%s", worker_summary(who, threads, cores, kernel_path(target.runner.model)))
-        self._serve(cfg, t, TargetServicer(target, t.model, cfg.session_idle_timeout_s))
+        return target
 
     def check_health(self) -> None:
         super().check_health()
@@ -173,7 +179,8 @@ class DraftWorker(_Worker):
         self.draft = self.cfg.draft if variant is None else self.cfg.variant(variant)
         self.kind = draft_kind(variant)
         self.servicer = None
-        self.threads, self.cores = use_threads(self.draft.threads)
+        self.compute = ComputeThread(f"{self.kind}-compute")  # the model is loaded where it runs (`compute_thread`)
+        self.threads, self.cores = self.compute.run(use_threads, self.draft.threads)
         self.target = load_tokenizer(self.cfg.target.model)
         self.target_vocab = max(_target_vocab_size(self.target), len(self.target.tokenizer))
 
@@ -189,6 +196,9 @@ class DraftWorker(_Worker):
             await asyncio.to_thread(self._swap, model)
 
     def _load(self, model: str) -> DraftModelDrafter:
+        return self.compute.run(self._load_here, model)
+
+    def _load_here(self, model: str) -> DraftModelDrafter:
         draft = self.draft
         # Refuses a mismatched pair.
         loaded = prepare_draft(
@@ -212,7 +222,7 @@ class DraftWorker(_Worker):
         grammars = grammar_compiler(self.target.tokenizer, self.target_vocab, sorted(self.target.eos_token_ids))
         if isinstance(grammars, NoGrammars):
             serve_log.warning("draft worker %s: structured requests are refused: %s", self.kind, grammars.why)
-        servicer = DraftServicer(self._load(model), model, self.cfg.session_idle_timeout_s, grammars)
+        servicer = DraftServicer(self._load(model), model, self.cfg.session_idle_timeout_s, grammars, self.compute)
         self._serve(self.cfg, self.draft, servicer)
 
     def _swap(self, model: str) -> None:

@@ -25,6 +25,7 @@ from opentelemetry.trace import SpanKind
 
 from deployments import worker_codec
 from deployments.auth import InternalAuthInterceptor, InternalCredentials
+from deployments.compute_thread import ComputeThread
 from deployments.scheduler import DeadlineExceeded
 from deployments.status import UnknownSession, WorkerDraining, grpc_status_of
 from deployments.telemetry import context_from_metadata, tracer
@@ -93,19 +94,7 @@ def _call(
     counts its sessions as failed, so what the call started or advanced is released here."""
     try:
         prepared = () if prepare is None else (prepare(self, request),)  # `rpc`: before the lock
-        with self._lock:
-            if not context.is_active():
-                raise DeadlineExceeded(f"{method.__name__}: the caller gave up waiting")
-            start = time.perf_counter()
-            response = method(self, request, *prepared)
-            self.calls += 1
-            self.busy_seconds += time.perf_counter() - start
-            self.bytes_received += request.ByteSize()
-            self.bytes_sent += response.ByteSize()
-            if not context.is_active():
-                log.warning("%s ran past its caller's deadline; its sessions are released", method.__name__)
-                self._release_after_error(request)
-            return response
+        return self.compute.run(_locked_call, self, method, request, context, prepared)
     except Exception as exc:
         code, details = grpc_status_of(exc)
         if code == grpc.StatusCode.INTERNAL:  # a bug or a device error
@@ -116,11 +105,31 @@ def _call(
         context.abort(code, details)
 
 
+def _locked_call(
+    self: _SessionWorker, method: Callable, request: Any, context: grpc.ServicerContext, prepared: tuple
+) -> Any:
+    """`_call`'s work, on the worker's compute thread and under its lock."""
+    with self._lock:
+        if not context.is_active():
+            raise DeadlineExceeded(f"{method.__name__}: the caller gave up waiting")
+        start = time.perf_counter()
+        response = method(self, request, *prepared)
+        self.calls += 1
+        self.busy_seconds += time.perf_counter() - start
+        self.bytes_received += request.ByteSize()
+        self.bytes_sent += response.ByteSize()
+        if not context.is_active():
+            log.warning("%s ran past its caller's deadline; its sessions are released", method.__name__)
+            self._release_after_error(request)
+        return response
+
+
 class _SessionWorker:
     """Session bookkeeping shared by both workers: last use, idle expiry, stats."""
 
-    def __init__(self, model_name: str, idle_timeout_s: float) -> None:
+    def __init__(self, model_name: str, idle_timeout_s: float, compute: ComputeThread | None = None) -> None:
         self.model_name = model_name
+        self.compute = compute or ComputeThread(f"{self.kind}-compute")  # every model call runs on it
         self.idle_timeout_s = idle_timeout_s
         self.calls = 0
         self.busy_seconds = 0.0
@@ -249,8 +258,15 @@ class _SessionWorker:
 class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
     kind = "target"
 
-    def __init__(self, target: LocalTarget, model_name: str, idle_timeout_s: float = 300.0) -> None:
-        super().__init__(model_name, idle_timeout_s)
+    def __init__(
+        self,
+        target: LocalTarget,
+        model_name: str,
+        idle_timeout_s: float = 300.0,
+        compute: ComputeThread | None = None,
+    ) -> None:
+        """`compute`: the thread the target was loaded on (`ComputeThread`); None: a new one."""
+        super().__init__(model_name, idle_timeout_s, compute)
         self.target = target
         self._runs: dict[str, StepwiseRun] = {}  # runs under way, by run_id (`StopDecode`)
 
@@ -331,6 +347,9 @@ class TargetServicer(_SessionWorker, wpb_grpc.TargetServiceServicer):
         return run
 
     def _run_step(self, run: StepwiseRun, context: grpc.ServicerContext) -> Step | None:
+        return self.compute.run(self._locked_step, run, context)
+
+    def _locked_step(self, run: StepwiseRun, context: grpc.ServicerContext) -> Step | None:
         with self._lock:
             if not context.is_active():
                 self.release(item.seq_id for item in run.items)
@@ -380,8 +399,10 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
         model_name: str,
         idle_timeout_s: float = 300.0,
         grammars: GrammarCompiler | NoGrammars | None = None,
+        compute: ComputeThread | None = None,
     ) -> None:
-        super().__init__(model_name, idle_timeout_s)
+        """`compute`: the thread the draft was loaded on (`ComputeThread`); None: a new one."""
+        super().__init__(model_name, idle_timeout_s, compute)
         self.drafter = drafter  # new sessions start on it
         self.grammars = grammars
         self._tokens: dict[str, list[int]] = {}
