@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 
 import ray
@@ -16,6 +17,28 @@ from deployments import worker_registry
 from deployments.app import build_app, grpc_options, limit_public_messages
 from deployments.serve_config import ServeConfig
 from specdec_core.environment import ray_address
+
+log = logging.getLogger(__name__)
+
+
+# A machine this small runs Serve's own background work on the cores its workers compute on: there, its
+# controller reconciles every 0.5 s rather than 0.1 s, and each replica exports Serve's metrics every second rather
+# than ten times a second. Only for a cluster started here; a value already in the environment wins.
+SMALL_MACHINE_CORES = 4
+SMALL_MACHINE_ENVIRONMENT = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+}
+
+
+def small_machine_defaults(cores: int) -> dict[str, str]:
+    """Set `SMALL_MACHINE_ENVIRONMENT` where unset, on a machine of at most `SMALL_MACHINE_CORES` cores (Ray's
+    processes inherit it); what was set."""
+    if cores > SMALL_MACHINE_CORES:
+        return {}
+    chosen = {name: value for name, value in SMALL_MACHINE_ENVIRONMENT.items() if name not in os.environ}
+    os.environ.update(chosen)
+    return chosen
 
 
 @contextlib.contextmanager
@@ -27,13 +50,15 @@ def serving(config: ServeConfig, quiet: bool = False) -> Iterator[None]:
     started_ray = not address
     limit_public_messages()
     if started_ray:
+        cores = os.cpu_count() or 1
+        if chosen := small_machine_defaults(cores):
+            settings = ", ".join(f"{name}={value}" for name, value in chosen.items())
+            log.info("a small machine (%d cores): Serve runs with %s (set them to choose)", cores, settings)
         # Draft and target take turns within a round, so on one machine they may share its cores: give the local
         # cluster enough logical CPUs for every deployment's request.
-        import os
-
         needed = cpus_needed(config)
         ray.init(
-            num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
+            num_cpus=max(cores, int(needed + 0.999)),
             include_dashboard=False,
             log_to_driver=not quiet,
             logging_level=logging.WARNING if quiet else logging.INFO,

@@ -1,8 +1,9 @@
 """`specdec bench offline` (one process, offline.py), `stack`, `tp` and `tracing` (the served stack, stack.py),
 `specdec bench serve`, the load generator (specdec_tools.loadgen), and `specdec bench sessions`, multi-turn
 conversations with prefix caching on vs off (sessions.py), `specdec bench methods`, plain decoding and every
-drafting method side by side in one process (methods.py), and `specdec bench structured`, constrained decoding
-plain and speculative, and speculative without the constraint, side by side (structured.py)."""
+drafting method side by side in one process (methods.py), `specdec bench structured`, constrained decoding
+plain and speculative, and speculative without the constraint, side by side (structured.py), and `specdec bench
+peer`, llama.cpp's llama-server against `specdec serve` over one HTTP client (peer.py, peer_llama.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec_tools.bench import methods, sessions, stack, structured
+from specdec_tools.bench import methods, peer, sessions, stack, structured
 from specdec_tools.bench.options import add_draft_quantization, add_draft_vocabulary
 from specdec_tools.loadgen import cli as loadgen
 
@@ -56,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sessions.register(modes)
     methods.register(modes)
     structured.register(modes)
+    peer.register(modes)
     stack.register_stack(modes)
     stack.register_tp(modes)
     stack.register_tracing(modes)
