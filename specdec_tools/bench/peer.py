@@ -26,31 +26,35 @@ and on how many prompts each llama-server setting equals its own plain output at
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specdec_core.errors import InvalidArgument
 from specdec_tools.bench import peer_llama as llama
+from specdec_tools.bench.peer_client import Completion, Endpoint, complete, model_id, run_set
+from specdec_tools.bench.peer_report import (
+    EDIT,
+    LLAMA,
+    ON,
+    PLAIN,
+    PROMPTS,
+    SPECDEC,
+    SPECULATIVE,
+    Run,
+    build_report,
+    format_table,
+)
 from specdec_tools.loadgen.command import positive
 
 log = logging.getLogger(__name__)
 
-LLAMA, SPECDEC = "llama-server", "specdec serve"
-PROMPTS, EDIT = "prompts", "edit prompts"
-PLAIN, SPECULATIVE = "plain", "speculative"
-ON = "on"  # our speculative setting on the prompts: the config's
 OFF_FIELDS = {"num_speculative_tokens": 0, "speculation_method": "none"}
 WARMUP_TEXT, WARMUP_TOKENS = "Say hello.", 8
-REQUEST_TIMEOUT_S = 3600.0
 READY_TIMEOUT_S = 300.0
 
 
@@ -149,130 +153,7 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- the client ------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Completion:
-    token_ids: tuple[int, ...]
-    text: str
-    completion_tokens: int  # as the server's usage counts them
-    drafted: int  # draft tokens proposed (ours: `speculation.proposed`; llama-server: `timings.draft_n`)
-    accepted: int
-    ids_from: str  # "server", or "text" where the server returned no ids and the text was re-tokenized
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """An OpenAI-compatible server as the client drives it. `extras`: the fields only this server's requests carry
-    (those that return the token ids; ours, the speculation setting and cache salt)."""
-
-    base_url: str
-    model: str
-    headers: Mapping[str, str] = field(default_factory=dict)
-    extras: Mapping[str, Any] = field(default_factory=dict)
-
-
-def completion_body(endpoint: Endpoint, prompt_ids: Sequence[int], max_tokens: int) -> dict[str, Any]:
-    """The one request body both servers get, but for `endpoint.extras`."""
-    return {
-        "model": endpoint.model,
-        "prompt": list(prompt_ids),
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": False,
-        **endpoint.extras,
-    }
-
-
-def _http(url: str, headers: Mapping[str, str], body: dict[str, Any] | None = None) -> dict[str, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json", **headers})
-    try:
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
-            return dict(json.loads(answer.read()))
-    except urllib.error.HTTPError as exc:
-        raise RuntimeError(f"{url}: HTTP {exc.code} {exc.read().decode(errors='replace')[:500]}") from None
-
-
-def model_id(base_url: str, headers: Mapping[str, str]) -> str:
-    """The served model's id (GET /v1/models): what each server wants as `model`."""
-    return str(_http(f"{base_url}/v1/models", headers)["data"][0]["id"])
-
-
-def parse_completion(response: Mapping[str, Any], retokenize: Callable[[str], list[int]]) -> Completion:
-    """A completions answer: ids as ours (`token_ids`) or llama-server (`__verbose.tokens`) return them, else
-    `retokenize` of the text; speculation counts as ours (`speculation`) or llama-server (`timings`) give them."""
-    choice = response["choices"][0]
-    ids = choice.get("token_ids")
-    if ids is None:
-        ids = llama.token_ids(dict(response))
-    ids_from = "server" if ids is not None else "text"
-    if ids is None:
-        ids = retokenize(choice["text"])
-    ours, theirs = response.get("speculation") or {}, response.get("timings") or {}
-    return Completion(
-        token_ids=tuple(ids),
-        text=choice["text"],
-        completion_tokens=int(response["usage"]["completion_tokens"]),
-        drafted=int(ours.get("proposed", theirs.get("draft_n", 0))),
-        accepted=int(ours.get("accepted", theirs.get("draft_n_accepted", 0))),
-        ids_from=ids_from,
-    )
-
-
-def complete(endpoint: Endpoint, prompt_ids: Sequence[int], max_tokens: int) -> dict[str, Any]:
-    return _http(
-        f"{endpoint.base_url}/v1/completions", endpoint.headers, completion_body(endpoint, prompt_ids, max_tokens)
-    )
-
-
-def run_set(
-    endpoint: Endpoint,
-    prompts: Sequence[Sequence[int]],
-    max_tokens: int,
-    concurrency: int,
-    retokenize: Callable[[str], list[int]],
-) -> tuple[float, tuple[Completion, ...]]:
-    """Every prompt once, `concurrency` at a time (client threads): the wall time of the whole set, and the
-    completions in prompt order."""
-
-    def one(prompt_ids: Sequence[int]) -> Completion:
-        return parse_completion(complete(endpoint, prompt_ids, max_tokens), retokenize)
-
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        start = time.perf_counter()
-        completions = tuple(pool.map(one, prompts))
-        seconds = time.perf_counter() - start
-    return seconds, completions
-
-
 # -- runs ------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Run:
-    """One setting of one server over one workload at one concurrency."""
-
-    system: str  # LLAMA or SPECDEC
-    workload: str  # PROMPTS or EDIT
-    role: str  # PLAIN or SPECULATIVE
-    setting: str  # llama-server's ("draft-simple n-max 5", "ngram-mod"); ours "off", "on" or the method
-    concurrency: int
-    seconds: float = 0.0
-    completions: tuple[Completion, ...] = ()
-    command: tuple[str, ...] = ()  # llama-server's command line
-    request_fields: Mapping[str, Any] = field(default_factory=dict)  # ours: what the requests add to the body
-    error: str = ""
-
-    @property
-    def tokens(self) -> int:
-        return sum(c.completion_tokens for c in self.completions)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 def model_free_method(draft: Any) -> str | None:
@@ -403,181 +284,3 @@ def _wait_ready(base_url: str) -> None:
 
 def _log_run(run: Run) -> None:
     log.info("%s %s, %s, c=%d: %.2f tok/s", run.system, run.setting, run.workload, run.concurrency, run.tokens_per_s)
-
-
-# -- the report ------------------------------------------------------------------------------------------------------
-
-LABELS = {
-    (PROMPTS, LLAMA, PLAIN): "llama-server, no draft",
-    (PROMPTS, LLAMA, SPECULATIVE): "llama-server, draft-simple (best n-max)",
-    (PROMPTS, SPECDEC, PLAIN): "specdec serve, off",
-    (PROMPTS, SPECDEC, SPECULATIVE): "specdec serve, on",
-    (EDIT, LLAMA, PLAIN): "llama-server, no draft",
-    (EDIT, LLAMA, SPECULATIVE): "llama-server, n-gram (best type)",
-    (EDIT, SPECDEC, PLAIN): "specdec serve, off",
-    (EDIT, SPECDEC, SPECULATIVE): "specdec serve, model-free method",
-}
-RATIOS = {
-    SPECULATIVE: "specdec on / llama-server best speculative",
-    PLAIN: "specdec off / llama-server no draft",
-}
-
-
-def best_run(runs: Sequence[Run], workload: str, system: str, role: str, concurrency: int) -> Run | None:
-    """The fastest of the runs that match (those that failed left out); None if none."""
-    matching = [
-        r
-        for r in runs
-        if (r.workload, r.system, r.role, r.concurrency) == (workload, system, role, concurrency) and not r.error
-    ]
-    return max(matching, key=lambda r: r.tokens_per_s, default=None)
-
-
-def plain_of(runs: Sequence[Run], run: Run) -> Run | None:
-    """The plain run `run` is compared with: its server's, on its workload, at its concurrency."""
-    return best_run(runs, run.workload, run.system, PLAIN, run.concurrency)
-
-
-def identical_count(run: Run, plain: Run) -> int:
-    """On how many prompts `run` generated exactly the ids `plain` did."""
-    return sum(a.token_ids == b.token_ids for a, b in zip(run.completions, plain.completions, strict=True))
-
-
-def table(runs: Sequence[Run], workloads: Sequence[str], concurrency: Sequence[int]) -> list[dict[str, Any]]:
-    """A row per (workload, configuration): each concurrency's tokens/s and the setting that gave it (the best of a
-    sweep); None where no run succeeded."""
-    rows = []
-    for (workload, system, role), label in LABELS.items():
-        if workload not in workloads:
-            continue
-        cells: dict[str, Any] = {}
-        for c in concurrency:
-            run = best_run(runs, workload, system, role, c)
-            cells[str(c)] = None if run is None else {"tokens_per_s": run.tokens_per_s, "setting": run.setting}
-        rows.append({"workload": workload, "configuration": label, "cells": cells})
-    return rows
-
-
-def ratios(runs: Sequence[Run], workloads: Sequence[str], concurrency: Sequence[int]) -> list[dict[str, Any]]:
-    """Ours over llama-server's best, speculative and plain, per workload and concurrency (None: a side missing)."""
-    rows = []
-    for workload in workloads:
-        for role, label in RATIOS.items():
-            values: dict[str, float | None] = {}
-            for c in concurrency:
-                ours, theirs = (best_run(runs, workload, s, role, c) for s in (SPECDEC, LLAMA))
-                values[str(c)] = _ratio(ours, theirs)
-            rows.append({"workload": workload, "ratio": label, "values": values})
-    return rows
-
-
-def _ratio(ours: Run | None, theirs: Run | None) -> float | None:
-    if ours is None or theirs is None or theirs.tokens_per_s <= 0:
-        return None
-    return ours.tokens_per_s / theirs.tokens_per_s
-
-
-def equality(runs: Sequence[Run]) -> list[dict[str, Any]]:
-    """Each speculative run's prompts that equal its server's plain output, token for token."""
-    rows = []
-    for run in runs:
-        plain = plain_of(runs, run)
-        if run.role != SPECULATIVE or run.error or plain is None:
-            continue
-        rows.append(
-            {
-                "system": run.system,
-                "workload": run.workload,
-                "setting": run.setting,
-                "concurrency": run.concurrency,
-                "identical": identical_count(run, plain),
-                "prompts": len(run.completions),
-            }
-        )
-    return rows
-
-
-def _all_identical(rows: Sequence[Mapping[str, Any]]) -> bool | None:
-    """Every prompt of every row identical; None where there is no row (nothing was compared)."""
-    return all(r["identical"] == r["prompts"] for r in rows) if rows else None
-
-
-def run_record(run: Run) -> dict[str, Any]:
-    return {
-        "system": run.system,
-        "workload": run.workload,
-        "role": run.role,
-        "setting": run.setting,
-        "concurrency": run.concurrency,
-        "command": list(run.command) or None,
-        "request_fields": dict(run.request_fields) or None,
-        "error": run.error or None,
-        "seconds": run.seconds,
-        "completion_tokens": run.tokens,
-        "tokens_per_s": run.tokens_per_s,
-        "drafted": sum(c.drafted for c in run.completions),
-        "accepted": sum(c.accepted for c in run.completions),
-        "token_ids_from": sorted({c.ids_from for c in run.completions}),
-        "outputs": [{"token_ids": list(c.token_ids), "text": c.text} for c in run.completions],
-    }
-
-
-def build_report(
-    bench: PeerBenchConfig,
-    config: dict[str, Any],
-    version: str,
-    workloads: Mapping[str, list[list[int]]],
-    runs: Sequence[Run],
-    notes: Sequence[str],
-) -> dict[str, Any]:
-    names = list(workloads)
-    same = equality(runs)
-    files = {PROMPTS: bench.prompts, EDIT: bench.edit_prompts}
-    return {
-        "llama_cpp_version": version,
-        "llama_server": str(bench.llama.binary),
-        "target_gguf": str(bench.llama.target_gguf),
-        "draft_gguf": str(bench.llama.draft_gguf),
-        "threads": bench.llama.threads,
-        "config_path": str(bench.config),
-        "config": config,
-        "max_new_tokens": bench.max_new_tokens,
-        "concurrency": list(bench.concurrency),
-        "draft_n_max": list(bench.draft_n_max),
-        "workloads": {w: {"file": str(files[w]), "prompt_token_ids": ids} for w, ids in workloads.items()},
-        "table": table(runs, names, bench.concurrency),
-        "ratios": ratios(runs, names, bench.concurrency),
-        "specdec_identical_to_plain": _all_identical([e for e in same if e["system"] == SPECDEC]),
-        "identical_to_plain": same,
-        "notes": list(notes),
-        "runs": [run_record(r) for r in runs],
-    }
-
-
-def format_table(report: Mapping[str, Any]) -> str:
-    """The report's table, its ratios and the equality counts, as printed."""
-    columns = [str(c) for c in report["concurrency"]]
-    lines = [f"{'configuration':<44}" + "".join(f"{'tok/s c=' + c:>30}" for c in columns)]
-    for workload in report["workloads"]:
-        lines.append(f"-- {workload} --")
-        for row in (r for r in report["table"] if r["workload"] == workload):
-            lines.append(f"{row['configuration']:<44}" + "".join(_cell(row["cells"][c]) for c in columns))
-        for row in (r for r in report["ratios"] if r["workload"] == workload):
-            values = ("-" if row["values"][c] is None else f"{row['values'][c]:.2f}x" for c in columns)
-            lines.append(f"{row['ratio']:<44}" + "".join(f"{v:>30}" for v in values))
-    lines.append(f"specdec speculative == plain, token for token: {report['specdec_identical_to_plain']}")
-    for e in (e for e in report["identical_to_plain"] if e["system"] == LLAMA):
-        lines.append(
-            f"llama-server {e['setting']} == its plain ({e['workload']}, c={e['concurrency']}): "
-            f"{e['identical']}/{e['prompts']} prompts"
-        )
-    lines += [f"note: {note}" for note in report["notes"]]
-    return "\n".join(lines)
-
-
-def _cell(cell: Mapping[str, Any] | None) -> str:
-    if cell is None:
-        return f"{'-':>30}"
-    plain = cell["setting"] in (llama.NO_DRAFT, "off", ON)
-    text = f"{cell['tokens_per_s']:.2f}" + ("" if plain else f" ({cell['setting']})")
-    return f"{text:>30}"
