@@ -42,6 +42,12 @@ def register_stack(modes: Any) -> None:
         action="store_true",
         help="then run `specdec bench offline` on the same models and prompts, in this process",
     )
+    parser.add_argument(
+        "--compare-in-process",
+        action="store_true",
+        help="also decode each prompt plainly with the target loaded in this process, alternating with the served "
+        "requests (the served path's cost, measured in the same minutes)",
+    )
     parser.add_argument("--json", required=True, type=Path, help="where to write the report")
     parser.set_defaults(func=_main)
 
@@ -65,7 +71,13 @@ def _main(args: argparse.Namespace) -> int:
     from specdec_tools.reports import write_report
 
     report = run_serve_bench(
-        args.config, args.prompts, args.max_new_tokens, args.temperature, args.seed, args.compare_offline
+        args.config,
+        args.prompts,
+        args.max_new_tokens,
+        args.temperature,
+        args.seed,
+        args.compare_offline,
+        args.compare_in_process,
     )
     write_report(report, args.json)
     print(json.dumps({k: v for k, v in report.items() if not isinstance(v, (list, dict))}, indent=2))
@@ -73,7 +85,13 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def run_serve_bench(
-    config_path: Path, prompts_path: Path, max_new_tokens: int, temperature: float, seed: int, compare_offline: bool
+    config_path: Path,
+    prompts_path: Path,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    compare_offline: bool,
+    compare_in_process: bool = False,
 ) -> dict[str, Any]:
     from deployments.launch import serving
     from deployments.serve_config import load_config
@@ -81,21 +99,31 @@ def run_serve_bench(
 
     config = load_config(config_path)
     texts = read_prompt_texts(prompts_path)
-    off, on = Mode(), Mode()
+    off, on, local = Mode(), Mode(), Mode()
+    in_process = _InProcess(config, max_new_tokens) if compare_in_process else None
     with serving(config, quiet=True), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         workers = _worker_stubs(config)
         for mode_k in (0, None):  # warm-up: first-call costs stay out of the figures
             _stream(stub, _request(texts[0], 8, temperature, seed, mode_k))
+        if in_process is not None:
+            in_process.decode(texts[0], temperature, seed, Mode())
         for i, text in enumerate(texts):
-            runs = [(0, off), (None, on)]
-            for k, mode in runs if i % 2 == 0 else runs[::-1]:
+            runs: list[tuple[int | None, Mode]] = [(0, off), (None, on)]
+            if in_process is not None:
+                runs.append((-1, local))  # -1: in this process
+            for k, mode in runs[i % len(runs) :] + runs[: i % len(runs)]:  # rotated: drift falls on all alike
+                if k == -1 and in_process is not None:
+                    in_process.decode(text, temperature, seed + i, mode)
+                    continue
                 before = _counters(workers)
                 _timed(stub, _request(text, max_new_tokens, temperature, seed + i, k), mode)
                 busy, wire = (after - b for after, b in zip(_counters(workers), before))
                 mode.worker_seconds += busy
                 mode.wire_bytes += wire
     report = _report(config, texts, max_new_tokens, temperature, off, on)
+    if in_process is not None:
+        report.update(_in_process_report(off, local))
     if compare_offline:
         report.update(_offline(config, prompts_path, max_new_tokens, temperature, seed, report["stack_speedup"]))
     return report
@@ -172,6 +200,50 @@ def _report(
         "prompts": [
             {"target_only_token_ids": a, "speculative_token_ids": b} for a, b in zip(off.token_ids, on.token_ids)
         ],
+    }
+
+
+class _InProcess:
+    """The config's target loaded in this process, decoding plainly as the router's engine would (the same prompt
+    encoding, the same slots and context), while the served stack sits idle."""
+
+    def __init__(self, config: Any, max_new_tokens: int) -> None:
+        from specdec_core.build import build_engine, prepare_model
+        from specdec_core.drafters import registry
+        from specdec_core.drafters.base import DraftSpec
+        from specdec_core.runner import RunnerConfig
+
+        t = config.target
+        self.loaded = prepare_model(t.model, dtype=t.dtype, device=t.device)
+        runner = RunnerConfig(num_slots=t.max_sequences, max_seq_len=config.router.max_seq_len)
+        self.engine = build_engine(self.loaded, None, DraftSpec(method=registry.NONE), runner_config=runner)
+        self.max_new_tokens = max_new_tokens
+        self.count = 0
+
+    def decode(self, text: str, temperature: float, seed: int, mode: Mode) -> None:
+        from specdec_core.chat import encode_prompt
+        from specdec_core.config import SamplingParams
+        from specdec_core.request import Request
+
+        self.count += 1
+        prompt = encode_prompt(self.loaded.tokenizer, text)
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=self.max_new_tokens)
+        start = time.perf_counter()
+        self.engine.add_request(Request(f"in-process-{self.count}", tuple(prompt), params, 0))
+        ids: list[int] = []
+        while self.engine.has_work:
+            for out in self.engine.step():
+                ids += out.new_token_ids
+        mode.seconds += time.perf_counter() - start
+        mode.tokens += len(ids)
+        mode.token_ids.append(ids)
+
+
+def _in_process_report(served: Mode, local: Mode) -> dict[str, Any]:
+    return {
+        "in_process_target_only_tokens_per_s": local.tokens_per_s(),
+        "served_vs_in_process_target_only": served.tokens_per_s() / local.tokens_per_s() if local.tokens else 0.0,
+        "served_identical_to_in_process": served.token_ids == local.token_ids,
     }
 
 
