@@ -113,6 +113,22 @@ def run_to_completion(engine, requests):
     return results
 
 
+def drive(engine, arrivals, on_step=None):
+    """Step `engine` until done, adding (step, Request) `arrivals` as their step comes and calling
+    `on_step(engine, step)` after each: {seq_id: (tokens, last output)}."""
+    results, step, pending = {}, 0, sorted(arrivals, key=lambda a: a[0])
+    while pending or engine.has_work:
+        while pending and pending[0][0] <= step:
+            engine.add_request(pending.pop(0)[1])
+        for out in engine.step():
+            tokens, _ = results.get(out.seq_id, ([], None))
+            results[out.seq_id] = (tokens + list(out.new_token_ids), out)
+        if on_step is not None:
+            on_step(engine, step)
+        step += 1
+    return results
+
+
 def serve_pair(pair, runner, credentials=None):
     """Both workers over the tiny pair, each on its own gRPC server on loopback (with `credentials`: mutual TLS and
     the secret, as `deployments.workers.start_server` takes them): yields {kind: (servicer, address)}."""

@@ -21,7 +21,7 @@ from specdec_core.request import Request
 from specdec_core.stopping import FinishReason
 from specdec_core.target import PrefillItem
 from tests.deployments.loopback_workers import serve_locally, target_servicer
-from tests.helpers import make_engine
+from tests.helpers import drive, make_engine
 
 
 @pytest.fixture()
@@ -41,19 +41,6 @@ def _request(i, temperature=0.0, max_tokens=30):
     return Request(f"r{i}", tuple(range(5 + i, 20 + i)), params, 0)
 
 
-def _drive(engine, arrivals):
-    """Step to the end, adding (step, request) arrivals as their step comes: {seq_id: (tokens, last output)}."""
-    results, step, pending = {}, 0, sorted(arrivals, key=lambda a: a[0])
-    while pending or engine.has_work:
-        while pending and pending[0][0] <= step:
-            engine.add_request(pending.pop(0)[1])
-        for out in engine.step():
-            tokens, _ = results.get(out.seq_id, ([], None))
-            results[out.seq_id] = (tokens + list(out.new_token_ids), out)
-        step += 1
-    return results
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_runs_on_the_workers_give_in_process_plain_decodings_tokens(pair, two_targets, temperature):
     """Four requests over two replicas, one arriving mid-run (the router cuts in): the tokens of in-process plain
@@ -61,8 +48,8 @@ def test_runs_on_the_workers_give_in_process_plain_decodings_tokens(pair, two_ta
     engine, pool, _, servicers = two_targets
     arrivals = [(0, _request(0, temperature)), (0, _request(1, temperature)), (0, _request(2, temperature, 12))]
     arrivals.append((6, _request(3, temperature, 20)))
-    expected = _drive(make_engine(pair[0], plain_runs=False), arrivals)
-    got = _drive(engine, arrivals)
+    expected = drive(make_engine(pair[0], plain_runs=False), arrivals)
+    got = drive(engine, arrivals)
     assert {r: t for r, (t, _) in got.items()} == {r: t for r, (t, _) in expected.items()}
     assert all(out.finish_reason == FinishReason.LENGTH for _, out in got.values())
     assert [s.active_sessions for s in servicers] == [0, 0]
@@ -89,8 +76,17 @@ def test_a_replica_that_dies_mid_run_fails_only_its_own_rows(two_targets):
     assert servicers[1].active_sessions == 0
 
 
-def _started(servicer, address, n=2, temperature=0.0):
-    """`n` sessions prefilled on the worker at `address`; a stub to it."""
+@pytest.fixture()
+def one_target(pair):
+    """One target worker on loopback: (servicer, address)."""
+    servicer = target_servicer(pair)
+    server, address = serve_locally(servicer)
+    yield servicer, address
+    server.stop(0)
+
+
+def _started(address, n=2, temperature=0.0):
+    """`n` sessions prefilled on the worker at `address`; a stub to it and their first tokens."""
     stub = wpb_grpc.TargetServiceStub(grpc.insecure_channel(address))
     shaping = TokenShaping(temperature=temperature)
     items = [
@@ -100,38 +96,30 @@ def _started(servicer, address, n=2, temperature=0.0):
     return stub, list(response.first_token_ids)
 
 
-def test_stop_decode_ends_the_stream_after_the_step_under_way(pair):
-    servicer = target_servicer(pair)
-    server, address = serve_locally(servicer)
-    try:
-        stub, first = _started(servicer, address)
-        items = [DecodeItem(f"s{i}", first[i], TokenShaping(), None, 200, frozenset()) for i in range(2)]
-        stream = stub.Decode(worker_codec.encode_decode("run-1", items))
-        steps = [next(stream), next(stream)]
-        assert stub.StopDecode(wpb.StopDecodeRequest(run_id="run-1")).stopped
-        steps += list(stream)
-        assert 2 <= len(steps) <= 4  # at most the step under way, and the one already queued, after the stop
-        assert not stub.StopDecode(wpb.StopDecodeRequest(run_id="run-1")).stopped
-        assert servicer.active_sessions == 2  # stopped, not failed: the sessions go on
-    finally:
-        server.stop(0)
+def test_stop_decode_ends_the_stream_after_the_step_under_way(one_target):
+    servicer, address = one_target
+    stub, first = _started(address)
+    items = [DecodeItem(f"s{i}", first[i], TokenShaping(), None, 200, frozenset()) for i in range(2)]
+    stream = stub.Decode(worker_codec.encode_decode("run-1", items))
+    steps = [next(stream), next(stream)]
+    assert stub.StopDecode(wpb.StopDecodeRequest(run_id="run-1")).stopped
+    steps += list(stream)
+    assert 2 <= len(steps) <= 4  # at most the step under way, and the one already queued, after the stop
+    assert not stub.StopDecode(wpb.StopDecodeRequest(run_id="run-1")).stopped
+    assert servicer.active_sessions == 2  # stopped, not failed: the sessions go on
 
 
-def test_a_run_whose_caller_went_away_keeps_nothing(pair):
-    servicer = target_servicer(pair)
-    server, address = serve_locally(servicer)
-    try:
-        stub, first = _started(servicer, address)
-        items = [DecodeItem(f"s{i}", first[i], TokenShaping(), None, 200, frozenset()) for i in range(2)]
-        stream = stub.Decode(worker_codec.encode_decode("run-2", items))
-        next(stream)
-        stream.cancel()
-        deadline = time.monotonic() + 10
-        while servicer.active_sessions and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert servicer.active_sessions == 0
-    finally:
-        server.stop(0)
+def test_a_run_whose_caller_went_away_keeps_nothing(one_target):
+    servicer, address = one_target
+    stub, first = _started(address)
+    items = [DecodeItem(f"s{i}", first[i], TokenShaping(), None, 200, frozenset()) for i in range(2)]
+    stream = stub.Decode(worker_codec.encode_decode("run-2", items))
+    next(stream)
+    stream.cancel()
+    deadline = time.monotonic() + 10
+    while servicer.active_sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert servicer.active_sessions == 0
 
 
 @pytest.mark.parametrize(
@@ -142,56 +130,44 @@ def test_a_run_whose_caller_went_away_keeps_nothing(pair):
         (lambda item: setattr(item, "max_steps", 0), "items.max_steps"),
     ],
 )
-def test_bad_run_items_are_refused_naming_the_field(pair, change, field):
-    servicer = target_servicer(pair)
-    server, address = serve_locally(servicer)
-    try:
-        stub, first = _started(servicer, address, n=1, temperature=1.0)
-        request = worker_codec.encode_decode(
-            "run-3", [DecodeItem("s0", first[0], TokenShaping(1.0), (0.5, 0.5), 2, frozenset())]
-        )
-        change(request.items[0])
-        with pytest.raises(grpc.RpcError) as raised:
-            list(stub.Decode(request))
-        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in raised.value.details()
-        assert servicer.active_sessions == 1  # refused before it touched the session
-    finally:
-        server.stop(0)
+def test_bad_run_items_are_refused_naming_the_field(one_target, change, field):
+    servicer, address = one_target
+    stub, first = _started(address, n=1, temperature=1.0)
+    request = worker_codec.encode_decode(
+        "run-3", [DecodeItem("s0", first[0], TokenShaping(1.0), (0.5, 0.5), 2, frozenset())]
+    )
+    change(request.items[0])
+    with pytest.raises(grpc.RpcError) as raised:
+        list(stub.Decode(request))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in raised.value.details()
+    assert servicer.active_sessions == 1  # refused before it touched the session
 
 
-def test_a_run_of_a_session_the_worker_does_not_hold_is_not_found(pair):
-    servicer = target_servicer(pair)
-    server, address = serve_locally(servicer)
-    try:
-        stub = wpb_grpc.TargetServiceStub(grpc.insecure_channel(address))
-        request = worker_codec.encode_decode("run-4", [DecodeItem("nobody", 1, TokenShaping(), None, 2, frozenset())])
-        with pytest.raises(grpc.RpcError) as raised:
-            list(stub.Decode(request))
-        assert raised.value.code() == grpc.StatusCode.NOT_FOUND
-    finally:
-        server.stop(0)
+def test_a_run_of_a_session_the_worker_does_not_hold_is_not_found(one_target):
+    servicer, address = one_target
+    stub = wpb_grpc.TargetServiceStub(grpc.insecure_channel(address))
+    request = worker_codec.encode_decode("run-4", [DecodeItem("nobody", 1, TokenShaping(), None, 2, frozenset())])
+    with pytest.raises(grpc.RpcError) as raised:
+        list(stub.Decode(request))
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_other_callers_calls_go_between_a_runs_steps(pair):
+def test_other_callers_calls_go_between_a_runs_steps(one_target):
     """A run holds the worker's lock a step at a time: another router's prefill starts while it runs."""
-    servicer = target_servicer(pair)
-    server, address = serve_locally(servicer)
-    try:
-        stub, first = _started(servicer, address, n=1)
-        stream = stub.Decode(
-            worker_codec.encode_decode("run-5", [DecodeItem("s0", first[0], TokenShaping(), None, 150, frozenset())])
-        )
-        next(stream)
-        done = threading.Event()
+    servicer, address = one_target
+    stub, first = _started(address, n=1)
+    stream = stub.Decode(
+        worker_codec.encode_decode("run-5", [DecodeItem("s0", first[0], TokenShaping(), None, 150, frozenset())])
+    )
+    next(stream)
+    done = threading.Event()
 
-        def prefill():
-            item = PrefillItem("other", list(range(30, 40)), TokenShaping(), None)
-            stub.Prefill(worker_codec.encode_prefill([item]))
-            done.set()
+    def prefill():
+        item = PrefillItem("other", list(range(30, 40)), TokenShaping(), None)
+        stub.Prefill(worker_codec.encode_prefill([item]))
+        done.set()
 
-        threading.Thread(target=prefill, daemon=True).start()
-        assert done.wait(20)
-        remaining = list(stream)
-        assert remaining and servicer.active_sessions == 2  # the run went on after the prefill
-    finally:
-        server.stop(0)
+    threading.Thread(target=prefill, daemon=True).start()
+    assert done.wait(20)
+    remaining = list(stream)
+    assert remaining and servicer.active_sessions == 2  # the run went on after the prefill

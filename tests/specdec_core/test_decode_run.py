@@ -11,7 +11,7 @@ from specdec_core.errors import InvalidArgument
 from specdec_core.request import Request
 from specdec_core.stopping import FinishReason
 from specdec_core.target import PartialVerifyFailure, VerifyOutcome
-from tests.helpers import make_engine
+from tests.helpers import drive, make_engine
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):\n    print("]
 
@@ -34,21 +34,6 @@ class _CountingRuns:
         engine.target.decode = counted
 
 
-def _drive(engine, arrivals, on_step=None):
-    """Step `engine` until done, adding (step, request) arrivals when their step comes; tokens and last output by id."""
-    results, step, pending = {}, 0, sorted(arrivals, key=lambda a: a[0])
-    while pending or engine.has_work:
-        while pending and pending[0][0] <= step:
-            engine.add_request(pending.pop(0)[1])
-        for out in engine.step():
-            tokens, _ = results.get(out.seq_id, ([], None))
-            results[out.seq_id] = (tokens + list(out.new_token_ids), out)
-        if on_step is not None:
-            on_step(engine, step)
-        step += 1
-    return results
-
-
 def _arrivals(loaded, temperature):
     params = [
         SamplingParams(temperature=temperature, seed=1, max_tokens=30, ignore_eos=True),
@@ -64,10 +49,10 @@ def _arrivals(loaded, temperature):
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_runs_give_the_tokens_of_round_by_round_decoding(tiny_target, monkeypatch, temperature):
     monkeypatch.setattr(engine_module, "RUN_STEPS", 5)  # rows also cross from one run into the next
-    expected = _drive(make_engine(tiny_target, plain_runs=False), _arrivals(tiny_target, temperature))
+    expected = drive(make_engine(tiny_target, plain_runs=False), _arrivals(tiny_target, temperature))
     engine = make_engine(tiny_target)
     counter = _CountingRuns(engine)
-    got = _drive(engine, _arrivals(tiny_target, temperature))
+    got = drive(engine, _arrivals(tiny_target, temperature))
     assert {r: tokens for r, (tokens, _) in got.items()} == {r: tokens for r, (tokens, _) in expected.items()}
     assert all(out.finish_reason == FinishReason.LENGTH for _, out in got.values())
     assert 3 < counter.runs < 30, counter.runs  # runs, each of several steps
@@ -77,7 +62,7 @@ def test_runs_give_the_tokens_of_round_by_round_decoding(tiny_target, monkeypatc
 def test_a_row_that_ends_here_mid_run_leaves_the_others_exact_and_frees_its_cache(tiny_target):
     """A stop string (found by the engine, not the target) and a cancel end rows while the run goes on."""
     ids = _ids(tiny_target, PROMPTS[0])
-    plain = _drive(
+    plain = drive(
         make_engine(tiny_target, plain_runs=False),
         [(0, Request("x", ids, SamplingParams(max_tokens=40, ignore_eos=True), 0))],
     )
@@ -88,7 +73,7 @@ def test_a_row_that_ends_here_mid_run_leaves_the_others_exact_and_frees_its_cach
         (0, Request("cancelled", ids, SamplingParams(max_tokens=40, ignore_eos=True), 0)),
         (0, Request("goes_on", _ids(tiny_target, PROMPTS[1]), SamplingParams(max_tokens=40, ignore_eos=True), 0)),
     ]
-    expected = _drive(make_engine(tiny_target, plain_runs=False), arrivals)
+    expected = drive(make_engine(tiny_target, plain_runs=False), arrivals)
 
     cancelled = []
 
@@ -97,7 +82,7 @@ def test_a_row_that_ends_here_mid_run_leaves_the_others_exact_and_frees_its_cach
             cancelled.append(engine.abort("cancelled"))
 
     engine = make_engine(tiny_target)
-    got = _drive(engine, arrivals, cancel)
+    got = drive(engine, arrivals, cancel)
     assert got["stops"][1].finish_reason == FinishReason.STOP and got["stops"][0] == expected["stops"][0]
     assert got["goes_on"][0] == expected["goes_on"][0]
     assert cancelled[0].finish_reason == FinishReason.CANCELLED and len(got["cancelled"][0]) < 40
@@ -107,7 +92,7 @@ def test_a_row_that_ends_here_mid_run_leaves_the_others_exact_and_frees_its_cach
 def test_a_row_that_speculates_again_cuts_the_run_and_stays_exact(tiny_target):
     ids = _ids(tiny_target, PROMPTS[2])
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    expected = _drive(make_engine(tiny_target, plain_runs=False), [(0, Request("r", ids, params, 0))])
+    expected = drive(make_engine(tiny_target, plain_runs=False), [(0, Request("r", ids, params, 0))])
 
     def speculate(engine, step):
         if step == 3:
@@ -115,7 +100,7 @@ def test_a_row_that_speculates_again_cuts_the_run_and_stays_exact(tiny_target):
 
     engine = make_engine(tiny_target, tiny_target.model)
     rounds = []
-    got = _drive(engine, [(0, Request("r", ids, params, 0))], speculate)
+    got = drive(engine, [(0, Request("r", ids, params, 0))], speculate)
     assert got["r"][0] == expected["r"][0]
     engine2 = make_engine(tiny_target, tiny_target.model)
     engine2.add_request(Request("r", ids, params, 0))
@@ -132,12 +117,12 @@ def test_eos_ends_a_row_in_the_run_where_plain_decoding_ends(tiny_target):
     eos = next(iter(tiny_target.eos_token_ids))
     ids = _ids(tiny_target, PROMPTS[1])
     params = SamplingParams(max_tokens=60, ignore_eos=True)
-    free = _drive(make_engine(tiny_target, plain_runs=False), [(0, Request("r", ids, params, 0))])["r"][0]
+    free = drive(make_engine(tiny_target, plain_runs=False), [(0, Request("r", ids, params, 0))])["r"][0]
     # An engine whose eos is a token the output reaches: the run must end the row there, as the engine does.
     stop_at = free[10]
     engine = make_engine(tiny_target)
     engine.eos_token_ids = frozenset({stop_at, eos})
-    got = _drive(engine, [(0, Request("r", ids, SamplingParams(max_tokens=60), 0))])["r"]
+    got = drive(engine, [(0, Request("r", ids, SamplingParams(max_tokens=60), 0))])["r"]
     assert got[0] == free[: free.index(stop_at) + 1]
     assert got[1].finish_reason == FinishReason.EOS
 
