@@ -7,6 +7,10 @@ Measured one after the other, at each concurrency c of `--concurrency`, greedy, 
 - with `--edit-prompts`: llama-server without a draft and with each n-gram type its binary lists, on the edit
   prompts, against ours off and with the config's model-free method (ngram, suffix, or hybrid's suffix part) where
   it has one, else with the config's own drafting;
+- with `--sessions`: multi-turn conversations (benchmarks/sessions/), one request at a time, each turn sent with the
+  whole conversation so far (the server's own answers, which end at eos), end to end over the turns after the first:
+  llama-server without a draft and with each draft n-max and n-gram type (its prompt cache on, as by default), the
+  best kept, against ours off and on (prefix caching as CONFIG says);
 - CONFIG deployed in this process (`deployments.launch.serving`), each request with speculation off (k = 0, method
   none: no drafter sees it) and with the config's setting.
 
@@ -36,13 +40,22 @@ from typing import Any
 
 from specdec_core.errors import InvalidArgument
 from specdec_tools.bench import peer_llama as llama
-from specdec_tools.bench.peer_client import Completion, Endpoint, complete, model_id, run_set
+from specdec_tools.bench.peer_client import (
+    Completion,
+    Conversation,
+    Endpoint,
+    complete,
+    model_id,
+    run_sessions,
+    run_set,
+)
 from specdec_tools.bench.peer_report import (
     EDIT,
     LLAMA,
     ON,
     PLAIN,
     PROMPTS,
+    SESSIONS,
     SPECDEC,
     SPECULATIVE,
     Run,
@@ -97,6 +110,15 @@ def register(modes: Any) -> None:
         help="JSONL of prompts that repeat their input: the n-gram comparison",
     )
     parser.add_argument(
+        "--sessions",
+        type=Path,
+        metavar="FILE",
+        help="JSONL of multi-turn conversations (benchmarks/sessions/): end to end over turns >= 2, one at a time",
+    )
+    parser.add_argument(
+        "--num-sessions", type=positive(int), metavar="N", help="only the first N conversations of --sessions"
+    )
+    parser.add_argument(
         "--max-new-tokens", type=positive(int), default=128, metavar="N", help="every request's exact length"
     )
     parser.add_argument(
@@ -129,6 +151,8 @@ class PeerBenchConfig:
     max_new_tokens: int
     concurrency: tuple[int, ...]
     draft_n_max: tuple[int, ...]
+    sessions: Path | None = None
+    num_sessions: int | None = None
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -146,6 +170,8 @@ def _main(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         concurrency=args.concurrency,
         draft_n_max=args.draft_n_max,
+        sessions=args.sessions,
+        num_sessions=args.num_sessions,
     )
     report = run_peer_bench(bench)
     write_report(report, args.json)
@@ -169,7 +195,7 @@ def run_peer_bench(bench: PeerBenchConfig) -> dict[str, Any]:
     from deployments.serve_config import load_config
     from specdec_core.chat import ChatMessage, encode_chat
     from specdec_core.models.loader import load_tokenizer
-    from specdec_tools.requests import read_prompt_texts
+    from specdec_tools.requests import read_prompt_texts, read_sessions
 
     config = load_config(bench.config)
     tokenizer = load_tokenizer(config.target.model).tokenizer
@@ -180,10 +206,19 @@ def run_peer_bench(bench: PeerBenchConfig) -> dict[str, Any]:
     def retokenize(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
+    def encode_conversation(conversation: Conversation) -> list[int]:
+        return encode_chat(tokenizer, [ChatMessage(role, content) for role, content in conversation])
+
     workloads = {PROMPTS: encode(read_prompt_texts(bench.prompts))}
     if bench.edit_prompts is not None:
         workloads[EDIT] = encode(read_prompt_texts(bench.edit_prompts, "--edit-prompts"))
-    work = _Work(bench, workloads, encode([WARMUP_TEXT])[0], retokenize)
+    sessions: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    if bench.sessions is not None:
+        sessions = tuple((s.system, s.turns) for s in read_sessions(bench.sessions)[: bench.num_sessions])
+        workloads[SESSIONS] = [
+            encode_conversation([("system", system), ("user", turns[0])]) for system, turns in sessions
+        ]
+    work = _Work(bench, workloads, encode([WARMUP_TEXT])[0], retokenize, sessions, encode_conversation)
     notes: list[str] = []
     version = llama.binary_output(bench.llama.binary, "--version")
     ngram = llama.ngram_types(llama.binary_output(bench.llama.binary, "--help"))
@@ -200,9 +235,19 @@ class _Work:
     workloads: Mapping[str, list[list[int]]]
     warmup: list[int]
     retokenize: Callable[[str], list[int]]
+    sessions: Sequence[tuple[str, Sequence[str]]] = ()
+    encode_conversation: Callable[[Conversation], list[int]] | None = None
+
+    def concurrency(self, workload: str) -> tuple[int, ...]:
+        """A conversation's turns go one after another: the sessions run at c = 1 alone."""
+        return (1,) if workload == SESSIONS else self.bench.concurrency
 
     def measure(self, endpoint: Endpoint, workload: str, concurrency: int) -> tuple[float, tuple[Completion, ...]]:
         complete(endpoint, self.warmup, WARMUP_TOKENS)
+        if workload == SESSIONS:
+            assert self.encode_conversation is not None  # set with the sessions
+            tokens = self.bench.max_new_tokens
+            return run_sessions(endpoint, self.sessions, tokens, self.encode_conversation, self.retokenize)
         prompts = self.workloads[workload]
         return run_set(endpoint, prompts, self.bench.max_new_tokens, concurrency, self.retokenize)
 
@@ -216,6 +261,10 @@ def llama_plan(
     if EDIT in workloads:
         plan.append((EDIT, PLAIN, llama.LlamaSpeculation()))
         plan += [(EDIT, SPECULATIVE, llama.LlamaSpeculation(t)) for t in ngram]
+    if SESSIONS in workloads:  # its best of either kind, its prompt cache on (its default)
+        plan.append((SESSIONS, PLAIN, llama.LlamaSpeculation()))
+        plan += [(SESSIONS, SPECULATIVE, s) for s in llama.draft_sweep(n_maxes)]
+        plan += [(SESSIONS, SPECULATIVE, llama.LlamaSpeculation(t)) for t in ngram]
     return plan
 
 
@@ -226,7 +275,7 @@ def llama_runs(work: _Work, plan: Sequence[tuple[str, str, llama.LlamaSpeculatio
 
     runs = []
     for workload, role, speculation in plan:
-        for c in work.bench.concurrency:
+        for c in work.concurrency(workload):
             port = free_port()
             command = tuple(llama.server_command(work.bench.llama, speculation, port, c))
             run = Run(LLAMA, workload, role, speculation.name, c, command=command)
@@ -254,6 +303,8 @@ def specdec_runs(work: _Work, config: Any, notes: list[str]) -> list[Run]:
         # Edits: the config's model-free method where it has one (llama-server's side is its n-gram types), else
         # the config's own drafting.
         modes[EDIT] = (free, {"speculation_method": free}) if free is not None else (ON, {})
+    if SESSIONS in work.workloads:
+        modes[SESSIONS] = (ON, {})
     token = load_public_token(config.auth_token_file) if config.auth == "bearer" else None
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     base = f"http://127.0.0.1:{config.http_port}"
@@ -262,7 +313,7 @@ def specdec_runs(work: _Work, config: Any, notes: list[str]) -> list[Run]:
         _wait_ready(base)
         model = model_id(base, headers)
         for workload, (setting, fields) in modes.items():
-            for i, c in enumerate(work.bench.concurrency):
+            for i, c in enumerate(work.concurrency(workload)):
                 pair = [(PLAIN, "off", OFF_FIELDS), (SPECULATIVE, setting, fields)]
                 for role, name, request_fields in pair if i % 2 == 0 else pair[::-1]:
                     salt = f"peer-{workload}-{name}-c{c}".replace(" ", "-")

@@ -38,14 +38,16 @@ class Endpoint:
     extras: Mapping[str, Any] = field(default_factory=dict)
 
 
-def completion_body(endpoint: Endpoint, prompt_ids: Sequence[int], max_tokens: int) -> dict[str, Any]:
+def completion_body(
+    endpoint: Endpoint, prompt_ids: Sequence[int], max_tokens: int, ignore_eos: bool = True
+) -> dict[str, Any]:
     """The one request body both servers get, but for `endpoint.extras`."""
     return {
         "model": endpoint.model,
         "prompt": list(prompt_ids),
         "max_tokens": max_tokens,
         "temperature": 0,
-        "ignore_eos": True,
+        "ignore_eos": ignore_eos,
         "stream": False,
         **endpoint.extras,
     }
@@ -87,10 +89,9 @@ def parse_completion(response: Mapping[str, Any], retokenize: Callable[[str], li
     )
 
 
-def complete(endpoint: Endpoint, prompt_ids: Sequence[int], max_tokens: int) -> dict[str, Any]:
-    return _http(
-        f"{endpoint.base_url}/v1/completions", endpoint.headers, completion_body(endpoint, prompt_ids, max_tokens)
-    )
+def complete(endpoint: Endpoint, prompt_ids: Sequence[int], max_tokens: int, ignore_eos: bool = True) -> dict[str, Any]:
+    body = completion_body(endpoint, prompt_ids, max_tokens, ignore_eos)
+    return _http(f"{endpoint.base_url}/v1/completions", endpoint.headers, body)
 
 
 def run_set(
@@ -111,3 +112,32 @@ def run_set(
         completions = tuple(pool.map(one, prompts))
         seconds = time.perf_counter() - start
     return seconds, completions
+
+
+Conversation = list[tuple[str, str]]  # (role, content) in order: a system prompt, then user and assistant turns
+
+
+def run_sessions(
+    endpoint: Endpoint,
+    sessions: Sequence[tuple[str, Sequence[str]]],
+    max_tokens: int,
+    encode: Callable[[Conversation], list[int]],
+    retokenize: Callable[[str], list[int]],
+) -> tuple[float, tuple[Completion, ...]]:
+    """Each (system prompt, user turns) conversation replayed one turn after another, one request at a time, each
+    turn sent with the whole conversation so far, this server's own answers included (as a chat client sends it;
+    `encode` makes it token ids). Answers end at eos (or `max_tokens`), as a conversation's do. The time and the
+    completions of the turns after the first, where a server can reuse what it cached of the conversation: a
+    conversation's first turn costs a prefill of the whole system prompt on either server."""
+    seconds, later = 0.0, []
+    for system, turns in sessions:
+        conversation: Conversation = [("system", system)]
+        for number, turn in enumerate(turns):
+            conversation.append(("user", turn))
+            start = time.perf_counter()
+            answer = parse_completion(complete(endpoint, encode(conversation), max_tokens, False), retokenize)
+            if number:
+                seconds += time.perf_counter() - start
+                later.append(answer)
+            conversation.append(("assistant", answer.text))
+    return seconds, tuple(later)

@@ -11,7 +11,7 @@ from specdec_tools.bench import peer_llama as llama
 from specdec_tools.bench.peer_client import Completion
 
 LLAMA, SPECDEC = "llama-server", "specdec serve"
-PROMPTS, EDIT = "prompts", "edit prompts"
+PROMPTS, EDIT, SESSIONS = "prompts", "edit prompts", "sessions, turns >= 2"
 PLAIN, SPECULATIVE = "plain", "speculative"
 ON = "on"  # our speculative setting on the prompts: the config's
 
@@ -49,6 +49,10 @@ LABELS = {
     (EDIT, LLAMA, SPECULATIVE): "llama-server, n-gram (best type)",
     (EDIT, SPECDEC, PLAIN): "specdec serve, off",
     (EDIT, SPECDEC, SPECULATIVE): "specdec serve, on (its model-free method, else its drafting)",
+    (SESSIONS, LLAMA, PLAIN): "llama-server, no draft",
+    (SESSIONS, LLAMA, SPECULATIVE): "llama-server, best draft n-max or n-gram type",
+    (SESSIONS, SPECDEC, PLAIN): "specdec serve, off",
+    (SESSIONS, SPECDEC, SPECULATIVE): "specdec serve, on",
 }
 RATIOS = {
     SPECULATIVE: "specdec on / llama-server best speculative",
@@ -165,7 +169,7 @@ def build_report(
 ) -> dict[str, Any]:
     names = list(workloads)
     same = equality(runs)
-    files = {PROMPTS: bench.prompts, EDIT: bench.edit_prompts}
+    files = {PROMPTS: bench.prompts, EDIT: bench.edit_prompts, SESSIONS: bench.sessions}
     return {
         "llama_cpp_version": version,
         "llama_server": str(bench.llama.binary),

@@ -4,6 +4,7 @@ model-free method."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,16 @@ def test_the_plan_sweeps_the_draft_and_runs_ngram_types_only_on_edits():
 )
 def test_our_model_free_method_is_the_configs_own_or_a_hybrids_free_part(draft, method):
     assert peer.model_free_method(draft) == method
+
+
+def test_sessions_run_at_one_request_at_a_time_against_its_best_draft_or_ngram_type():
+    plan = peer.llama_plan({report.PROMPTS: [], report.SESSIONS: []}, [8], ["ngram-simple"])
+    sessions = [(r, s.name) for w, r, s in plan if w == report.SESSIONS]
+    assert sessions == [
+        (report.PLAIN, "no draft"),
+        (report.SPECULATIVE, "draft-simple n-max 8"),
+        (report.SPECULATIVE, "ngram-simple"),
+    ]
+    bench = peer.PeerBenchConfig(None, Path("c.yaml"), Path("p.jsonl"), None, 16, (1, 4), (8,))
+    work = peer._Work(bench, {}, [], str.split)
+    assert work.concurrency(report.SESSIONS) == (1,) and work.concurrency(report.PROMPTS) == (1, 4)

@@ -91,3 +91,33 @@ def test_the_client_sends_one_body_c_at_a_time_and_keeps_the_prompts_order():
     expected = {"model": "m", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "stream": False}
     assert all(body.items() >= {**expected, "return_token_ids": True}.items() for body in fake.bodies)
     assert sorted(body["prompt"] for body in fake.bodies) == prompts
+
+
+def test_a_session_sends_each_turn_with_the_conversation_and_its_own_answers_and_times_turns_after_the_first():
+    """The fake answers each turn with text naming the turn's prompt length: the next turn's conversation must hold
+    it. Only turns after the first are counted."""
+    fake = FakeServer(concurrency=1)
+    endpoint = client.Endpoint(fake.url, "m")
+    sent = []
+
+    def encode(conversation):
+        sent.append(list(conversation))
+        return [len(conversation)]
+
+    sessions = [("sys A", ["a1", "a2", "a3"]), ("sys B", ["b1", "b2"])]
+    try:
+        seconds, later = client.run_sessions(endpoint, sessions, 2, encode, never)
+    finally:
+        fake.server.shutdown()
+    assert len(later) == 3 and seconds > 0  # a2, a3, b2
+    assert sent[2] == [
+        ("system", "sys A"),
+        ("user", "a1"),
+        ("assistant", "xx"),
+        ("user", "a2"),
+        ("assistant", "xx"),
+        ("user", "a3"),
+    ]
+    assert sent[3] == [("system", "sys B"), ("user", "b1")]
+    assert [body["prompt"] for body in fake.bodies] == [[2], [4], [6], [2], [4]]
+    assert not any(body["ignore_eos"] for body in fake.bodies)  # a conversation's answers end where the model ends them
