@@ -62,15 +62,17 @@ class _Stream:
 
 
 class _Timeout(grpc.RpcError):
+    """A step that did not come in time, read as the status a unary call past its deadline gets."""
+
     def __init__(self, timeout_s: float) -> None:
-        super().__init__(f"no step within {timeout_s:g} s")
-        self.timeout_s = timeout_s
+        self.message = f"no step within {timeout_s:g} s"
+        super().__init__(self.message)
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.DEADLINE_EXCEEDED
 
     def details(self) -> str:
-        return f"no step within {self.timeout_s:g} s"
+        return self.message
 
 
 class RemoteRun:

@@ -81,10 +81,6 @@ class StepwiseRun:
     def stop(self) -> None:
         self._stopped.set()
 
-    @property
-    def stopped(self) -> bool:
-        return self._stopped.is_set()
-
     def __iter__(self) -> Iterator[Step]:
         while (step := self.step()) is not None:
             yield step
