@@ -1,26 +1,29 @@
 """`specdec bench peer`: llama.cpp's llama-server and `specdec serve` side by side, on the same prompts as the same
 token ids, through one client.
 
-Measured one after the other, at each concurrency c of `--concurrency`, greedy, every request exactly
-`--max-new-tokens` long (ignore_eos on both sides):
-- llama-server without a draft, and with its draft model (`--spec-type draft-simple`) once per `--draft-n-max`;
-- with `--edit-prompts`: llama-server without a draft and with each n-gram type its binary lists, on the edit
-  prompts, against ours off and with the config's model-free method (ngram, suffix, or hybrid's suffix part) where
-  it has one, else with the config's own drafting;
+At each concurrency c of `--concurrency`, greedy, every request exactly `--max-new-tokens` long (ignore_eos on both
+sides), on the workloads given:
+- prompts: llama-server with its draft model (`--spec-type draft-simple`) once per `--draft-n-max`;
+- with `--edit-prompts` (prompts that repeat their input): llama-server with each n-gram type its binary lists;
 - with `--sessions`: multi-turn conversations (benchmarks/sessions/), one request at a time, each turn sent with the
   whole conversation so far (the server's own answers, which end at eos), end to end over the turns after the first:
-  llama-server without a draft and with each draft n-max and n-gram type (its prompt cache on, as by default), the
-  best kept, against ours off and on (prefix caching as CONFIG says);
-- CONFIG deployed in this process (`deployments.launch.serving`), each request with speculation off (k = 0, method
-  none: no drafter sees it) and with the config's setting.
+  llama-server with each draft n-max and each n-gram type (its prompt cache on, as by default).
+
+Two phases. The sweep runs each of llama-server's speculative settings alone, to find its best per workload and
+concurrency. Then CONFIG is deployed in this process (`deployments.launch.serving`) and each pair is measured taking
+turns: llama-server without a draft against ours with speculation off (k = 0, method none: no drafter sees it), and
+llama-server's best setting against ours with the config's own drafting. The two servers of a pair are both up and
+alternate chunk by chunk (c prompts, or one conversation), the server going first swapping at every chunk, so that
+the machine's drift, which moves a small machine's speed by a tenth or more within minutes, falls on both alike. The
+table and its ratios are the paired runs'.
 
 Fair by construction: both servers get the same body at their OpenAI-compatible `/v1/completions` over HTTP (the
 chat-formatted prompt as token ids, `temperature: 0`, `max_tokens`, `ignore_eos`, no stream), differing only by the
-fields that make each return its token ids and, ours, choose the speculation. c client threads share the prompts,
-each sent once; tokens/s = the responses' `usage.completion_tokens` over the wall time of the whole set. A
+fields that make each return its token ids and, ours, choose the speculation. A chunk's c prompts go in at once from
+c client threads; tokens/s = the responses' `usage.completion_tokens` over the summed wall times of the chunks. A
 llama-server runs with `-np c`, so each setting and concurrency gets a server of its own; each of our runs has a
 `cache_salt` of its own, so none finds another's prompts cached. Each server, and each of our runs, is warmed up with
-one short request outside the timing. llama-server (peer_llama.py) and CONFIG take turns, never run together.
+one short request outside the timing.
 
 The report (`--json`) keeps every run: its command line (llama-server) or request fields (ours), figures, and each
 prompt's generated ids and text; whether our speculative outputs equal our plain ones token for token (they must),
@@ -30,13 +33,16 @@ and on how many prompts each llama-server setting equals its own plain output at
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from specdec_core.errors import InvalidArgument
 from specdec_tools.bench import peer_llama as llama
@@ -59,12 +65,14 @@ from specdec_tools.bench.peer_report import (
     SPECDEC,
     SPECULATIVE,
     Run,
+    best_run,
     build_report,
     format_table,
 )
 from specdec_tools.loadgen.command import positive
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 OFF_FIELDS = {"num_speculative_tokens": 0, "speculation_method": "none"}
 WARMUP_TEXT, WARMUP_TOKENS = "Say hello.", 8
@@ -182,15 +190,6 @@ def _main(args: argparse.Namespace) -> int:
 # -- runs ------------------------------------------------------------------------------------------------------------
 
 
-def model_free_method(draft: Any) -> str | None:
-    """A config's drafting method without a model (`draft`: its DraftConfig): its own (ngram, suffix), a hybrid's
-    free part, else None."""
-    method = draft.drafting
-    if method is None:
-        return None
-    return method.free_part if method.runs_draft_model else method.name
-
-
 def run_peer_bench(bench: PeerBenchConfig) -> dict[str, Any]:
     from deployments.serve_config import load_config
     from specdec_core.chat import ChatMessage, encode_chat
@@ -224,8 +223,9 @@ def run_peer_bench(bench: PeerBenchConfig) -> dict[str, Any]:
     ngram = llama.ngram_types(llama.binary_output(bench.llama.binary, "--help"))
     if EDIT in workloads and not ngram:
         notes.append("llama-server: its --help lists no n-gram --spec-type; its n-gram runs were skipped")
-    runs = llama_runs(work, llama_plan(workloads, bench.draft_n_max, ngram))
-    runs += specdec_runs(work, config, notes)
+    plan = llama_plan(workloads, bench.draft_n_max, ngram)
+    runs = llama_runs(work, plan)
+    runs += paired_runs(work, config, runs, {s.name: s for _, s in plan}, notes)
     return build_report(bench, config.model_dump(mode="json"), version, workloads, runs, notes)
 
 
@@ -242,87 +242,191 @@ class _Work:
         """A conversation's turns go one after another: the sessions run at c = 1 alone."""
         return (1,) if workload == SESSIONS else self.bench.concurrency
 
-    def measure(self, endpoint: Endpoint, workload: str, concurrency: int) -> tuple[float, tuple[Completion, ...]]:
+    def warm_up(self, endpoint: Endpoint) -> None:
         complete(endpoint, self.warmup, WARMUP_TOKENS)
+
+    def chunks(self, workload: str, concurrency: int) -> list[Chunk]:
+        """The workload as the pieces two servers take turns on: `concurrency` prompts sent at once, or one whole
+        conversation."""
+        tokens, retokenize = self.bench.max_new_tokens, self.retokenize
         if workload == SESSIONS:
-            assert self.encode_conversation is not None  # set with the sessions
-            tokens = self.bench.max_new_tokens
-            return run_sessions(endpoint, self.sessions, tokens, self.encode_conversation, self.retokenize)
+            encode = self.encode_conversation
+            assert encode is not None  # set with the sessions
+            return [partial(_session_chunk, [one], tokens, encode, retokenize) for one in self.sessions]
         prompts = self.workloads[workload]
-        return run_set(endpoint, prompts, self.bench.max_new_tokens, concurrency, self.retokenize)
+        return [
+            partial(_prompt_chunk, prompts[i : i + concurrency], tokens, concurrency, retokenize)
+            for i in range(0, len(prompts), concurrency)
+        ]
+
+    def measure(self, endpoint: Endpoint, workload: str, concurrency: int) -> tuple[float, tuple[Completion, ...]]:
+        """The whole workload on one server, chunk after chunk."""
+        self.warm_up(endpoint)
+        return _sum(chunk(endpoint) for chunk in self.chunks(workload, concurrency))
+
+
+Measured = tuple[float, tuple[Completion, ...]]  # seconds, completions
+Chunk = Callable[[Endpoint], Measured]
+
+
+def _prompt_chunk(prompts: Any, tokens: int, concurrency: int, retokenize: Any, endpoint: Endpoint) -> Measured:
+    return run_set(endpoint, prompts, tokens, concurrency, retokenize)
+
+
+def _session_chunk(sessions: Any, tokens: int, encode: Any, retokenize: Any, endpoint: Endpoint) -> Measured:
+    return run_sessions(endpoint, sessions, tokens, encode, retokenize)
+
+
+def _sum(measured: Iterable[Measured]) -> Measured:
+    seconds, completions = 0.0, list[Completion]()
+    for s, done in measured:
+        seconds += s
+        completions += done
+    return seconds, tuple(completions)
 
 
 def llama_plan(
     workloads: Mapping[str, Any], n_maxes: Sequence[int], ngram: Sequence[str]
-) -> list[tuple[str, str, llama.LlamaSpeculation]]:
-    """(workload, role, setting) of every llama-server run but for the concurrency."""
-    plan = [(PROMPTS, PLAIN, llama.LlamaSpeculation())]
-    plan += [(PROMPTS, SPECULATIVE, s) for s in llama.draft_sweep(n_maxes)]
+) -> list[tuple[str, llama.LlamaSpeculation]]:
+    """(workload, setting) of every llama-server sweep run but for the concurrency: its speculative settings (its
+    plain runs are measured paired with ours)."""
+    plan = [(PROMPTS, s) for s in llama.draft_sweep(n_maxes)]
     if EDIT in workloads:
-        plan.append((EDIT, PLAIN, llama.LlamaSpeculation()))
-        plan += [(EDIT, SPECULATIVE, llama.LlamaSpeculation(t)) for t in ngram]
+        plan += [(EDIT, llama.LlamaSpeculation(t)) for t in ngram]
     if SESSIONS in workloads:  # its best of either kind, its prompt cache on (its default)
-        plan.append((SESSIONS, PLAIN, llama.LlamaSpeculation()))
-        plan += [(SESSIONS, SPECULATIVE, s) for s in llama.draft_sweep(n_maxes)]
-        plan += [(SESSIONS, SPECULATIVE, llama.LlamaSpeculation(t)) for t in ngram]
+        plan += [(SESSIONS, s) for s in llama.draft_sweep(n_maxes)]
+        plan += [(SESSIONS, llama.LlamaSpeculation(t)) for t in ngram]
     return plan
 
 
-def llama_runs(work: _Work, plan: Sequence[tuple[str, str, llama.LlamaSpeculation]]) -> list[Run]:
-    """Each planned setting at each concurrency on a server of its own; a server that fails is a run with its
-    error, and the others go on."""
-    from deployments.ports import free_port
-
+def llama_runs(work: _Work, plan: Sequence[tuple[str, llama.LlamaSpeculation]]) -> list[Run]:
+    """The sweep: each planned setting at each concurrency on a server of its own, alone; a server that fails is a
+    run with its error, and the others go on."""
     runs = []
-    for workload, role, speculation in plan:
+    for workload, speculation in plan:
         for c in work.concurrency(workload):
-            port = free_port()
-            command = tuple(llama.server_command(work.bench.llama, speculation, port, c))
-            run = Run(LLAMA, workload, role, speculation.name, c, command=command)
             try:
-                with llama.llama_server(command, port) as url:
-                    endpoint = Endpoint(url, model_id(url, {}), extras=llama.BODY_EXTRAS)
-                    seconds, completions = work.measure(endpoint, workload, c)
-                run = Run(LLAMA, workload, role, speculation.name, c, seconds, completions, command)
-            except (RuntimeError, OSError, ValueError, KeyError) as exc:  # one setting fails, not the run
-                log.error("llama-server %s, c=%d: %s", speculation.name, c, exc)
-                run = Run(LLAMA, workload, role, speculation.name, c, command=command, error=str(exc))
+                with _llama(work, speculation, c) as (command, endpoint):
+                    seconds, completions = _theirs(command, work.measure, endpoint, workload, c)
+                run = Run(LLAMA, workload, SPECULATIVE, speculation.name, c, seconds, completions, command)
+            except _LlamaFailed as failed:  # one setting fails, not the run
+                run = Run(LLAMA, workload, SPECULATIVE, speculation.name, c, command=failed.command, error=failed.why)
             _log_run(run)
             runs.append(run)
     return runs
 
 
-def specdec_runs(work: _Work, config: Any, notes: list[str]) -> list[Run]:
-    """CONFIG deployed once; per workload and concurrency, off and on, their order alternating by concurrency."""
+class _LlamaFailed(Exception):
+    """llama-server did not start, or failed a request: that setting's run fails, the benchmark goes on."""
+
+    def __init__(self, command: tuple[str, ...], why: str) -> None:
+        super().__init__(why)
+        self.command, self.why = command, why
+
+
+LLAMA_ERRORS = (RuntimeError, OSError, ValueError, KeyError)
+
+
+@contextlib.contextmanager
+def _llama(work: _Work, speculation: llama.LlamaSpeculation, c: int) -> Iterator[tuple[tuple[str, ...], Endpoint]]:
+    """A llama-server of `speculation` with c slots, as the client reaches it; a failed start as _LlamaFailed."""
+    from deployments.ports import free_port
+
+    port = free_port()
+    command = tuple(llama.server_command(work.bench.llama, speculation, port, c))
+    with contextlib.ExitStack() as stack:
+        try:
+            url = stack.enter_context(llama.llama_server(command, port))
+            endpoint = Endpoint(url, model_id(url, {}), extras=llama.BODY_EXTRAS)
+        except LLAMA_ERRORS as exc:
+            log.error("llama-server %s, c=%d: %s", speculation.name, c, exc)
+            raise _LlamaFailed(command, str(exc)) from exc
+        yield command, endpoint
+
+
+def _theirs(command: tuple[str, ...], call: Callable[..., T], *args: Any) -> T:
+    """`call(*args)` against llama-server; its failures as _LlamaFailed."""
+    try:
+        return call(*args)
+    except LLAMA_ERRORS as exc:
+        log.error("llama-server %s: %s", " ".join(command), exc)
+        raise _LlamaFailed(command, str(exc)) from exc
+
+
+def paired_runs(
+    work: _Work, config: Any, sweep: Sequence[Run], settings: Mapping[str, llama.LlamaSpeculation], notes: list[str]
+) -> list[Run]:
+    """CONFIG deployed once; per workload and concurrency, ours off taking turns with llama-server without a draft,
+    and ours on with llama-server's best setting of the sweep."""
     from deployments.auth import load_public_token
     from deployments.launch import serving
 
-    modes: dict[str, tuple[str, dict[str, Any]]] = {PROMPTS: (ON, {})}
-    free = model_free_method(config.draft)
-    if EDIT in work.workloads:
-        # Edits: the config's model-free method where it has one (llama-server's side is its n-gram types), else
-        # the config's own drafting.
-        modes[EDIT] = (free, {"speculation_method": free}) if free is not None else (ON, {})
-    if SESSIONS in work.workloads:
-        modes[SESSIONS] = (ON, {})
     token = load_public_token(config.auth_token_file) if config.auth == "bearer" else None
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     base = f"http://127.0.0.1:{config.http_port}"
-    runs = []
+    runs: list[Run] = []
     with serving(config, quiet=True):
         _wait_ready(base)
         model = model_id(base, headers)
-        for workload, (setting, fields) in modes.items():
-            for i, c in enumerate(work.concurrency(workload)):
-                pair = [(PLAIN, "off", OFF_FIELDS), (SPECULATIVE, setting, fields)]
-                for role, name, request_fields in pair if i % 2 == 0 else pair[::-1]:
+        for workload in work.workloads:
+            for c in work.concurrency(workload):
+                best = best_run(sweep, workload, LLAMA, SPECULATIVE, c)
+                if best is None:
+                    notes.append(f"llama-server: no speculative setting ran on {workload} at c={c}; ours on alone")
+                theirs = {PLAIN: llama.LlamaSpeculation(), SPECULATIVE: settings[best.setting] if best else None}
+                for role, (name, fields) in {PLAIN: ("off", OFF_FIELDS), SPECULATIVE: (ON, {})}.items():
                     salt = f"peer-{workload}-{name}-c{c}".replace(" ", "-")
-                    extras = {"return_token_ids": True, "cache_salt": salt, **request_fields}
-                    seconds, completions = work.measure(Endpoint(base, model, headers, extras), workload, c)
-                    run = Run(SPECDEC, workload, role, name, c, seconds, completions, request_fields=request_fields)
-                    _log_run(run)
-                    runs.append(run)
+                    extras = {"return_token_ids": True, "cache_salt": salt, **fields}
+                    ours = Endpoint(base, model, headers, extras)
+                    runs += _pair(work, workload, role, c, (name, fields, ours), theirs[role])
     return runs
+
+
+def _pair(
+    work: _Work,
+    workload: str,
+    role: str,
+    c: int,
+    ours: tuple[str, Mapping[str, Any], Endpoint],
+    theirs: llama.LlamaSpeculation | None,
+) -> list[Run]:
+    """Our run and llama-server's of one role, taking turns chunk by chunk (ours alone where llama-server has no
+    setting or fails to start)."""
+    name, fields, endpoint = ours
+
+    def our_run(measured: Measured, paired: bool) -> Run:
+        return Run(SPECDEC, workload, role, name, c, *measured, request_fields=fields, paired=paired)
+
+    if theirs is None:
+        return [_logged(our_run(work.measure(endpoint, workload, c), False))]
+    try:
+        with _llama(work, theirs, c) as (command, their_endpoint):
+            work.warm_up(endpoint)
+            _theirs(command, work.warm_up, their_endpoint)
+            mine, other = take_turns(
+                work.chunks(workload, c),
+                lambda chunk: chunk(endpoint),
+                lambda chunk: _theirs(command, chunk, their_endpoint),
+            )
+    except _LlamaFailed as failed:
+        run = Run(LLAMA, workload, role, theirs.name, c, command=failed.command, error=failed.why, paired=True)
+        # A salt of its own: none of this run's prompts is cached from the pairing that failed.
+        alone = dataclasses.replace(endpoint, extras={**endpoint.extras, "cache_salt": f"{name}-alone-{workload}"})
+        return [_logged(run), _logged(our_run(work.measure(alone, workload, c), False))]
+    run = Run(LLAMA, workload, role, theirs.name, c, *other, command, paired=True)
+    return [_logged(run), _logged(our_run(mine, True))]
+
+
+def take_turns(
+    chunks: Sequence[Chunk], first: Callable[[Chunk], Measured], second: Callable[[Chunk], Measured]
+) -> tuple[Measured, Measured]:
+    """Each chunk on both sides, `first` going first on even chunks and `second` on odd ones; each side's summed
+    seconds and its completions in chunk order."""
+    done: tuple[list[Measured], list[Measured]] = ([], [])
+    for i, chunk in enumerate(chunks):
+        for side in (0, 1) if i % 2 == 0 else (1, 0):
+            done[side].append((first, second)[side](chunk))
+    return _sum(done[0]), _sum(done[1])
 
 
 def _wait_ready(base_url: str) -> None:
@@ -335,3 +439,8 @@ def _wait_ready(base_url: str) -> None:
 
 def _log_run(run: Run) -> None:
     log.info("%s %s, %s, c=%d: %.2f tok/s", run.system, run.setting, run.workload, run.concurrency, run.tokens_per_s)
+
+
+def _logged(run: Run) -> Run:
+    _log_run(run)
+    return run

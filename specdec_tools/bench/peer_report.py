@@ -21,7 +21,7 @@ class Run:
     """One setting of one server over one workload at one concurrency."""
 
     system: str  # LLAMA or SPECDEC
-    workload: str  # PROMPTS or EDIT
+    workload: str  # PROMPTS, EDIT or SESSIONS
     role: str  # PLAIN or SPECULATIVE
     setting: str  # llama-server's ("draft-simple n-max 5", "ngram-mod"); ours "off", "on" or the method
     concurrency: int
@@ -30,6 +30,9 @@ class Run:
     command: tuple[str, ...] = ()  # llama-server's command line
     request_fields: Mapping[str, Any] = field(default_factory=dict)  # ours: what the requests add to the body
     error: str = ""
+    # Measured taking turns with the other server's run of the same role, chunk by chunk (the headline figures);
+    # False: a sweep run of llama-server alone, which only picks its best setting.
+    paired: bool = False
 
     @property
     def tokens(self) -> int:
@@ -48,7 +51,7 @@ LABELS = {
     (EDIT, LLAMA, PLAIN): "llama-server, no draft",
     (EDIT, LLAMA, SPECULATIVE): "llama-server, n-gram (best type)",
     (EDIT, SPECDEC, PLAIN): "specdec serve, off",
-    (EDIT, SPECDEC, SPECULATIVE): "specdec serve, on (its model-free method, else its drafting)",
+    (EDIT, SPECDEC, SPECULATIVE): "specdec serve, on",
     (SESSIONS, LLAMA, PLAIN): "llama-server, no draft",
     (SESSIONS, LLAMA, SPECULATIVE): "llama-server, best draft n-max or n-gram type",
     (SESSIONS, SPECDEC, PLAIN): "specdec serve, off",
@@ -70,9 +73,16 @@ def best_run(runs: Sequence[Run], workload: str, system: str, role: str, concurr
     return max(matching, key=lambda r: r.tokens_per_s, default=None)
 
 
+def headline_run(runs: Sequence[Run], workload: str, system: str, role: str, concurrency: int) -> Run | None:
+    """The run a table cell and its ratio show: the best paired run where there is one (measured taking turns with
+    the other server, so that the machine's drift falls on both alike), else the best of all."""
+    paired = [r for r in runs if r.paired]
+    return best_run(paired, workload, system, role, concurrency) or best_run(runs, workload, system, role, concurrency)
+
+
 def plain_of(runs: Sequence[Run], run: Run) -> Run | None:
     """The plain run `run` is compared with: its server's, on its workload, at its concurrency."""
-    return best_run(runs, run.workload, run.system, PLAIN, run.concurrency)
+    return headline_run(runs, run.workload, run.system, PLAIN, run.concurrency)
 
 
 def identical_count(run: Run, plain: Run) -> int:
@@ -89,7 +99,7 @@ def table(runs: Sequence[Run], workloads: Sequence[str], concurrency: Sequence[i
             continue
         cells: dict[str, Any] = {}
         for c in concurrency:
-            run = best_run(runs, workload, system, role, c)
+            run = headline_run(runs, workload, system, role, c)
             cells[str(c)] = None if run is None else {"tokens_per_s": run.tokens_per_s, "setting": run.setting}
         rows.append({"workload": workload, "configuration": label, "cells": cells})
     return rows
@@ -102,7 +112,7 @@ def ratios(runs: Sequence[Run], workloads: Sequence[str], concurrency: Sequence[
         for role, label in RATIOS.items():
             values: dict[str, float | None] = {}
             for c in concurrency:
-                ours, theirs = (best_run(runs, workload, s, role, c) for s in (SPECDEC, LLAMA))
+                ours, theirs = (headline_run(runs, workload, s, role, c) for s in (SPECDEC, LLAMA))
                 values[str(c)] = _ratio(ours, theirs)
             rows.append({"workload": workload, "ratio": label, "values": values})
     return rows
@@ -134,6 +144,21 @@ def equality(runs: Sequence[Run]) -> list[dict[str, Any]]:
     return rows
 
 
+def sweep(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """llama-server's sweep runs (alone, unpaired): what picked its best setting."""
+    return [
+        {
+            "workload": r.workload,
+            "setting": r.setting,
+            "concurrency": r.concurrency,
+            "tokens_per_s": None if r.error else r.tokens_per_s,
+            "error": r.error or None,
+        }
+        for r in runs
+        if r.system == LLAMA and not r.paired
+    ]
+
+
 def _all_identical(rows: Sequence[Mapping[str, Any]]) -> bool | None:
     """Every prompt of every row identical; None where there is no row (nothing was compared)."""
     return all(r["identical"] == r["prompts"] for r in rows) if rows else None
@@ -146,6 +171,7 @@ def run_record(run: Run) -> dict[str, Any]:
         "role": run.role,
         "setting": run.setting,
         "concurrency": run.concurrency,
+        "paired": run.paired,
         "command": list(run.command) or None,
         "request_fields": dict(run.request_fields) or None,
         "error": run.error or None,
@@ -186,6 +212,7 @@ def build_report(
         "ratios": ratios(runs, names, bench.concurrency),
         "specdec_identical_to_plain": _all_identical([e for e in same if e["system"] == SPECDEC]),
         "identical_to_plain": same,
+        "sweep": sweep(runs),
         "notes": list(notes),
         "runs": [run_record(r) for r in runs],
     }
@@ -202,6 +229,9 @@ def format_table(report: Mapping[str, Any]) -> str:
         for row in (r for r in report["ratios"] if r["workload"] == workload):
             values = ("-" if row["values"][c] is None else f"{row['values'][c]:.2f}x" for c in columns)
             lines.append(f"{row['ratio']:<44}" + "".join(f"{v:>30}" for v in values))
+    for e in report.get("sweep", ()):
+        figure = "failed" if e["tokens_per_s"] is None else f"{e['tokens_per_s']:.2f} tok/s"
+        lines.append(f"llama-server sweep, alone: {e['setting']} ({e['workload']}, c={e['concurrency']}): {figure}")
     lines.append(f"specdec speculative == plain, token for token: {report['specdec_identical_to_plain']}")
     for e in (e for e in report["identical_to_plain"] if e["system"] == LLAMA):
         lines.append(

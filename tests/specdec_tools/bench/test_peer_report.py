@@ -19,11 +19,11 @@ def completion(ids, tokens=None):
     return client.Completion(tuple(ids), "", len(ids) if tokens is None else tokens, 0, 0, "server")
 
 
-def run(system, role, setting, c, tokens, seconds, workload=report.PROMPTS, ids=((1, 2),), error=""):
+def run(system, role, setting, c, tokens, seconds, workload=report.PROMPTS, ids=((1, 2),), error="", paired=False):
     """A run of len(ids) prompts generating `tokens` in all over `seconds`."""
     done = [completion(i, 0) for i in ids]
     done[0] = completion(ids[0], tokens)
-    return report.Run(system, workload, role, setting, c, seconds, tuple(done), error=error)
+    return report.Run(system, workload, role, setting, c, seconds, tuple(done), error=error, paired=paired)
 
 
 # -- the report ------------------------------------------------------------------------------------------------------
@@ -39,6 +39,27 @@ def test_the_best_of_a_sweep_is_the_fastest_that_did_not_fail():
     assert report.best_run(runs, report.PROMPTS, report.LLAMA, report.SPECULATIVE, 1).setting == "draft-simple n-max 5"
     assert report.best_run(runs, report.PROMPTS, report.LLAMA, report.PLAIN, 1) is None
     assert report.best_run(runs, report.EDIT, report.LLAMA, report.SPECULATIVE, 1) is None
+
+
+def test_a_cell_shows_the_paired_run_over_a_faster_sweep_run():
+    sweep = run(report.LLAMA, report.SPECULATIVE, "draft-simple n-max 8", 1, 50, 2.0)  # alone: 25 tok/s
+    paired = run(report.LLAMA, report.SPECULATIVE, "draft-simple n-max 8", 1, 40, 2.0, paired=True)  # 20
+    ours = run(report.SPECDEC, report.SPECULATIVE, "on", 1, 50, 2.0, paired=True)
+    assert report.headline_run([sweep, paired], report.PROMPTS, report.LLAMA, report.SPECULATIVE, 1) is paired
+    assert report.headline_run([sweep], report.PROMPTS, report.LLAMA, report.SPECULATIVE, 1) is sweep
+    got = {r["ratio"]: r["values"]["1"] for r in report.ratios([sweep, paired, ours], [report.PROMPTS], [1])}
+    assert got[report.RATIOS[report.SPECULATIVE]] == pytest.approx(25 / 20)
+    built = report.build_report(bench_config(), {}, "", {report.PROMPTS: [[1]]}, [sweep, paired, ours], [])
+    assert built["sweep"] == [
+        {
+            "workload": report.PROMPTS,
+            "setting": "draft-simple n-max 8",
+            "concurrency": 1,
+            "tokens_per_s": 25.0,
+            "error": None,
+        }
+    ]
+    assert "llama-server sweep, alone: draft-simple n-max 8 (prompts, c=1): 25.00 tok/s" in report.format_table(built)
 
 
 MEASURED = [
