@@ -153,8 +153,11 @@ class RemoteDrafter:
         for i in idx:
             r = requests[i]
             session = self._sessions[r.seq_id]
+            committed = len(r.token_ids) - r.num_assumed
             message.items.append(
-                worker_codec.encode_propose_item(r, r.token_ids[session.sent :], send_grammar=not session.constrained)
+                worker_codec.encode_propose_item(
+                    r, r.token_ids[session.sent : committed], send_grammar=not session.constrained
+                )
             )
         return self.pool.replica_of(requests[idx[0]].seq_id), message
 
@@ -180,7 +183,8 @@ class RemoteDrafter:
     def _proposed(self, request: DraftRequest) -> None:
         """The worker answered `request`'s Propose: it has read every committed token, and holds the grammar sent."""
         session = self._sessions[request.seq_id]
-        session.placed(request.token_ids)
+        assumed = request.num_assumed
+        session.placed(request.token_ids[: len(request.token_ids) - assumed] if assumed else request.token_ids)
         if request.grammar is not None:
             session.constrained = True
 

@@ -210,11 +210,13 @@ def encode_propose_item(
     request: DraftRequest, new_token_ids: Sequence[int], send_grammar: bool = False
 ) -> wpb.ProposeRequest.Item:
     """`send_grammar`: the worker does not hold the session's grammar yet (`request.grammar` is set): send it."""
+    committed = len(request.token_ids) - request.num_assumed
     item = wpb.ProposeRequest.Item(
         seq_id=request.seq_id,
         new_token_ids=list(new_token_ids),
-        num_committed=len(request.token_ids),
+        num_committed=committed,
         num_tokens=request.num_tokens,
+        assumed_token_ids=list(request.token_ids[committed:]),
     )
     item.sampling.CopyFrom(encode_token_sampling(request.shaping))
     if request.uniform is not None:
@@ -228,7 +230,7 @@ def encode_propose_item(
                 value=c.value,
                 strict=c.strict,
                 compact=c.compact,
-                output_start=len(request.token_ids) - request.grammar.num_tokens,
+                output_start=committed - request.grammar.num_tokens,
             )
         )
     return item
@@ -238,12 +240,19 @@ def decode_propose_item(
     item: wpb.ProposeRequest.Item, token_ids: Sequence[int], grammar: DraftGrammar | None = None
 ) -> DraftRequest:
     """`token_ids`: the session's committed tokens, which the draft worker keeps; `grammar`: the session's, after them
-    (`decode_grammar` reads the one an item brings)."""
+    (`decode_grammar` reads the one an item brings). The item's assumed tokens follow the committed ones in the
+    request (`DraftRequest.num_assumed`); a constrained session assumes none."""
     shaping = decode_token_sampling(item.sampling)
     if not shaping.greedy and len(item.uniform) != item.num_tokens:
         raise InvalidArgument("uniform", f"{len(item.uniform)} uniforms for {item.num_tokens} sampled drafts")
+    assumed = list(item.assumed_token_ids)
+    if assumed and grammar is not None:
+        raise InvalidArgument("items.assumed_token_ids", "a constrained session cannot pre-draft")
     uniform = None if shaping.greedy else torch.tensor(list(item.uniform), dtype=torch.float64)
-    return DraftRequest(item.seq_id, token_ids, item.num_tokens, shaping, uniform, item.return_probs, grammar)
+    tokens = [*token_ids, *assumed] if assumed else token_ids
+    return DraftRequest(
+        item.seq_id, tokens, item.num_tokens, shaping, uniform, item.return_probs, grammar, num_assumed=len(assumed)
+    )
 
 
 def decode_grammar(item: wpb.ProposeRequest.Item) -> tuple[Constraint, int] | None:

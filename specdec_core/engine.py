@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,6 +38,7 @@ from specdec_core.grammar.compiler import CompiledGrammar
 from specdec_core.grammar.constraint import Constraint
 from specdec_core.grammar.state import GrammarState
 from specdec_core.outputs import RequestOutput, RoundInfo
+from specdec_core.overlap import Branch, Overlap, OverlapMode, branch_of, hit, predraft_request
 from specdec_core.request import PromptLimits, Request
 from specdec_core.sequence import SequenceState, seeded_generator
 from specdec_core.stopping import FinishReason, IncrementalDetokenizer, StopChecker
@@ -54,6 +56,8 @@ class EngineConfig:
     policy: AdaptivePolicy = AdaptivePolicy()
     # Rows that all decode plainly run on the target step after step (`decode_run`); off: one round at a time.
     plain_runs: bool = True
+    # Pre-draft the next round while the target verifies this one (`overlap.py`): on, off, or auto (measured).
+    overlap: OverlapMode | str = OverlapMode.OFF
 
     def __post_init__(self) -> None:
         if self.policy.max_k != self.max_speculative_tokens:
@@ -70,6 +74,7 @@ class _Row:
     free: bool  # it verifies a proposal that cost no draft call
     method: str | None  # `RoundInfo.method`
     item: VerifyItem
+    predrafted: bool = False  # its proposal is a branch pre-drafted during the last round
 
 
 @dataclass
@@ -113,6 +118,7 @@ class SpecEngine:
         self._grammars = structured.LazyCompiler(tokenizer, target.vocab_size, eos_token_ids)
         self._draft_faults = Faults("drafter")  # a drafter that raises: its rows decode plainly, retried after a rest
         self._run: _Run | None = None
+        self.overlap = Overlap(config.overlap)
 
     @property
     def acceptance_by_label(self) -> dict[str, AcceptanceEstimate]:
@@ -380,34 +386,40 @@ class SpecEngine:
                     ks[i], takes_free[i] = 0, True
             if self.drafter is not None and any(ks):
                 ks = [0] * len(ks) if self._draft_faults.resting() else self._start_drafting(seqs, ks)
-            drafted = self._propose(seqs, ks)
+            drafted, predrafted = self._propose(seqs, ks)
         except Exception as exc:  # the round's own logic failed before the target was called
             return self._fail(seqs, exc)
         outputs, rows = [], []
-        for seq, proposal, offer, k, free, chain in zip(seqs, drafted, offers, ks, takes_free, forced):
+        for seq, proposal, offer, k, free, chain, pre in zip(seqs, drafted, offers, ks, takes_free, forced, predrafted):
             try:
-                rows.append(self._row(seq, proposal, offer, len(seqs), k, free, chain))
+                rows.append(self._row(seq, proposal, offer, len(seqs), k, free, chain, pre))
             except Exception as exc:  # its grammar failed: the row ends before its verify, the others go on
                 outputs.append(self._row_failed(seq, exc))
         if not rows:
             return outputs
+        predrafting = self._predraft(rows) if self.overlap.enabled and self.overlap.choose() else None
         t0 = time.perf_counter()
         try:
             outcomes, failed = self._verify([row.item for row in rows])
         except Exception as exc:
+            self._branches(rows, predrafting)  # the pre-draft ends before its rows do
             return outputs + self._fail([row.seq for row in rows], exc)
         if not failed:
             width = 1 + max(len(row.proposal.token_ids) for row in rows)
             self.costs.observe_verify(len(rows), width, time.perf_counter() - t0)
+        branches = self._branches(rows, predrafting)
         seconds = time.perf_counter() - started
+        committed = 0
         for i, (row, outcome) in enumerate(zip(rows, outcomes)):
             if i in failed:  # its target replica is gone: this request ends, the others go on
                 outputs.append(self._row_failed(row.seq, failed[i]))
                 continue
             try:
-                outputs.append(self._accept(row, outcome, seconds))
+                outputs.append(self._accept(row, outcome, seconds, branches[i]))
+                committed += len(outcome.token_ids)
             except Exception as exc:
                 outputs.append(self._row_failed(row.seq, exc))
+        self.overlap.observe(predrafting is not None, seconds, committed)
         return outputs
 
     def _row(
@@ -419,6 +431,7 @@ class SpecEngine:
         k: int,
         free: bool,
         forced: list[int],
+        predrafted: bool = False,
     ) -> _Row:
         """A row's share of the verify: the free `offer` it takes, else its `drafted` proposal cut to its grammar
         and to what it is worth; and the target's item."""
@@ -427,10 +440,11 @@ class SpecEngine:
         else:
             proposal = self.hybrid.trim(structured.cut_to_grammar(seq.grammar, drafted), batch_size, self.costs)
         method = structured.FORCED if forced else self._method(proposal, k, free)
-        return _Row(seq, proposal, k, free, method, seq.verify_item(proposal))
+        return _Row(seq, proposal, k, free, method, seq.verify_item(proposal), predrafted and not free)
 
-    def _accept(self, row: _Row, outcome: VerifyOutcome, seconds: float) -> RequestOutput:
-        """Commit a verified row's outcome; what the round teaches the estimates first."""
+    def _accept(self, row: _Row, outcome: VerifyOutcome, seconds: float, branch: Branch | None = None) -> RequestOutput:
+        """Commit a verified row's outcome; what the round teaches the estimates first. A pre-drafted `branch` that
+        the outcome confirms is the row's next proposal."""
         seq, proposal, k, free = row.seq, row.proposal, row.k, row.free
         draft, n = proposal.token_ids, outcome.num_accepted
         info = RoundInfo(
@@ -442,11 +456,15 @@ class SpecEngine:
             target_probs=outcome.target_probs,
             method=row.method,
             seconds=seconds,
+            predrafted=row.predrafted,
         )
         self._learn(seq, proposal, k, free, n)
         output = self._commit(seq, list(outcome.token_ids), info)
-        if k > 0:
+        if k > 0 or branch is not None:
             seq.draft.drafted(len(seq.tokens))
+        if branch is not None and n == len(draft) and (confirmed := hit(branch, seq.tokens)) is not None:
+            seq.predrafted = (len(seq.tokens), confirmed)
+            self.overlap.counted(0, 1)
         return output
 
     def _learn(self, seq: SequenceState, proposal: Proposal, k: int, free: bool, num_accepted: int) -> None:
@@ -562,12 +580,18 @@ class SpecEngine:
                 self.costs.observe_catch_up(start.num_tokens, start.seconds)
         return [k if seq.draft.may_draft else 0 for seq, k in zip(seqs, ks)]
 
-    def _propose(self, seqs: list[SequenceState], ks: list[int]) -> list[Proposal]:
-        """Each row's proposal; rows at k = 0 get an empty one without troubling the drafter."""
+    def _propose(self, seqs: list[SequenceState], ks: list[int]) -> tuple[list[Proposal], list[bool]]:
+        """Each row's proposal, and whether it was pre-drafted; rows at k = 0 get an empty one without troubling the
+        drafter, and rows holding a branch the last round confirmed verify it (cut to k) without drafting."""
         proposals = [Proposal([], None, () if seq.request.return_probs else None) for seq in seqs]
-        rows = [i for i, k in enumerate(ks) if k > 0]
+        predrafted = [False] * len(seqs)
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            branch, seq.predrafted = seq.predrafted_proposal(), None
+            if branch is not None and k > 0:
+                proposals[i], predrafted[i] = branch.prefix(k), True
+        rows = [i for i, k in enumerate(ks) if k > 0 and not predrafted[i]]
         if self.drafter is None or not rows:
-            return proposals
+            return proposals, predrafted
         # A drafting row that sat at k = 0 has context to catch up on: that call's time is not a k-draft's.
         stale = sum(self._unread(seqs[i]) for i in rows)
         requests = [seqs[i].draft_request(ks[i]) for i in rows]
@@ -576,13 +600,54 @@ class SpecEngine:
             drafted = self.drafter.propose(requests)
         except Exception as exc:  # as a remote drafter's failure: these rows' drafts, never their requests
             drafts_failed([seqs[i].draft for i in rows], self.drafter, self._draft_faults, exc)
-            return proposals
+            return proposals, predrafted
         self._draft_faults.succeeded()
         if stale <= len(seqs):
             self.costs.observe_draft(len(seqs), max(ks), time.perf_counter() - t0)
         for i, proposal in zip(rows, drafted):
             proposals[i] = proposal
-        return proposals
+        return proposals, predrafted
+
+    # -- pre-drafting (`overlap.py`) -----------------------------------------------------------------------------
+
+    def _predraft(self, rows: list[_Row]) -> tuple[list[int], Future[list[Proposal]]] | None:
+        """Start pre-drafting, on the pre-drafting thread, the rows that may: each row's branch where every draft of
+        its proposal is accepted, as far ahead as the proposal is long. The rows, and the call under way."""
+        drafter = self.drafter
+        if drafter is None or self._draft_faults.resting():
+            return None
+        chosen, requests = [], []
+        for i, row in enumerate(rows):
+            seq, n = row.seq, len(row.proposal.token_ids)
+            ahead = min(n, self.config.max_speculative_tokens, self._room(seq) - n - 2)
+            if row.method == structured.FORCED or seq.grammar is not None or not seq.draft.drafting or ahead < 1:
+                continue
+            chosen.append(i)
+            requests.append(predraft_request(seq.draft_request(1 + ahead), row.proposal, 1 + ahead))
+        if not chosen:
+            return None
+        return chosen, self.overlap.submit(lambda: drafter.propose(requests))
+
+    def _branches(
+        self, rows: list[_Row], predrafting: tuple[list[int], Future[list[Proposal]]] | None
+    ) -> list[Branch | None]:
+        """Per row, the branch pre-drafted for it (None where none was). Waits for the pre-draft; one that failed
+        costs its rows their draft state (started again when they next draft), never their requests."""
+        branches: list[Branch | None] = [None] * len(rows)
+        if predrafting is None:
+            return branches
+        chosen, call = predrafting
+        try:
+            drafted = call.result()
+        except Exception as exc:
+            drafts_failed([rows[i].seq.draft for i in chosen], self.drafter, self._draft_faults, exc)
+            return branches
+        self._draft_faults.succeeded()
+        for i, proposal in zip(chosen, drafted):
+            seq, n = rows[i].seq, len(rows[i].proposal.token_ids)
+            branches[i] = branch_of(proposal, len(seq.tokens), n)
+        self.overlap.counted(sum(b is not None for b in branches), 0)
+        return branches
 
     # -- commit and release --------------------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ class RoundInfo:
     target_probs: tuple[float, ...] | None = None
     method: str | None = None  # the drafting method whose proposal was verified; None: no draft was asked for
     seconds: float = 0.0  # the round's wall time, drafting and verifying (shared by every row of its batch)
+    predrafted: bool = False  # the proposal verified was pre-drafted during the last round's verify (`overlap.py`)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,9 @@ class SequenceState:
     stats: SpecStats = SpecStats()
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     emitted_text: int = 0  # characters of the stable text already returned
+    # A pre-drafted branch the last round confirmed (`overlap.py`): (the committed length it is valid at, the
+    # proposal); the next round verifies it instead of drafting.
+    predrafted: tuple[int, Proposal] | None = None
 
     @property
     def seq_id(self) -> str:
@@ -143,6 +146,12 @@ class SequenceState:
             return_probs=self.request.return_probs,
             grammar=self.grammar,  # a draft model masks its q with it; point-mass drafters may ignore it
         )
+
+    def predrafted_proposal(self) -> Proposal | None:
+        """The branch pre-drafted for exactly the committed tokens, if any."""
+        if self.predrafted is None or self.predrafted[0] != len(self.tokens):
+            return None
+        return self.predrafted[1]
 
     def free_request(self, k: int) -> DraftRequest:
         """The free drafter's share of a round: no randomness, and no grammar (its proposals are point masses,

@@ -64,6 +64,9 @@ class DraftRequest:
     uniform: torch.Tensor | None  # [k] in [0, 1): randomness for sampling drafts; None when greedy
     return_probs: bool = False  # also report q of each proposed token (`Proposal.draft_probs`)
     grammar: DraftGrammar | None = None  # a constrained sequence's grammar after its committed tokens
+    # The last `num_assumed` of `token_ids` are not committed: drafts under verification, assumed accepted (a
+    # pre-draft, `overlap.py`). A drafter with state keeps what it computes on them only while later calls agree.
+    num_assumed: int = 0
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,8 @@ class Drafter(Protocol):
         """Up to `num_tokens` tokens per request, in one batched pass where the method allows."""
 
     def observe(self, seq_id: str, num_committed: int) -> None:
-        """The sequence now has `num_committed` committed tokens; forget anything proposed beyond them."""
+        """The sequence now has `num_committed` committed tokens: anything proposed beyond them may be wrong. A
+        drafter may forget it now, or at its next `propose`, whose tokens say which of it was right."""
 
     def release(self, seq_id: str) -> None:
         """The sequence is finished or cancelled: free its state (idempotent)."""

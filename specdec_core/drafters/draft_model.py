@@ -38,7 +38,8 @@ class DraftModelDrafter:
 
     The draft cache holds every committed token the draft has read. Each round first feeds the committed tokens
     it has not read yet (usually the last round's recovered or bonus token, plus the last accepted draft), then
-    one token per step; `observe` truncates it back to the committed prefix. With prefix caching on the runner,
+    one token per step; the next round keeps of the drafts in the cache those the committed tokens agree with
+    (`_drop_stale_drafts`: rollback by a length). With prefix caching on the runner,
     `start` reads only what the cache lacks of the context, exactly as the target's prefill does. A constrained
     row (`DraftRequest.grammar`) masks its logits at each step with its grammar after the drafts so far, and stops
     at an eos: its q is the masked draft's, as exactness requires (`drafters/base.py`). With a
@@ -64,7 +65,8 @@ class DraftModelDrafter:
         self.q_support = q_support
         self.confidence_threshold = confidence_threshold
         self._slots: dict[str, int] = {}
-        # Per sequence, the drafts its last round wrote to its cache: (their first position, the tokens).
+        # Per sequence, what its cache holds past the tokens known to be committed: (the first such position, the
+        # tokens there): its last call's assumed tokens (`DraftRequest.num_assumed`) and the drafts it wrote.
         self._fed: dict[str, tuple[int, list[int]]] = {}
         head = getattr(runner.model, "lm_head", None)
         self._keep = head.keep if isinstance(head, VocabHead) else None
@@ -109,9 +111,11 @@ class DraftModelDrafter:
             self.runner.release(slot)
 
     def observe(self, seq_id: str, num_committed: int) -> None:
-        slot = self._slots[seq_id]
-        # Positions before num_committed - 1 hold committed tokens; the last committed token is read next round.
-        self.runner.truncate(slot, min(self.runner.length(slot), num_committed - 1))
+        """Nothing now: the next `propose` keeps of the drafts in the cache those its tokens agree with
+        (`_drop_stale_drafts`). A pre-drafted branch (`overlap.py`) that the round confirmed stays, and is not
+        read again."""
+        if seq_id not in self._slots:
+            raise KeyError(f"draft session {seq_id!r} was not started")
 
     @property
     def active_sequences(self) -> int:
@@ -170,17 +174,19 @@ class DraftModelDrafter:
         for r, drafted in zip(requests, tokens):
             if r.num_tokens > 0:
                 written = self.runner.length(self._slots[r.seq_id]) - len(r.token_ids)
-                self._fed[r.seq_id] = (len(r.token_ids), drafted[:written])
+                committed = len(r.token_ids) - r.num_assumed
+                assumed = self._readable(r.token_ids[committed:])
+                self._fed[r.seq_id] = (committed, assumed + drafted[:written])
         return [
             Proposal(token_ids=t, q=_stack(q), draft_probs=tuple(c) if r.return_probs else None)
             for t, q, c, r in zip(tokens, qs, chosen, requests)
         ]
 
     def _drop_stale_drafts(self, seq_id: str, slot: int, token_ids: Sequence[int]) -> None:
-        """Keep the last round's drafts in the cache only as far as the committed tokens agree with them. `observe`
-        does this after each commit; a caller that tells the committed length only with the next round (a remote
-        draft worker hears of rounds without drafts only then) would otherwise leave a rejected draft behind a
-        prefix that since grew past it, and the draft would read a context that was never committed."""
+        """Keep what the cache holds past the known committed tokens (the last call's drafts, and the tokens it
+        assumed) only as far as `token_ids` agree with it. Rounds without drafts may have committed more since
+        (a remote draft worker hears of them only now): a rejected draft left behind a prefix that grew past it
+        would have the draft read a context that was never committed."""
         if seq_id not in self._fed:
             return
         start, fed = self._fed.pop(seq_id)

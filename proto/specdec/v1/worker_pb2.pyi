@@ -70,7 +70,7 @@ class StartResponse(_message.Message):
 class ProposeRequest(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("seq_id", "new_token_ids", "num_committed", "num_tokens", "sampling", "uniform", "return_probs", "grammar")
+        __slots__ = ("seq_id", "new_token_ids", "num_committed", "num_tokens", "sampling", "uniform", "return_probs", "grammar", "assumed_token_ids")
         SEQ_ID_FIELD_NUMBER: _ClassVar[int]
         NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class ProposeRequest(_message.Message):
         UNIFORM_FIELD_NUMBER: _ClassVar[int]
         RETURN_PROBS_FIELD_NUMBER: _ClassVar[int]
         GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+        ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         seq_id: str
         new_token_ids: _containers.RepeatedScalarFieldContainer[int]
         num_committed: int
@@ -87,7 +88,8 @@ class ProposeRequest(_message.Message):
         uniform: _containers.RepeatedScalarFieldContainer[float]
         return_probs: bool
         grammar: Grammar
-        def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[_Iterable[float]] = ..., return_probs: _Optional[bool] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+        assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[_Iterable[float]] = ..., return_probs: _Optional[bool] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ProposeRequest.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest.Item, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,151 @@
+"""Drafting that overlaps verification: while the target verifies round r, the draft model pre-drafts round r + 1.
+
+The branch pre-drafted is the round's most likely outcome, every draft accepted: the draft is handed the committed
+tokens plus the proposal under verification, guesses the target's bonus token after them (its own next draft) and
+drafts up to k more after that guess. When the verify answers with every draft accepted and a bonus equal to the
+guess, the committed tokens are exactly the context the branch was drafted on, and its drafts after the guess are
+round r + 1's proposal at once, with the q they were drawn from: the draft's turn leaves the round's critical path.
+Any other outcome is a miss: the draft rolls back (by a length, at its next call) and drafts as it does without
+overlap.
+
+Exact: a branch's drafts were drawn from q on exactly the committed prefix, with uniforms of their own, before the
+target drew anything for round r + 1; whether a branch is used depends only on round r's outcome. Greedy output is
+plain decoding's, token for token. Seeded sampling stays exact in law, but a pre-draft draws uniforms a sequential
+round would not: a seed's sample differs between overlap on and off.
+
+Pre-drafting pays only where the draft computes while the target verifies on hardware of its own (a draft GPU, a
+draft node, cores pinned apart): on shared cores the two contend, and the round is slower. `overlap: auto` measures
+it: rounds with and without pre-drafting are timed per committed token (each mode tried again now and then) and
+the faster is used. Rows with a grammar never pre-draft (the grammar's state would have to follow the assumed
+drafts).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from specdec_core.drafters.base import DraftRequest, Proposal
+from specdec_core.sparse_q import SparseQ
+
+
+class OverlapMode(str, enum.Enum):
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A pre-drafted branch of one sequence: valid if the round under verification commits exactly `context`
+    (its committed tokens, the proposal, then the target's token equal to `guess`)."""
+
+    num_context: int  # committed tokens the branch assumes: len(tokens) + k + 1
+    guess: int  # the draft's guess of the target's token after the proposal
+    proposal: Proposal  # the drafts after the guess, with their q: round r + 1's proposal on a hit
+
+
+def predraft_request(request: DraftRequest, proposal: Proposal, num_tokens: int) -> DraftRequest:
+    """The draft's share of a pre-draft: `request` (the sequence's committed tokens, its shaping, `num_tokens`
+    uniforms drawn for it) with the proposal under verification assumed after them."""
+    return DraftRequest(
+        seq_id=request.seq_id,
+        token_ids=[*request.token_ids, *proposal.token_ids],
+        num_tokens=num_tokens,
+        shaping=request.shaping,
+        uniform=request.uniform,
+        return_probs=request.return_probs,
+        num_assumed=len(proposal.token_ids),
+    )
+
+
+def branch_of(drafted: Proposal, num_committed: int, num_assumed: int) -> Branch | None:
+    """The branch a pre-draft returned (`drafted`: the guess, then the drafts after it), for a sequence with
+    `num_committed` tokens and `num_assumed` drafts under verification; None if it drafted nothing past the guess."""
+    if len(drafted.token_ids) < 2:
+        return None
+    after = drafted.token_ids[1:]
+    q = None if drafted.q is None else SparseQ(drafted.q.token_ids[1:], drafted.q.probs[1:])
+    probs = None if drafted.draft_probs is None else drafted.draft_probs[1:]
+    proposal = Proposal(after, q, probs, drafted.label, drafted.method)
+    return Branch(num_committed + num_assumed + 1, drafted.token_ids[0], proposal)
+
+
+def hit(branch: Branch, tokens: list[int]) -> Proposal | None:
+    """The branch's proposal if the sequence's committed `tokens` are the context it assumed, else None. The
+    caller checks the assumed drafts were all accepted (`num_context` counts them); the guess is checked here."""
+    if len(tokens) != branch.num_context or tokens[-1] != branch.guess:
+        return None
+    return branch.proposal
+
+
+# `auto` decides for blocks of rounds, so that a round that uses a branch is mostly timed with the mode that made it.
+BLOCK_ROUNDS = 4
+# One block in this many rounds runs the mode not in use, so that `auto` follows a change in load or placement.
+EXPLORE_EVERY = 64
+WARMUP_ROUNDS = 8  # rounds of each mode timed before `auto` compares them
+DECAY = 0.9  # weight of the past in each mode's seconds-per-token average
+
+
+class Overlap:
+    """The engine's pre-drafting: whether a round pre-drafts (its mode, and in `auto` what each mode measured), the
+    thread that pre-drafts while the engine's thread verifies, and the counts the metrics report. Mutable."""
+
+    def __init__(self, mode: OverlapMode | str) -> None:
+        self.mode = OverlapMode(mode)
+        self._pool: ThreadPoolExecutor | None = None
+        self._rounds = {True: 0, False: 0}
+        self._seconds_per_token: dict[bool, float | None] = {True: None, False: None}
+        self._block: tuple[bool, int] = (False, 0)  # auto: the mode of the block under way, rounds left in it
+        self._blocks = 0
+        self.branches = 0  # branches pre-drafted
+        self.hits = 0  # branches used as the next round's proposal
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode is not OverlapMode.OFF
+
+    def choose(self) -> bool:
+        """Whether this round pre-drafts."""
+        if self.mode is not OverlapMode.AUTO:
+            return self.mode is OverlapMode.ON
+        mode, left = self._block
+        if left == 0:
+            mode, left = self._next_block(), BLOCK_ROUNDS
+        self._block = (mode, left - 1)
+        return mode
+
+    def _next_block(self) -> bool:
+        for mode in (False, True):
+            if self._rounds[mode] < WARMUP_ROUNDS:
+                return mode
+        on, off = self._seconds_per_token[True], self._seconds_per_token[False]
+        assert on is not None and off is not None  # both timed through their warm-up
+        self._blocks += 1
+        explore = self._blocks % (EXPLORE_EVERY // BLOCK_ROUNDS) == 0
+        return (on >= off) if explore else (on < off)
+
+    def observe(self, overlapped: bool, seconds: float, tokens: int) -> None:
+        """A round (pre-drafting or not) took `seconds` and committed `tokens` over its rows."""
+        if tokens <= 0:
+            return
+        self._rounds[overlapped] += 1
+        value, old = seconds / tokens, self._seconds_per_token[overlapped]
+        self._seconds_per_token[overlapped] = value if old is None else DECAY * old + (1 - DECAY) * value
+
+    def submit(self, call: Callable[[], list[Proposal]]) -> Future[list[Proposal]]:
+        """Run `call` (the pre-draft) on the pre-drafting thread."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predraft")
+        return self._pool.submit(call)
+
+    def counted(self, branches: int, hits: int) -> None:
+        self.branches += branches
+        self.hits += hits
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,207 @@
+"""Pre-drafting during verify (`overlap.py`): the branch bookkeeping against every outcome of a round, `auto`'s
+choice, and the engine with it on: greedy output identical to plain decoding while branches are used, the draft's
+cache after a miss equal to a fresh draft's."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specdec_core.config import SamplingParams, TokenShaping
+from specdec_core.drafters.base import DraftRequest, Proposal
+from specdec_core.drafters.draft_model import DraftModelDrafter
+from specdec_core.overlap import BLOCK_ROUNDS, EXPLORE_EVERY, WARMUP_ROUNDS, Overlap, branch_of, hit, predraft_request
+from specdec_core.request import Request
+from specdec_core.runner import ModelRunner, RunnerConfig
+from specdec_core.sparse_q import SparseQ
+from tests.helpers import make_engine, perturbed, run_to_completion
+
+VOCAB = range(3)
+
+# -- the branch and every outcome of a round ------------------------------------------------------------------------
+
+
+def _outcomes(proposal: list[int]):
+    """Every outcome of verifying `proposal`: j drafts accepted, then the target's token t (a replacement where
+    j < k, which differs from the draft it replaces; the bonus where j = k)."""
+    for j in range(len(proposal) + 1):
+        for t in VOCAB:
+            if j < len(proposal) and t == proposal[j]:
+                continue  # a rejected draft is never its own replacement
+            yield j, proposal[:j] + [t]
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_a_branch_is_used_exactly_when_the_round_commits_the_context_it_assumed(k):
+    """Brute force: for every committed prefix, proposal, guess and outcome, `hit` gives the branch's drafts if and
+    only if the committed tokens are the prefix, every draft and the guess."""
+    committed = [7, 8]
+    for proposal, guess in itertools.product(itertools.product(VOCAB, repeat=k), VOCAB):
+        drafted = Proposal(
+            [guess, 5, 6], SparseQ(torch.arange(9).view(3, 3), torch.full((3, 3), 1 / 3)), (0.9, 0.8, 0.7)
+        )
+        branch = branch_of(drafted, len(committed), k)
+        assert branch is not None
+        for j, tokens in _outcomes(list(proposal)):
+            after = committed + tokens
+            used = hit(branch, after) if j == k else None
+            assumed = committed + list(proposal) + [guess]
+            assert (used is not None) == (after == assumed)
+            if used is not None:
+                assert used.token_ids == [5, 6] and used.draft_probs == (0.8, 0.7)
+                assert used.q.token_ids.tolist() == [[3, 4, 5], [6, 7, 8]]  # q of the drafts after the guess
+
+
+def test_a_pre_draft_of_the_guess_alone_makes_no_branch():
+    assert branch_of(Proposal([4], None), 3, 1) is None
+
+
+def test_a_pre_draft_request_assumes_the_proposal_after_the_committed_tokens():
+    base = DraftRequest("s", [1, 2, 3], 3, TokenShaping(), None)
+    request = predraft_request(base, Proposal([9, 8], None), 3)
+    assert (request.token_ids, request.num_assumed, request.num_tokens) == ([1, 2, 3, 9, 8], 2, 3)
+
+
+# -- auto -------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_on_and_off_are_what_they_say(mode):
+    overlap = Overlap(mode)
+    for _ in range(3 * EXPLORE_EVERY):
+        overlap.observe(True, 1.0, 1)
+        assert overlap.choose() is (mode == "on")
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_auto_times_both_then_takes_the_faster_in_blocks_and_tries_the_other_now_and_then(faster):
+    overlap = Overlap("auto")
+    warmup = []
+    for _ in range(2 * WARMUP_ROUNDS):
+        warmup.append(overlap.choose())
+        overlap.observe(warmup[-1], (1.0 if warmup[-1] is faster else 2.0), 1)  # the faster: 1 s a token
+    assert warmup == [False] * WARMUP_ROUNDS + [True] * WARMUP_ROUNDS
+    choices = []
+    for _ in range(10 * EXPLORE_EVERY):
+        choices.append(overlap.choose())
+        overlap.observe(choices[-1], (1.0 if choices[-1] is faster else 2.0), 1)
+    others = [i for i, choice in enumerate(choices) if choice is not faster]
+    assert len(others) == 10 * BLOCK_ROUNDS  # one block in every EXPLORE_EVERY rounds
+    blocks = [others[i : i + BLOCK_ROUNDS] for i in range(0, len(others), BLOCK_ROUNDS)]
+    assert all(block == list(range(block[0], block[0] + BLOCK_ROUNDS)) for block in blocks)  # whole blocks
+
+
+def test_auto_follows_a_change_in_which_is_faster():
+    overlap = Overlap("auto")
+    for _ in range(2 * WARMUP_ROUNDS + 4 * EXPLORE_EVERY):  # pre-drafting pays at first
+        mode = overlap.choose()
+        overlap.observe(mode, 1.0 if mode else 2.0, 1)
+    assert overlap.choose() is True
+    for _ in range(6 * EXPLORE_EVERY):  # then it costs (the cores became shared)
+        mode = overlap.choose()
+        overlap.observe(mode, 3.0 if mode else 2.0, 1)
+    assert [overlap.choose() for _ in range(EXPLORE_EVERY - BLOCK_ROUNDS)].count(False) >= EXPLORE_EVERY // 2
+
+
+# -- the engine ------------------------------------------------------------------------------------------------------
+
+
+def _ids(loaded, text):
+    return loaded.tokenizer(text)["input_ids"]
+
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "for index, value in enumerate(range(10)):\n    print("]
+
+
+@pytest.mark.parametrize("agreement", ["always", "sometimes"])
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+def test_greedy_output_with_pre_drafting_equals_plain_decoding(tiny_target, agreement, k):
+    draft = tiny_target.model if agreement == "always" else perturbed(tiny_target.model, 0.05, seed=3)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    requests = [(str(i), _ids(tiny_target, text), params, k) for i, text in enumerate(PROMPTS)]
+    expected = run_to_completion(make_engine(tiny_target), [(r, ids, params, 0) for r, ids, _, _ in requests])
+    engine = make_engine(tiny_target, draft, overlap="on")
+    predrafted = []
+    for request_id, ids, p, kk in requests:
+        engine.add_request(Request(request_id, tuple(ids), p, kk))
+    got: dict[str, list[int]] = {r: [] for r, _, _, _ in requests}
+    while engine.has_work:
+        for out in engine.step():
+            got[out.seq_id] += out.new_token_ids
+            if out.round is not None and out.round.proposed_token_ids:
+                predrafted.append(out.round.predrafted)
+    assert got == {r: expected[r][0] for r in got}
+    assert engine.overlap.branches > 0 and engine.overlap.hits > 0
+    assert any(predrafted) and (agreement == "always" or not all(predrafted))
+    if agreement == "always" and k != "auto":  # every branch is right: every round after the first uses one
+        assert engine.overlap.hits >= engine.overlap.branches - 2 * len(PROMPTS)
+
+
+def test_rows_with_and_without_branches_share_rounds(tiny_target):
+    """A batch where some rows verify a pre-drafted branch and others their fresh drafts, in the same verify."""
+    draft = perturbed(tiny_target.model, 0.05, seed=3)
+    engine = make_engine(tiny_target, draft, overlap="on")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for i, text in enumerate(PROMPTS):
+        engine.add_request(Request(str(i), tuple(_ids(tiny_target, text)), params, 2))
+    mixed = 0
+    while engine.has_work:
+        kinds = {out.round.predrafted for out in engine.step() if out.round and out.round.proposed_token_ids}
+        mixed += kinds == {True, False}
+    assert mixed > 0
+
+
+def test_the_drafts_cache_after_a_missed_branch_equals_a_fresh_drafts(tiny_target):
+    """A pre-draft assumes the drafts under verification; a rejection commits something else, and a plain round
+    more after it. The draft's next proposal, and every cached position it reads, are then those of a draft that
+    never pre-drafted."""
+    draft = perturbed(tiny_target.model, 0.05, seed=3)
+    context = _ids(tiny_target, "def add(a, b):")
+
+    def drafter():
+        return DraftModelDrafter(ModelRunner(draft, RunnerConfig(num_slots=2, max_seq_len=128)), 400)
+
+    greedy = TokenShaping()
+    used = drafter()
+    used.start("s", context)
+    (proposal,) = used.propose([DraftRequest("s", context, 3, greedy, None)])
+    base = DraftRequest("s", context, 3, greedy, None)
+    (pre,) = used.propose([predraft_request(base, proposal, 3)])
+    assert len(pre.token_ids) == 3
+    rejected = (proposal.token_ids[1] + 1) % 400
+    # The second draft rejected, then a round without drafts committed one more token: the draft hears of both now.
+    committed = context + proposal.token_ids[:1] + [rejected, 11]
+    used.observe("s", len(committed))
+    (after_miss,) = used.propose([DraftRequest("s", committed, 4, greedy, None)])
+
+    fresh = drafter()
+    fresh.start("s", committed)
+    (expected,) = fresh.propose([DraftRequest("s", committed, 4, greedy, None)])
+    assert after_miss.token_ids == expected.token_ids
+    slot_used, slot_fresh = used._slots["s"], fresh._slots["s"]
+    length = used.runner.length(slot_used)
+    assert length == fresh.runner.length(slot_fresh)
+    for a, b in zip(
+        used.runner.cache.keys + used.runner.cache.values, fresh.runner.cache.keys + fresh.runner.cache.values
+    ):
+        torch.testing.assert_close(a[slot_used, :, :length], b[slot_fresh, :, :length], rtol=1e-5, atol=1e-6)
+
+
+def test_a_confirmed_branch_is_not_read_again(tiny_target):
+    """A hit leaves the branch's positions in the draft's cache: the next pre-draft reads one token, not the
+    branch again."""
+    engine = make_engine(tiny_target, tiny_target.model, overlap="on")
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    engine.add_request(Request("r", tuple(_ids(tiny_target, "def add(a, b):")), params, 3))
+    runner = engine.drafter.runner
+    computed = []
+    while engine.has_work:
+        before = runner.computed_tokens
+        outs = engine.step()
+        if any(o.round is not None and o.round.predrafted for o in outs):
+            computed.append(runner.computed_tokens - before)
+    # A used branch of 3 drafts: the next pre-draft reads the last draft and drafts the guess and 3 more (4
+    # positions written); reading the branch again would write 3 more.
+    assert computed and max(computed) <= 4, computed
