@@ -103,6 +103,17 @@ class ServingMetrics:
             boundaries=_CALL_S,
             tag_keys=_PAIR,
         )
+        # Pre-drafting (draft.overlap): the hit rate is rate(specdec_predraft_hits) / rate(specdec_predraft_branches).
+        self.branches = Counter(
+            "specdec_predraft_branches",
+            "Branches pre-drafted during a verify for the round after it (draft.overlap).",
+            tag_keys=(*_PAIR, "variant"),
+        )
+        self.predraft_hits = Counter(
+            "specdec_predraft_hits",
+            "Rounds that verified a pre-drafted branch the round before confirmed, without drafting.",
+            tag_keys=(*_PAIR, "variant"),
+        )
         self.fallbacks = Counter(
             "specdec_target_only_rounds",
             "Rounds that asked for drafts (k > 0) and got none (no draft replica held the "
@@ -127,6 +138,8 @@ class ServingMetrics:
             self.draft_latency,
             self.verify_latency,
             self.fallbacks,
+            self.branches,
+            self.predraft_hits,
             self.slots,
         )
         self._set_tags()
@@ -140,11 +153,25 @@ class ServingMetrics:
         for metric in self._metrics:  # each takes the tags it has keys for (`variant`: the request's own metrics)
             metric.set_default_tags({key: value for key, value in self._tags.items() if key in metric._tag_keys})
 
-    def round(self, k: int, proposed: int, accepted: int, method: str | None = None, variant: str = NO_VARIANT) -> None:
+    def round(
+        self,
+        k: int,
+        proposed: int,
+        accepted: int,
+        method: str | None = None,
+        variant: str = NO_VARIANT,
+        predrafted: bool = False,
+        branched: bool = False,
+    ) -> None:
         """`k` chosen, `proposed` drafts made by `method` (none for k > 0: a fallback, where no draft replica held
         the session; k = 0 is plain decoding, chosen by the request or by `auto`, not a fallback), for a request
-        drafting with `variant`."""
+        drafting with `variant`; `predrafted`: they were a branch pre-drafted the round before; `branched`: a
+        branch for the next round was pre-drafted during this one."""
         self.k.observe(k, tags={"variant": variant})
+        if branched:
+            self.branches.inc(tags={"variant": variant})
+        if predrafted:
+            self.predraft_hits.inc(tags={"variant": variant})
         if proposed > 0:
             tags = {"method": method or "unknown", "variant": variant}
             self.accepted_per_round.observe(accepted, tags=tags)

@@ -316,7 +316,15 @@ class Router:
             times[1] = time.monotonic()
         if output.round is not None:
             info = output.round
-            self.metrics.round(info.k, len(info.proposed_token_ids), info.num_accepted, info.method, variant)
+            self.metrics.round(
+                info.k,
+                len(info.proposed_token_ids),
+                info.num_accepted,
+                info.method,
+                variant,
+                predrafted=info.predrafted,
+                branched=info.branched,
+            )
             self.ab.observe(variant, info, len(output.new_token_ids))
         if output.finished:
             self.metrics.finished(output, times[0], times[1], variant)

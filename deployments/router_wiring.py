@@ -114,7 +114,13 @@ def _engine(cfg: ServeConfig, target: RemoteTarget, drafters: dict[str, Any], to
     engine_config = EngineConfig(
         max_speculative_tokens=cfg.draft.max_speculative_tokens,
         num_speculative_tokens=cfg.draft.num_speculative_tokens,
+        overlap=cfg.overlap,
     )
+    if cfg.draft.overlap != cfg.overlap and cfg.draft.runs_draft_model:
+        log.info(
+            "draft.overlap auto: off, the draft and the target share this machine's cores (give them cpu_affinity "
+            "apart, or nodes of their own, for pre-drafting to be measured)"
+        )
     return SpecEngine(target, drafter, tokenizer.tokenizer, tokenizer.eos_token_ids, engine_config)
 
 

@@ -81,6 +81,10 @@ class Placement(_Strict):
     # worker per machine, and for a target and a draft on one machine (they take turns within a round); set a
     # number when several replicas that run at once share a machine's cores.
     threads: int | Literal["auto"] = "auto"
+    # CPU ids the worker's process and all its threads run on (its CPU affinity, as `taskset -c` sets it): keeps a
+    # draft and a target on one machine off each other's cores, so that they compute at once (`draft.overlap`), or
+    # a worker on one NUMA node's cores. `threads: auto` then counts these cores. None: the cores Ray gives it.
+    cpu_affinity: list[int] | None = None
     num_gpus: float = Field(0.0, ge=0)
     max_sequences: int = Field(8, ge=1)  # KV cache slots per replica: sessions it can hold at once
     # The replica's KV cache budget in bytes (per rank with tensor parallelism): fewer slots than max_sequences
@@ -96,6 +100,13 @@ class Placement(_Strict):
         if threads == "auto" or (type(threads) is int and threads >= 1):
             return threads
         raise ValueError(f"a number of threads (1 or more) or auto, got {threads!r}")
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _cores(cls, cores: list[int] | None) -> list[int] | None:
+        if cores is not None and (not cores or min(cores) < 0 or len(set(cores)) != len(cores)):
+            raise ValueError(f"a list of distinct CPU ids (0 or more), got {cores!r}")
+        return cores
 
     @property
     def initial_replicas(self) -> int:
@@ -131,6 +142,8 @@ class TargetConfig(Placement):
         for key in ("placement_strategy", "socket_ifname"):
             if getattr(self, key) is not None and self.tensor_parallel_size == 1:
                 raise ValueError(f"{key} places the ranks of a split target: it needs tensor_parallel_size > 1")
+        if self.cpu_affinity is not None and self.tensor_parallel_size > 1:
+            raise ValueError("cpu_affinity pins one process: it needs tensor_parallel_size 1")
         return self
 
     @property
@@ -175,6 +188,16 @@ class DraftConfig(Placement):
     suffix_index_prompts: bool = True
     # draft_model, hybrid: stop a row's drafts after one the draft gives less than this probability (0: off).
     confidence_threshold: float = Field(0.0, ge=0.0, lt=1.0)
+    # draft_model, hybrid: pre-draft the next round while the target verifies this one (`specdec_core.overlap`).
+    # It pays where the draft computes on hardware of its own (a GPU, a node, `cpu_affinity` apart from the
+    # target's); auto measures both ways as it serves and takes the faster.
+    overlap: Literal["auto", "on", "off"] = "auto"
+
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _on_off(cls, overlap: Any) -> Any:
+        # YAML 1.1 reads a bare on / off as true / false.
+        return {True: "on", False: "off"}.get(overlap, overlap) if isinstance(overlap, bool) else overlap
 
     @field_validator("method")
     @classmethod
@@ -480,6 +503,29 @@ class ServeConfig(_Strict):
     @property
     def tls_setting(self) -> TlsSetting:
         return TlsSetting(self.internal_tls, self.internal_tls_dir)
+
+    @property
+    def overlap(self) -> str:
+        """The router engine's pre-drafting (`draft.overlap`): off for a method without a draft model (the router
+        drafts it itself), and `auto` is off where the config puts the draft on the target's cores."""
+        if not self.draft.runs_draft_model:
+            return "off"
+        if self.draft.overlap == "auto" and shares_cores(self.target, self.draft):
+            return "off"
+        return self.draft.overlap
+
+
+def shares_cores(target: Placement, draft: Placement) -> bool:
+    """The config puts both workers on the CPUs of one kind of node with cores in common: both on the CPU, neither
+    sent to nodes of its own (custom `resources`) nor kept apart by `cpu_affinity`. Pre-drafting cannot pay there:
+    the draft's forwards would run on the cores the target's verify uses."""
+    if getattr(target, "device", "cpu") != "cpu" or getattr(draft, "device", "cpu") != "cpu":
+        return False
+    if target.resources != draft.resources:
+        return False
+    if target.cpu_affinity is not None and draft.cpu_affinity is not None:
+        return bool(set(target.cpu_affinity) & set(draft.cpu_affinity))
+    return True
 
 
 def _name_of(variant: Any) -> Any:

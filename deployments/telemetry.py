@@ -218,6 +218,8 @@ class RequestTracer:
                         "specdec.round.bonus": info.bonus,
                         "specdec.round.recovered": not info.bonus,
                         "specdec.round.committed": len(output.new_token_ids),
+                        "specdec.round.predrafted": info.predrafted,
+                        "specdec.round.branched": info.branched,
                         "specdec.round.draft_ms": req.draft_ms,
                         "specdec.round.verify_ms": req.verify_ms,
                         "specdec.round.bytes_sent": req.bytes_sent,

@@ -26,7 +26,7 @@ from specdec_core.build import prepare_draft, prepare_model
 from specdec_core.drafters.base import DraftContext
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.grammar.compiler import NoGrammars, grammar_compiler
-from specdec_core.hardware import use_threads, worker_summary
+from specdec_core.hardware import pin_process, use_threads, worker_summary
 from specdec_core.kernels.report import kernel_path
 from specdec_core.models.loader import load_tokenizer
 from specdec_core.runner import ModelRunner, RunnerConfig
@@ -136,6 +136,8 @@ class TargetWorker(_Worker):
     def _load(self, cfg: ServeConfig) -> Any:
         t = cfg.target
         # Ray starts workers with OMP_NUM_THREADS=1, and its num_cpus reservation pins no cores: set the threads.
+        if t.cpu_affinity is not None:
+            pin_process(t.cpu_affinity)
         threads, cores = use_threads(t.threads, share=t.tensor_parallel_size)
         if t.tensor_parallel_size > 1:
             from deployments.tensor_parallel import TensorParallelTarget
@@ -180,6 +182,8 @@ class DraftWorker(_Worker):
         self.kind = draft_kind(variant)
         self.servicer = None
         self.compute = ComputeThread(f"{self.kind}-compute")  # the model is loaded where it runs (`compute_thread`)
+        if self.draft.cpu_affinity is not None:
+            self.compute.run(pin_process, self.draft.cpu_affinity)
         self.threads, self.cores = self.compute.run(use_threads, self.draft.threads)
         self.target = load_tokenizer(self.cfg.target.model)
         self.target_vocab = max(_target_vocab_size(self.target), len(self.target.tokenizer))

@@ -133,9 +133,11 @@ def build_engine(
     runner_config: RunnerConfig = RunnerConfig(),
     num_speculative_tokens: int | str = AUTO,
     max_speculative_tokens: int = 8,
+    overlap: str = "off",
 ) -> SpecEngine:
     """An engine over `target`, drafting as `spec` says (`drafters.registry`; method "none": plain decoding only).
-    `draft`: the loaded draft model, for a method that runs one."""
+    `draft`: the loaded draft model, for a method that runs one. `overlap`: `EngineConfig.overlap` (in one process
+    the draft and the target share the cores, so it is off unless asked)."""
     assert target.model is not None  # a LoadedModel (`models.loader.load_model`) always carries its weights
     runner = ModelRunner(target.model, runner_config)
     method = registry.resolve(spec.method)
@@ -149,5 +151,7 @@ def build_engine(
             draft_runner = ModelRunner(draft.model, runner_config)
         context = DraftContext(spec, runner.vocab_size, draft_runner)
         drafter = registry.assemble(method, method.build(context), context)
-    config = EngineConfig(max_speculative_tokens=max_speculative_tokens, num_speculative_tokens=num_speculative_tokens)
+    config = EngineConfig(
+        max_speculative_tokens=max_speculative_tokens, num_speculative_tokens=num_speculative_tokens, overlap=overlap
+    )
     return SpecEngine(LocalTarget(runner), drafter, target.tokenizer, target.eos_token_ids, config)

@@ -457,6 +457,7 @@ class SpecEngine:
             method=row.method,
             seconds=seconds,
             predrafted=row.predrafted,
+            branched=branch is not None,
         )
         self._learn(seq, proposal, k, free, n)
         output = self._commit(seq, list(outcome.token_ids), info)

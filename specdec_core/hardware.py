@@ -17,6 +17,8 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from specdec_core.errors import InvalidArgument
+
 AUTO = "auto"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
@@ -159,6 +161,25 @@ def resolve_draft_quantization(
     if device != "cpu" or dtype != "bfloat16" or not kernels_enabled or not int8_kernel_runs(flags):
         return "none"
     return "int8" if AVX512_FLAGS <= flags else "int4"
+
+
+def pin_process(cores: Iterable[int], tasks: Path = Path("/proc/self/task")) -> frozenset[int]:
+    """Run this process, every thread it has and every thread it starts after, on `cores` (CPU ids): its CPU
+    affinity, as `taskset` sets it, for each of its threads (a thread's affinity is its own on Linux; new threads
+    inherit their creator's). Returns the cores now allowed. Cores outside those it may run on now are refused
+    with `InvalidArgument` naming `cpu_affinity`."""
+    wanted = frozenset(cores)
+    allowed = frozenset(os.sched_getaffinity(0))
+    if not wanted or not wanted <= allowed:
+        raise InvalidArgument(
+            "cpu_affinity", f"cores {sorted(wanted)} are not all among this process's cores {sorted(allowed)}"
+        )
+    for task in sorted(tasks.iterdir()):
+        try:
+            os.sched_setaffinity(int(task.name), wanted)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    return frozenset(os.sched_getaffinity(0))
 
 
 def use_threads(setting: int | str, share: int = 1) -> tuple[int, int]:

@@ -37,6 +37,7 @@ class RoundInfo:
     method: str | None = None  # the drafting method whose proposal was verified; None: no draft was asked for
     seconds: float = 0.0  # the round's wall time, drafting and verifying (shared by every row of its batch)
     predrafted: bool = False  # the proposal verified was pre-drafted during the last round's verify (`overlap.py`)
+    branched: bool = False  # a branch for the next round was pre-drafted during this round's verify
 
 
 @dataclass(frozen=True)

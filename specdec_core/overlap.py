@@ -23,6 +23,7 @@ drafts).
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -83,10 +84,13 @@ def hit(branch: Branch, tokens: list[int]) -> Proposal | None:
 
 # `auto` decides for blocks of rounds, so that a round that uses a branch is mostly timed with the mode that made it.
 BLOCK_ROUNDS = 4
-# One block in this many rounds runs the mode not in use, so that `auto` follows a change in load or placement.
+# After every this many rounds `auto` tries the mode not in use for a block, so that it follows a change in load or
+# placement; each trial the other mode loses doubles the interval, up to MAX_EXPLORE_EVERY (on cores the draft and
+# the target share, pre-drafting loses every trial, and costs ever less).
 EXPLORE_EVERY = 64
-WARMUP_ROUNDS = 8  # rounds of each mode timed before `auto` compares them
-DECAY = 0.9  # weight of the past in each mode's seconds-per-token average
+MAX_EXPLORE_EVERY = 4096
+WARMUP_ROUNDS = BLOCK_ROUNDS  # rounds of each mode timed before `auto` compares them
+WINDOW_ROUNDS = 4 * BLOCK_ROUNDS  # each mode's time per token: over its last this many rounds
 
 
 class Overlap:
@@ -97,9 +101,12 @@ class Overlap:
         self.mode = OverlapMode(mode)
         self._pool: ThreadPoolExecutor | None = None
         self._rounds = {True: 0, False: 0}
-        self._seconds_per_token: dict[bool, float | None] = {True: None, False: None}
+        # Per mode, (seconds, tokens) of its last rounds: a trial's block weighs as much as its rounds.
+        self._recent: dict[bool, deque[tuple[float, int]]] = {m: deque(maxlen=WINDOW_ROUNDS) for m in (True, False)}
         self._block: tuple[bool, int] = (False, 0)  # auto: the mode of the block under way, rounds left in it
-        self._blocks = 0
+        self._until_explore = EXPLORE_EVERY  # auto: rounds before the next trial of the mode not in use
+        self._explore_every = EXPLORE_EVERY
+        self._exploring = False
         self.branches = 0  # branches pre-drafted
         self.hits = 0  # branches used as the next round's proposal
 
@@ -121,19 +128,32 @@ class Overlap:
         for mode in (False, True):
             if self._rounds[mode] < WARMUP_ROUNDS:
                 return mode
-        on, off = self._seconds_per_token[True], self._seconds_per_token[False]
-        assert on is not None and off is not None  # both timed through their warm-up
-        self._blocks += 1
-        explore = self._blocks % (EXPLORE_EVERY // BLOCK_ROUNDS) == 0
-        return (on >= off) if explore else (on < off)
+        better = self._better()
+        if self._exploring:  # the trial block just ended: did the other mode win?
+            self._exploring = False
+            lost = better != self._block[0]  # the block that ended was the trial's
+            self._explore_every = min(2 * self._explore_every, MAX_EXPLORE_EVERY) if lost else EXPLORE_EVERY
+            self._until_explore = self._explore_every
+        self._until_explore -= BLOCK_ROUNDS
+        if self._until_explore <= 0:  # a trial: the other mode is timed afresh, on this block alone
+            self._exploring = True
+            self._recent[not better].clear()
+            return not better
+        return better
+
+    def _better(self) -> bool:
+        return self._seconds_per_token(True) < self._seconds_per_token(False)
+
+    def _seconds_per_token(self, mode: bool) -> float:
+        recent = self._recent[mode]  # not empty: timed through the warm-up
+        return sum(s for s, _ in recent) / sum(n for _, n in recent)
 
     def observe(self, overlapped: bool, seconds: float, tokens: int) -> None:
         """A round (pre-drafting or not) took `seconds` and committed `tokens` over its rows."""
         if tokens <= 0:
             return
         self._rounds[overlapped] += 1
-        value, old = seconds / tokens, self._seconds_per_token[overlapped]
-        self._seconds_per_token[overlapped] = value if old is None else DECAY * old + (1 - DECAY) * value
+        self._recent[overlapped].append((seconds, tokens))
 
     def submit(self, call: Callable[[], list[Proposal]]) -> Future[list[Proposal]]:
         """Run `call` (the pre-draft) on the pre-drafting thread."""

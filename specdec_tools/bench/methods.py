@@ -50,10 +50,40 @@ def register(modes: Any) -> None:
         "comma-separated: those methods run once per value, side by side, as METHOD for the "
         "first and METHOD@VALUE for the others",
     )
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also run each method that runs a draft model with pre-drafting during verify (draft.overlap: on), "
+        "as METHOD+overlap; pays only with the draft on cores of its own (--draft-cores)",
+    )
+    parser.add_argument(
+        "--target-cores",
+        type=cores,
+        metavar="ID,...",
+        help="CPU ids for the target: this process's thread that runs the engine and the target's forwards",
+    )
+    parser.add_argument(
+        "--draft-cores",
+        type=cores,
+        metavar="ID,...",
+        help="CPU ids for the draft model: every draft call runs on a thread pinned there (a draft device of its "
+        "own, `bench/pinned.py`); with --target-cores, disjoint from them. Torch threads: the fewer of the two",
+    )
     add_run_options(
         parser, seed_help="request i of the run (prompt i, or turn i over all sessions) is sampled with seed + i"
     )
     parser.set_defaults(func=main)
+
+
+def cores(text: str) -> tuple[int, ...]:
+    """`0,1` -> (0, 1): CPU ids."""
+    try:
+        ids = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        ids = ()
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"expected distinct comma-separated CPU ids, got {text!r}")
+    return ids
 
 
 def main(args: argparse.Namespace) -> int:
@@ -65,6 +95,10 @@ def main(args: argparse.Namespace) -> int:
         raise InvalidArgument("--num-prompts", "goes with --prompts")
     if args.num_sessions is not None and args.sessions is None:
         raise InvalidArgument("--num-sessions", "goes with --sessions")
+    if (args.target_cores is None) != (args.draft_cores is None):
+        raise InvalidArgument("--draft-cores", "give both --target-cores and --draft-cores, or neither")
+    if args.target_cores is not None and set(args.target_cores) & set(args.draft_cores):
+        raise InvalidArgument("--draft-cores", "must not share a core with --target-cores")
     config = MethodsBenchConfig(
         target=args.target,
         draft=args.draft,
@@ -74,6 +108,9 @@ def main(args: argparse.Namespace) -> int:
         limit=args.num_prompts or args.num_sessions,
         methods=args.methods,
         draft_confidence_thresholds=args.draft_confidence_threshold,
+        overlap=args.overlap,
+        target_cores=args.target_cores,
+        draft_cores=args.draft_cores,
         **run_options(args),
     )
     report = run_methods_bench(config)

@@ -40,6 +40,7 @@ from specdec_tools.bench.methods_workloads import (
 )
 from specdec_tools.bench.offline import machine_info
 from specdec_tools.bench.options import RunOptions
+from specdec_tools.bench.pinned import PinnedDrafter, pin_this_thread
 from specdec_tools.requests import read_prompt_texts, read_sessions
 
 MAX_K = 16  # the largest k `auto` may choose, or a fixed k may ask for
@@ -78,6 +79,13 @@ class MethodsBenchConfig(RunOptions):
     # draft_model and hybrid (`DraftSpec.confidence_threshold`): each such method runs once per value, the first
     # under its own name, the others as NAME@VALUE (`engine_names`), side by side in the one run.
     draft_confidence_thresholds: tuple[float, ...] = (0.0,)
+    overlap: bool = False  # also each method that runs a draft model with pre-drafting on, as METHOD+overlap
+    # The engine's thread (the target) and the draft model's calls (`bench/pinned.py`) on cores of their own.
+    target_cores: tuple[int, ...] | None = None
+    draft_cores: tuple[int, ...] | None = None
+
+
+OVERLAP_SUFFIX = "+overlap"
 
 
 def _first(items: Sequence, limit: int | None, flag: str, path: Path) -> tuple:
@@ -104,34 +112,59 @@ def encode_workload(config: MethodsBenchConfig, items: tuple, tokenizer: Any) ->
 # -- the run -------------------------------------------------------------------------------------------------------
 
 
-def engine_names(methods: Sequence[str], thresholds: Sequence[float]) -> dict[str, tuple[str, float]]:
-    """Each engine's name -> (method, draft confidence threshold): a method that runs a draft model runs once per
-    threshold, as METHOD for the first and METHOD@T for the others; any other method once."""
-    out: dict[str, tuple[str, float]] = {}
+def engine_names(
+    methods: Sequence[str], thresholds: Sequence[float], overlap: bool = False
+) -> dict[str, tuple[str, float, bool]]:
+    """Each engine's name -> (method, draft confidence threshold, pre-drafting on): a method that runs a draft model
+    runs once per threshold, as METHOD for the first and METHOD@T for the others, and with `overlap` each of those
+    again with pre-drafting, as NAME+overlap; any other method once."""
+    out: dict[str, tuple[str, float, bool]] = {}
     for m in methods:
         runs_draft = m != OFF and registry.resolve(m).runs_draft_model
         for i, t in enumerate(thresholds if runs_draft else thresholds[:1]):
-            out[m if i == 0 else f"{m}@{t:g}"] = (m, t)
+            name = m if i == 0 else f"{m}@{t:g}"
+            out[name] = (m, t, False)
+            if runs_draft and overlap:
+                out[name + OVERLAP_SUFFIX] = (m, t, True)
     return out
 
 
 def build_engines(
-    config: MethodsBenchConfig, engines: Mapping[str, tuple[str, float]], workload: Workload, target: Any, draft: Any
+    config: MethodsBenchConfig,
+    engines: Mapping[str, tuple[str, float, bool]],
+    workload: Workload,
+    target: Any,
+    draft: Any,
 ) -> dict[str, SpecEngine]:
-    """An engine per name over the loaded models: each its own runners and caches."""
+    """An engine per name over the loaded models: each its own runners and caches; with `draft_cores`, each
+    engine's draft model called on a thread pinned there."""
     # One slot each: requests go one at a time. The KV cache's size does not slow attention (it reads the keys
     # written so far), so every engine takes the whole --max-seq-len.
     runner_config = RunnerConfig(num_slots=1, prefix_caching=workload.prefix_caching, max_seq_len=config.max_seq_len)
-    return {
-        name: build_engine(
+    built = {}
+    for name, (m, t, overlap) in engines.items():
+        engine = build_engine(
             target,
             draft,
             DraftSpec(method=registry.NONE if m == OFF else m, confidence_threshold=t),
             runner_config=runner_config,
             max_speculative_tokens=MAX_K,
+            overlap="on" if overlap else "off",
         )
-        for name, (m, t) in engines.items()
-    }
+        if config.draft_cores is not None and engine.drafter is not None and registry.resolve(m).runs_draft_model:
+            engine.drafter = PinnedDrafter(engine.drafter, config.draft_cores)
+        built[name] = engine
+    return built
+
+
+def pin_target(config: MethodsBenchConfig) -> None:
+    """The engine's thread on the target's cores, and torch's threads per forward the fewer of the two sides'."""
+    if config.target_cores is None or config.draft_cores is None:
+        return
+    import torch
+
+    pin_this_thread(config.target_cores)
+    torch.set_num_threads(min(len(config.target_cores), len(config.draft_cores)))
 
 
 def warm_up(runner: Runner, workload: Workload) -> None:
@@ -159,8 +192,9 @@ def run_methods_bench(config: MethodsBenchConfig) -> dict[str, Any]:
     needs_draft = any(m != OFF and registry.resolve(m).runs_draft_model for m in asked)
     target, draft = config.load_models(config.target, config.draft if needs_draft else None)
     workload = encode_workload(config, items, target.tokenizer)
-    names = engine_names(asked, thresholds)
+    names = engine_names(asked, thresholds, config.overlap)
     methods = tuple(names)
+    pin_target(config)
     engines = build_engines(config, names, workload, target, draft)
     check_fits(workload, engines[OFF].target.max_seq_len, config.max_new_tokens)
     total = len(methods) * (1 + workload.num_requests)
@@ -179,6 +213,8 @@ def report(
     return {
         **run_settings(config),
         "draft_confidence_thresholds": list(config.draft_confidence_thresholds),
+        "target_cores": None if config.target_cores is None else list(config.target_cores),
+        "draft_cores": None if config.draft_cores is None else list(config.draft_cores),
         "prefix_caching": workload.prefix_caching,
         **workload.describe(),
         "methods": list(methods),

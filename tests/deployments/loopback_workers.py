@@ -10,7 +10,7 @@ from deployments.workers import DraftServicer, TargetServicer, start_server
 from specdec.v1 import worker_pb2_grpc as wpb_grpc
 from specdec_core.config import SamplingParams
 from specdec_core.drafters.draft_model import DraftModelDrafter
-from specdec_core.engine import SpecEngine
+from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.grammar.compiler import GrammarCompiler
 from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
@@ -40,12 +40,12 @@ def draft_servicer(pair, cls=DraftServicer, name="draft", grammars=True):
     )
 
 
-def remote_engine(pair, target_addresses, draft_addresses, draft_timeout_s=30.0):
+def remote_engine(pair, target_addresses, draft_addresses, draft_timeout_s=30.0, config=EngineConfig()):
     target, _ = pair
     tpool = ReplicaPool("target", target_addresses, wpb_grpc.TargetServiceStub, timeout_s=30)
     dpool = ReplicaPool("draft", draft_addresses, wpb_grpc.DraftServiceStub, timeout_s=30)
     drafter = RemoteDrafter(dpool, timeout_s=draft_timeout_s, retry_s=0.0)
-    return SpecEngine(RemoteTarget(tpool), drafter, target.tokenizer, target.eos_token_ids), dpool
+    return SpecEngine(RemoteTarget(tpool), drafter, target.tokenizer, target.eos_token_ids, config), dpool
 
 
 def run_steps(engine, until=None):

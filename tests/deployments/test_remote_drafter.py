@@ -229,3 +229,26 @@ def test_a_draft_worker_without_a_compiler_costs_speculation_not_the_request(pai
         info.method for per in rounds.values() for _, info in per if info is not None and info.proposed_token_ids
     }
     assert methods == {"forced"}  # the grammar's forced tokens still need no draft
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_pre_drafting_over_the_draft_workers_uses_branches_and_changes_no_greedy_token(pair, plain_tokens, sampled):
+    """`overlap: on` over real gRPC: each Propose of a pre-draft carries the drafts under verification as assumed
+    tokens, which the worker drafts on and never keeps as committed. Greedy output stays plain decoding's; a seeded
+    sampled request runs to its end with branches used (its law: `test_statistical.py`)."""
+    from specdec_core.engine import EngineConfig
+
+    tserver, taddr = serve_locally(target_servicer(pair))
+    dserver, daddr = serve_locally(draft_servicer(pair))
+    try:
+        engine, _ = remote_engine(pair, [taddr], [daddr], config=EngineConfig(overlap="on"))
+        params = SamplingParams(max_tokens=60, ignore_eos=True, temperature=1.0, seed=5) if sampled else GREEDY
+        engine.add_request(Request("r", tuple(PROMPT), params, num_speculative_tokens=3))
+        tokens, rounds, last = run_steps(engine)
+        assert last.finish_reason == FinishReason.LENGTH and len(tokens) == 60
+        if not sampled:
+            assert tokens == plain_tokens
+        assert engine.overlap.hits > 0 and any(r.predrafted for r in rounds if r is not None)
+    finally:
+        tserver.stop(0)
+        dserver.stop(0)

@@ -194,6 +194,62 @@ def test_bad_threads_are_named(threads):
         parse_config({"target": {"model": "m", "threads": threads}})
 
 
+@pytest.mark.parametrize(
+    ("target", "draft", "overlap"),
+    [
+        ({}, {}, "off"),  # one machine's cores, shared
+        ({"cpu_affinity": [0]}, {"cpu_affinity": [1]}, "auto"),  # cores apart
+        ({"cpu_affinity": [0, 1]}, {"cpu_affinity": [1]}, "off"),
+        ({"resources": {"target_node": 1}}, {"resources": {"draft_node": 1}}, "auto"),  # nodes of their own
+        ({"device": "cuda", "num_gpus": 1}, {"device": "cuda", "num_gpus": 1}, "auto"),
+        ({}, {"overlap": "on"}, "on"),  # asked for: as asked
+    ],
+)
+def test_auto_overlap_is_off_where_the_draft_shares_the_targets_cores(target, draft, overlap):
+    config = parse_config(
+        {"target": {"model": "m", **target}, "draft": {"method": "draft_model", "model": "d", **draft}}
+    )
+    assert config.overlap == overlap
+    assert parse_config({"target": {"model": "m"}, "draft": {"method": "ngram", "overlap": "on"}}).overlap == "off"
+
+
+def test_overlap_written_bare_in_yaml_is_on_or_off(tmp_path):
+    from deployments.serve_config import load_config
+
+    for bare, value in (("on", "on"), ("off", "off"), ("auto", "auto")):
+        path = tmp_path / f"{bare}.yaml"
+        path.write_text(f"target: {{model: m}}\ndraft: {{method: draft_model, model: d, overlap: {bare}}}\n")
+        assert load_config(path).draft.overlap == value
+
+
+def test_cores_of_their_own_and_overlap():
+    config = parse_config(
+        {
+            "target": {"model": "m", "cpu_affinity": [0]},
+            "draft": {"method": "draft_model", "model": "d", "cpu_affinity": [1, 2], "overlap": "on"},
+        }
+    )
+    assert (config.target.cpu_affinity, config.draft.cpu_affinity, config.draft.overlap) == ([0], [1, 2], "on")
+    assert parse_config({"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d"}}).draft.overlap == (
+        "auto"
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"target": {"model": "m", "cpu_affinity": []}}, "target.cpu_affinity"),
+        ({"target": {"model": "m", "cpu_affinity": [0, 0]}}, "target.cpu_affinity"),
+        ({"target": {"model": "m", "cpu_affinity": [-1]}}, "target.cpu_affinity"),
+        ({"target": {"model": "m", "cpu_affinity": [0], "tensor_parallel_size": 2}}, "target"),
+        ({"target": {"model": "m"}, "draft": {"method": "draft_model", "model": "d", "overlap": 1}}, "draft.overlap"),
+    ],
+)
+def test_bad_cores_and_overlap_are_named(config, field):
+    with pytest.raises(InvalidArgument, match=field):
+        parse_config(config)
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4", "auto"])
 def test_draft_quantization_values(quantization):
     config = parse_config(

@@ -3,11 +3,13 @@ threads, the draft's quantization (from fake CPU flags), and the line it logs.""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from specdec_core import hardware
+from specdec_core.errors import InvalidArgument
 from specdec_core.hardware import (
     cgroup_cpu_limit,
     resolve_draft_quantization,
@@ -136,3 +138,41 @@ def test_worker_summary_names_threads_cores_and_kernels():
     line = worker_summary("target", 2, 4, "bf16 AVX-512 (native bf16)")
     assert line == "target worker: 2 torch threads (4 cores available), kernels: bf16 AVX-512 (native bf16)"
     assert worker_summary("draft", 1, 1, "int8 VNNI").startswith("draft worker: 1 torch thread (1 cores")
+
+
+PIN_CHILD = """
+import os, sys, threading
+from specdec_core.hardware import available_cores, pin_process
+
+before = threading.Event(); stop = threading.Event()
+def idle():
+    before.set(); stop.wait()
+old = threading.Thread(target=idle); old.start(); before.wait()  # a thread that exists before the pinning
+pin_process([int(c) for c in sys.argv[1].split(",")])
+seen = {}
+new = threading.Thread(target=lambda: seen.update(new=sorted(os.sched_getaffinity(0)))); new.start(); new.join()
+tasks = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+print(sorted(set(map(tuple, tasks.values()))), seen["new"], available_cores())
+stop.set(); old.join()
+"""
+
+
+def test_pinning_applies_to_the_process_its_threads_and_those_it_starts_after():
+    """In a process of its own: the affinity of every thread is read back (one started before pinning, the main one,
+    one started after), and `auto` threads count the pinned cores."""
+    import subprocess
+    import sys
+
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = allowed[-1:]
+    out = subprocess.run(
+        [sys.executable, "-c", PIN_CHILD, ",".join(map(str, cores))], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == [f"[({cores[0]},)]", f"[{cores[0]}]", "1"]  # every thread on the core; auto counts 1 core
+
+
+def test_cores_a_process_may_not_use_are_refused_naming_the_key():
+    with pytest.raises(InvalidArgument, match="cpu_affinity"):
+        hardware.pin_process([max(os.sched_getaffinity(0)) + 1000])
+    with pytest.raises(InvalidArgument, match="cpu_affinity"):
+        hardware.pin_process([])

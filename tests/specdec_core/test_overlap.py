@@ -76,21 +76,34 @@ def test_on_and_off_are_what_they_say(mode):
 
 
 @pytest.mark.parametrize("faster", [True, False])
-def test_auto_times_both_then_takes_the_faster_in_blocks_and_tries_the_other_now_and_then(faster):
+def test_auto_times_both_then_takes_the_faster_and_tries_the_other_ever_more_rarely_while_it_loses(faster):
     overlap = Overlap("auto")
-    warmup = []
-    for _ in range(2 * WARMUP_ROUNDS):
-        warmup.append(overlap.choose())
-        overlap.observe(warmup[-1], (1.0 if warmup[-1] is faster else 2.0), 1)  # the faster: 1 s a token
-    assert warmup == [False] * WARMUP_ROUNDS + [True] * WARMUP_ROUNDS
     choices = []
-    for _ in range(10 * EXPLORE_EVERY):
+    for _ in range(2 * WARMUP_ROUNDS + 16 * EXPLORE_EVERY):
         choices.append(overlap.choose())
-        overlap.observe(choices[-1], (1.0 if choices[-1] is faster else 2.0), 1)
-    others = [i for i, choice in enumerate(choices) if choice is not faster]
-    assert len(others) == 10 * BLOCK_ROUNDS  # one block in every EXPLORE_EVERY rounds
+        overlap.observe(choices[-1], (1.0 if choices[-1] is faster else 2.0), 1)  # the faster: 1 s a token
+    assert choices[: 2 * WARMUP_ROUNDS] == [False] * WARMUP_ROUNDS + [True] * WARMUP_ROUNDS
+    others = [i for i, choice in enumerate(choices) if choice is not faster and i >= 2 * WARMUP_ROUNDS]
     blocks = [others[i : i + BLOCK_ROUNDS] for i in range(0, len(others), BLOCK_ROUNDS)]
-    assert all(block == list(range(block[0], block[0] + BLOCK_ROUNDS)) for block in blocks)  # whole blocks
+    assert len(blocks) >= 3 and all(block == list(range(block[0], block[0] + BLOCK_ROUNDS)) for block in blocks)
+    gaps = [b[0] - a[0] for a, b in zip(blocks, blocks[1:])]
+    assert all(later >= 2 * earlier - BLOCK_ROUNDS for earlier, later in zip(gaps, gaps[1:]))  # backing off
+    assert len(others) < len(choices) / 20
+
+
+def test_auto_tries_the_other_mode_at_the_first_interval_again_once_it_wins():
+    overlap = Overlap("auto")
+    for _ in range(2 * WARMUP_ROUNDS + 8 * EXPLORE_EVERY):  # pre-drafting loses a few trials: they grow rare
+        mode = overlap.choose()
+        overlap.observe(mode, 2.0 if mode else 1.0, 1)
+    mode, seen = None, []
+    while mode is not True:  # the next trial of pre-drafting finds it faster now
+        mode = overlap.choose()
+        overlap.observe(mode, 0.5 if mode else 1.0, 1)
+    for _ in range(3 * EXPLORE_EVERY):
+        seen.append(overlap.choose())
+        overlap.observe(seen[-1], 0.5 if seen[-1] else 1.0, 1)
+    assert seen.count(True) > 0.8 * len(seen)
 
 
 def test_auto_follows_a_change_in_which_is_faster():

@@ -9,10 +9,13 @@ test run on deliberately broken samplers must reject them: that is what shows it
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
+from specdec_core import engine as engine_module
+from specdec_core import overlap as overlap_module
 from specdec_core import rejection
 from specdec_core import target as target_module
 from specdec_core.config import SamplingParams
@@ -29,11 +32,11 @@ PARAMS = dict(temperature=1.0, top_k=4, top_p=0.9, max_tokens=NUM_TOKENS, ignore
 PROMPT = [17, 230, 41, 9, 100]
 
 
-def _exact_law(loaded) -> dict[tuple[int, ...], float]:
-    """P(t1..t4) = prod_i p(t_i | prompt, t_<i), enumerating the support prefix by prefix."""
+def _exact_law(loaded, num_tokens: int = NUM_TOKENS) -> dict[tuple[int, ...], float]:
+    """P(t1..tn) = prod_i p(t_i | prompt, t_<i), enumerating the support prefix by prefix."""
     runner = ModelRunner(loaded.model, RunnerConfig(num_slots=1, max_seq_len=64))
     law = {(): 1.0}
-    for _ in range(NUM_TOKENS):
+    for _ in range(num_tokens):
         nxt = {}
         for prefix, mass in law.items():
             slot = runner.allocate()
@@ -58,19 +61,23 @@ def _sample(
     mixed: list[int] | None = None,
     confidence_threshold: float = 0.0,
     lengths: list[int] | None = None,
+    num_tokens: int = NUM_TOKENS,
+    k: int = 2,
+    rounds: list[tuple[bool, bool]] | None = None,
+    **config,
 ) -> tuple[dict[tuple[int, ...], int], float]:
     """Counts of each 4-token output over SAMPLES seeded requests, and the acceptance rate. `hybrid`: requests
     alternate between the suffix structure and the draft model (`speculation_method`), so batches mix point-mass
     and model-drafted rows; `mixed`, when given, gets 1 for each step whose rounds verified both kinds together;
-    `lengths`, each round's number of drafts."""
+    `lengths`, each round's number of drafts; `rounds`, per step (some row verified a pre-drafted branch, some row
+    fresh drafts). `config`: the engine's (`EngineConfig`)."""
     engine = make_engine(
-        loaded, draft, num_slots=256, max_seq_len=64, hybrid=hybrid, confidence_threshold=confidence_threshold
+        loaded, draft, num_slots=256, max_seq_len=64, hybrid=hybrid, confidence_threshold=confidence_threshold, **config
     )
     for i in range(SAMPLES):
         method = ("suffix", "draft_model")[i % 2] if hybrid else None
-        engine.add_request(
-            Request(str(i), tuple(PROMPT), SamplingParams(seed=i, **PARAMS), 2, speculation_method=method)
-        )
+        params = SamplingParams(seed=i, **{**PARAMS, "max_tokens": num_tokens})
+        engine.add_request(Request(str(i), tuple(PROMPT), params, k, speculation_method=method))
     outputs: dict[str, list[int]] = {}
     proposed = accepted = 0
     while engine.has_work:
@@ -78,6 +85,9 @@ def _sample(
         if mixed is not None:
             methods = {out.round.method for out in step if out.round is not None and out.round.proposed_token_ids}
             mixed.append(int({"suffix", "draft_model"} <= methods))
+        if rounds is not None:
+            kinds = {out.round.predrafted for out in step if out.round is not None and out.round.proposed_token_ids}
+            rounds.append((True in kinds, False in kinds))
         for out in step:
             if lengths is not None and out.round is not None and out.round.proposed_token_ids:
                 lengths.append(len(out.round.proposed_token_ids))
@@ -142,6 +152,47 @@ def test_hybrid_sampling_matches_the_target(tiny_target, draft, law):
     assert sum(mixed) >= len(mixed) // 2, mixed  # most steps verified both kinds of row together
     assert 0.05 < acceptance < 0.95, acceptance
     assert chi_square_p_value(counts, law, SAMPLES) > 1e-3
+
+
+OVERLAP_TOKENS = 5  # prefill token, a round of k = 1 that pre-drafts, a round that may verify its branch, the rest
+
+
+@pytest.fixture(scope="module")
+def law5(tiny_target):
+    return _exact_law(tiny_target, OVERLAP_TOKENS)
+
+
+def _overlap_sample(loaded, draft, rounds):
+    return _sample(loaded, draft, num_tokens=OVERLAP_TOKENS, k=1, rounds=rounds, overlap="on")
+
+
+def test_sampling_with_pre_drafted_branches_matches_the_target(tiny_target, law5):
+    """`overlap: on`: rows verifying a pre-drafted branch (drawn from q on the prefix the last round committed)
+    and rows verifying fresh drafts, in the same batches; the 5 tokens' law is still p's."""
+    draft = perturbed(tiny_target.model, 0.02, seed=4)  # often right: branches are often used
+    rounds: list[tuple[bool, bool]] = []
+    counts, acceptance = _overlap_sample(tiny_target, draft, rounds)
+    assert any(pre and fresh for pre, fresh in rounds)  # mixed batches
+    assert 0.2 < acceptance < 0.95, acceptance
+    assert chi_square_p_value(counts, law5, SAMPLES) > 1e-3
+
+
+def _unshifted_branch(drafted, num_committed, num_assumed):
+    """A bug: the branch's drafts verified with the q of the positions before them (the guess's q at the first)."""
+    branch = _real_branch_of(drafted, num_committed, num_assumed)
+    if branch is None or drafted.q is None:
+        return branch
+    q = drafted.q.prefix(len(branch.proposal.token_ids))
+    return overlap_module.Branch(branch.num_context, branch.guess, replace(branch.proposal, q=q))
+
+
+_real_branch_of = overlap_module.branch_of
+
+
+def test_a_branch_verified_with_the_wrong_q_fails_the_same_test(tiny_target, law5, monkeypatch):
+    monkeypatch.setattr(engine_module, "branch_of", _unshifted_branch)
+    counts, _ = _overlap_sample(tiny_target, perturbed(tiny_target.model, 0.02, seed=4), [])
+    assert chi_square_p_value(counts, law5, SAMPLES) < 1e-6
 
 
 def _zero_q_for_point_masses(items, K, p):

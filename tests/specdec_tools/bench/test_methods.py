@@ -182,15 +182,75 @@ def test_a_threshold_comparison_pits_hybrid_against_its_parts_at_that_threshold(
 def test_methods_that_run_a_draft_model_run_once_per_threshold():
     names = engine_names(("off", "ngram", "draft_model", "hybrid"), (0.0, 0.5, 0.75))
     assert names == {
-        "off": ("off", 0.0),
-        "ngram": ("ngram", 0.0),
-        "draft_model": ("draft_model", 0.0),
-        "draft_model@0.5": ("draft_model", 0.5),
-        "draft_model@0.75": ("draft_model", 0.75),
-        "hybrid": ("hybrid", 0.0),
-        "hybrid@0.5": ("hybrid", 0.5),
-        "hybrid@0.75": ("hybrid", 0.75),
+        "off": ("off", 0.0, False),
+        "ngram": ("ngram", 0.0, False),
+        "draft_model": ("draft_model", 0.0, False),
+        "draft_model@0.5": ("draft_model", 0.5, False),
+        "draft_model@0.75": ("draft_model", 0.75, False),
+        "hybrid": ("hybrid", 0.0, False),
+        "hybrid@0.5": ("hybrid", 0.5, False),
+        "hybrid@0.75": ("hybrid", 0.75, False),
     }
+
+
+def test_overlap_runs_each_draft_model_engine_again_with_pre_drafting():
+    names = engine_names(("off", "ngram", "draft_model"), (0.0, 0.5), overlap=True)
+    assert names == {
+        "off": ("off", 0.0, False),
+        "ngram": ("ngram", 0.0, False),
+        "draft_model": ("draft_model", 0.0, False),
+        "draft_model+overlap": ("draft_model", 0.0, True),
+        "draft_model@0.5": ("draft_model", 0.5, False),
+        "draft_model@0.5+overlap": ("draft_model", 0.5, True),
+    }
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--target-cores", "0"], "give both"),
+        (["--target-cores", "0", "--draft-cores", "0,1"], "must not share"),
+    ],
+)
+def test_cores_come_in_pairs_and_apart(files, capsys, flags, words):
+    from specdec_tools.cli import main
+
+    out = files / "out.json"
+    code = main(
+        ["bench", "methods", "--target", "t", "--draft", "d", "--prompts", str(files / "prompts.jsonl")]
+        + ["--max-new-tokens", "4", "--json", str(out), *flags]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and "--draft-cores" in err and not out.exists()
+
+
+def test_a_pinned_drafter_makes_every_call_on_its_own_core(tiny_target):
+    """Each call of the draft model runs on the pinned thread, whatever thread makes it; what it returns is the
+    drafter's own."""
+    import os
+    import threading
+
+    from specdec_core.config import TokenShaping
+    from specdec_core.drafters.base import DraftRequest
+    from specdec_core.drafters.draft_model import DraftModelDrafter
+    from specdec_core.runner import ModelRunner, RunnerConfig
+    from specdec_tools.bench.pinned import PinnedDrafter
+
+    seen = []
+
+    class Spy(DraftModelDrafter):
+        def propose(self, requests):
+            seen.append((threading.current_thread().name, sorted(os.sched_getaffinity(0))))
+            return super().propose(requests)
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    inner = Spy(ModelRunner(tiny_target.model, RunnerConfig(num_slots=1, max_seq_len=64)), 400)
+    drafter = PinnedDrafter(inner, [core])
+    drafter.start("s", [5, 6, 7])
+    request = DraftRequest("s", [5, 6, 7], 3, TokenShaping(), None)
+    (proposal,) = drafter.propose([request])
+    assert len(proposal.token_ids) == 3 and drafter.name == "draft_model"
+    assert seen == [("draft-on-" + str(core), [core])]
 
 
 @pytest.mark.parametrize("thresholds", [(), (0.5, 0.5), (1.0,), (-0.1,)])
