@@ -242,8 +242,8 @@ def test_pre_drafting_over_the_draft_workers_uses_branches_and_changes_no_greedy
     dserver, daddr = serve_locally(draft_servicer(pair))
     try:
         engine, _ = remote_engine(pair, [taddr], [daddr], config=EngineConfig(overlap="on"))
-        params = SamplingParams(max_tokens=60, ignore_eos=True, temperature=1.0, seed=5) if sampled else GREEDY
-        engine.add_request(Request("r", tuple(PROMPT), params, num_speculative_tokens=3))
+        sampling = SamplingParams(max_tokens=60, ignore_eos=True, temperature=1.0, top_k=2, seed=5)
+        engine.add_request(Request("r", tuple(PROMPT), sampling if sampled else GREEDY, num_speculative_tokens=2))
         tokens, rounds, last = run_steps(engine)
         assert last.finish_reason == FinishReason.LENGTH and len(tokens) == 60
         if not sampled:
