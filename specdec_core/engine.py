@@ -613,14 +613,18 @@ class SpecEngine:
 
     def _predraft(self, rows: list[_Row]) -> tuple[list[int], Future[list[Proposal]]] | None:
         """Start pre-drafting, on the pre-drafting thread, the rows that may: each row's branch where every draft of
-        its proposal is accepted, as far ahead as the proposal is long. The rows, and the call under way."""
+        its proposal is accepted, as far ahead as the round's k or the proposal, whichever is longer (a proposal the
+        confidence threshold cut short says little of the next one's length), and no further than the draft steps
+        that fit in the verify's measured time (the round waits for the pre-draft). The rows, and the call."""
         drafter = self.drafter
         if drafter is None or self._draft_faults.resting():
             return None
+        width = 1 + max(len(row.proposal.token_ids) for row in rows)
+        fits = self._steps_within_verify(len(rows), width)
         chosen, requests = [], []
         for i, row in enumerate(rows):
             seq, n = row.seq, len(row.proposal.token_ids)
-            ahead = min(n, self.config.max_speculative_tokens, self._room(seq) - n - 2)
+            ahead = min(max(n, row.k), fits - 1, self.config.max_speculative_tokens, self._room(seq) - n - 2)
             if row.method == structured.FORCED or seq.grammar is not None or not seq.draft.drafting or ahead < 1:
                 continue
             chosen.append(i)
@@ -628,6 +632,16 @@ class SpecEngine:
         if not chosen:
             return None
         return chosen, self.overlap.submit(lambda: drafter.propose(requests))
+
+    def _steps_within_verify(self, batch_size: int, width: int) -> int:
+        """Draft steps (after the call's fixed part) that fit in a verify of `width` tokens, by the measured costs;
+        at least 2 (the guess and one draft), unbounded while either cost is unmeasured."""
+        verify = self.costs.verify_cost(batch_size, width)
+        one, many = self.costs.draft_cost(batch_size, 1), self.costs.draft_cost(batch_size, 8)
+        if verify is None or one is None or many is None:
+            return self.config.max_speculative_tokens + 1
+        step = (many - one) / 7 if many > one else one
+        return max(2, int((verify - (one - step)) // step))
 
     def _branches(
         self, rows: list[_Row], predrafting: tuple[list[int], Future[list[Proposal]]] | None

@@ -55,6 +55,9 @@ class RequestRun:
     proposed: int
     accepted: int
     by_method: Mapping[str, MethodRounds]  # its rounds by the method whose proposal each verified
+    # Per round: (drafts proposed, accepted, its proposal was pre-drafted, it pre-drafted the next): what a replay
+    # (`benchmarks/overlap/replay.py`) prices at other costs.
+    outcomes: tuple[tuple[int, int, bool, bool], ...] = ()
 
     @property
     def decode_tokens(self) -> int:
@@ -171,6 +174,7 @@ def request_rows(records: Sequence[Record]) -> list[dict[str, Any]]:
             "accepted": r.run.accepted,
             "identical": r.run.token_ids == baseline.get(r.key),
             "by_method": {name: asdict(part) for name, part in sorted(r.run.by_method.items())},
+            "round_outcomes": [list(outcome) for outcome in r.run.outcomes],
             "token_ids": list(r.run.token_ids),
             "text": r.run.text,
         }

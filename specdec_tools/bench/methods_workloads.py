@@ -35,6 +35,7 @@ def run_request(
     tokens: list[int] = []
     text: list[str] = []
     by_method: dict[str, MethodRounds] = {}
+    outcomes: list[tuple[int, int, bool, bool]] = []
     first = last = None
     start = time.perf_counter()
     engine.add_request(Request(request_id, tuple(prompt), params, num_speculative_tokens=k, cache_salt=salt))
@@ -49,6 +50,7 @@ def run_request(
                 by_method[name] = by_method.get(name, MethodRounds()) + MethodRounds(
                     1, len(out.new_token_ids), len(info.proposed_token_ids), info.num_accepted, info.seconds
                 )
+                outcomes.append((len(info.proposed_token_ids), info.num_accepted, info.predrafted, info.branched))
             if first is None:
                 first = time.perf_counter()
             last = out
@@ -64,6 +66,7 @@ def run_request(
         last.stats.proposed,
         last.stats.accepted,
         by_method,
+        tuple(outcomes),
     )
 
 

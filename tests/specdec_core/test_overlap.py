@@ -218,3 +218,19 @@ def test_a_confirmed_branch_is_not_read_again(tiny_target):
     # A used branch of 3 drafts: the next pre-draft reads the last draft and drafts the guess and 3 more (4
     # positions written); reading the branch again would write 3 more.
     assert computed and max(computed) <= 4, computed
+
+
+@pytest.mark.parametrize(
+    ("verify_s", "draft_1_s", "draft_8_s", "steps"),
+    [
+        (0.130, 0.020, 0.125, 8),  # a CPU core of its own: 15 ms a draft step, 8 fit in a 130 ms verify
+        (0.005, 0.003, 0.021, 2),  # a GPU draft step about half a verify: the guess and one draft at least
+    ],
+)
+def test_a_pre_draft_is_as_long_as_the_measured_verify_has_time_for(tiny_target, verify_s, draft_1_s, draft_8_s, steps):
+    engine = make_engine(tiny_target, tiny_target.model, overlap="on")
+    assert engine._steps_within_verify(1, 6) == engine.config.max_speculative_tokens + 1  # nothing measured yet
+    engine.costs.observe_verify(1, 6, verify_s)
+    engine.costs.observe_draft(1, 1, draft_1_s)
+    engine.costs.observe_draft(1, 8, draft_8_s)
+    assert engine._steps_within_verify(1, 6) == steps
