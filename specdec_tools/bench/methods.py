@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec_core.errors import InvalidArgument
-from specdec_tools.bench.options import add_run_options, run_options
+from specdec_tools.bench.options import add_run_options, comma_ints, run_options
 from specdec_tools.loadgen.command import positive
 
 
@@ -75,15 +75,7 @@ def register(modes: Any) -> None:
     parser.set_defaults(func=main)
 
 
-def cores(text: str) -> tuple[int, ...]:
-    """`0,1` -> (0, 1): CPU ids."""
-    try:
-        ids = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        ids = ()
-    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
-        raise argparse.ArgumentTypeError(f"expected distinct comma-separated CPU ids, got {text!r}")
-    return ids
+cores = comma_ints(0, "CPU ids")
 
 
 def main(args: argparse.Namespace) -> int:

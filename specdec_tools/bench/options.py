@@ -21,6 +21,22 @@ QUANTIZATION_HELP = (
 )
 
 
+def comma_ints(minimum: int, what: str) -> Any:
+    """An argparse type: `1,4` -> (1, 4), comma-separated integers of at least `minimum`, in order, each once;
+    `what` names them in the error."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            values = []
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+        return tuple(dict.fromkeys(values))
+
+    return parse
+
+
 def add_draft_quantization(
     parser: argparse.ArgumentParser, help: str = QUANTIZATION_HELP, default: str = "auto"
 ) -> None:

@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 from specdec_core.errors import InvalidArgument
 from specdec_tools.bench import peer_llama as llama
+from specdec_tools.bench.options import comma_ints
 from specdec_tools.bench.peer_client import (
     Completion,
     Conversation,
@@ -79,15 +80,7 @@ WARMUP_TEXT, WARMUP_TOKENS = "Say hello.", 8
 READY_TIMEOUT_S = 300.0
 
 
-def positive_ints(text: str) -> tuple[int, ...]:
-    """`1,4` -> (1, 4): comma-separated positive integers, in order, each once."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return tuple(dict.fromkeys(values))
+positive_ints = comma_ints(1, "positive integers")
 
 
 def register(modes: Any) -> None:
