@@ -463,9 +463,9 @@ class SpecEngine:
         output = self._commit(seq, list(outcome.token_ids), info)
         if k > 0 or branch is not None:
             seq.draft.drafted(len(seq.tokens))
-        if branch is not None and n == len(draft) and (confirmed := hit(branch, seq.tokens)) is not None:
+        if branch is not None and (confirmed := hit(branch, seq.tokens)) is not None:
             seq.predrafted = (len(seq.tokens), confirmed)
-            self.overlap.counted(0, 1)
+            self.overlap.hits += 1
         return output
 
     def _learn(self, seq: SequenceState, proposal: Proposal, k: int, free: bool, num_accepted: int) -> None:
@@ -661,7 +661,7 @@ class SpecEngine:
         for i, proposal in zip(chosen, drafted):
             seq, n = rows[i].seq, len(rows[i].proposal.token_ids)
             branches[i] = branch_of(proposal, len(seq.tokens), n)
-        self.overlap.counted(sum(b is not None for b in branches), 0)
+        self.overlap.branches += sum(b is not None for b in branches)
         return branches
 
     # -- commit and release --------------------------------------------------------------------------------------

@@ -75,8 +75,9 @@ def branch_of(drafted: Proposal, num_committed: int, num_assumed: int) -> Branch
 
 
 def hit(branch: Branch, tokens: list[int]) -> Proposal | None:
-    """The branch's proposal if the sequence's committed `tokens` are the context it assumed, else None. The
-    caller checks the assumed drafts were all accepted (`num_context` counts them); the guess is checked here."""
+    """The branch's proposal if the sequence's committed `tokens` are the context it assumed, else None: a round
+    that committed `num_context` tokens accepted every draft it assumed, and its last token is the target's bonus,
+    which must be the guess."""
     if len(tokens) != branch.num_context or tokens[-1] != branch.guess:
         return None
     return branch.proposal
@@ -160,12 +161,3 @@ class Overlap:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predraft")
         return self._pool.submit(call)
-
-    def counted(self, branches: int, hits: int) -> None:
-        self.branches += branches
-        self.hits += hits
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None

@@ -46,9 +46,10 @@ def test_a_branch_is_used_exactly_when_the_round_commits_the_context_it_assumed(
         assert branch is not None
         for j, tokens in _outcomes(list(proposal)):
             after = committed + tokens
-            used = hit(branch, after) if j == k else None
+            used = hit(branch, after)  # every outcome: a rejection must never be taken for a hit
             assumed = committed + list(proposal) + [guess]
             assert (used is not None) == (after == assumed)
+            assert used is None or j == k  # only a round that accepted every draft
             if used is not None:
                 assert used.token_ids == [5, 6] and used.draft_probs == (0.8, 0.7)
                 assert used.q.token_ids.tolist() == [[3, 4, 5], [6, 7, 8]]  # q of the drafts after the guess
