@@ -31,12 +31,20 @@ SMALL_MACHINE_ENVIRONMENT = {
 }
 
 
-def small_machine_defaults(cores: int) -> dict[str, str]:
-    """Set `SMALL_MACHINE_ENVIRONMENT` where unset, on a machine of at most `SMALL_MACHINE_CORES` cores (Ray's
-    processes inherit it); what was set."""
-    if cores > SMALL_MACHINE_CORES:
-        return {}
-    chosen = {name: value for name, value in SMALL_MACHINE_ENVIRONMENT.items() if name not in os.environ}
+# Ray starts its worker processes at nice 15 so that its own daemons (nice 0) stay responsive under load; for a
+# serving cluster that puts the workers' compute threads behind every other process of the machine, Ray's daemons
+# included, each of whose wake-ups then stalls a forward's threads. Every Serve replica (workers, router, proxy)
+# runs at nice 0 in a cluster started here; KubeRay pods set the same variable (k8s/).
+SERVING_ENVIRONMENT = {"RAY_worker_niceness": "0"}
+
+
+def cluster_defaults(cores: int) -> dict[str, str]:
+    """Set `SERVING_ENVIRONMENT`, and `SMALL_MACHINE_ENVIRONMENT` on a machine of at most `SMALL_MACHINE_CORES`
+    cores, where unset (Ray's processes inherit them); what was set."""
+    wanted = dict(SERVING_ENVIRONMENT)
+    if cores <= SMALL_MACHINE_CORES:
+        wanted.update(SMALL_MACHINE_ENVIRONMENT)
+    chosen = {name: value for name, value in wanted.items() if name not in os.environ}
     os.environ.update(chosen)
     return chosen
 
@@ -51,9 +59,9 @@ def serving(config: ServeConfig, quiet: bool = False) -> Iterator[None]:
     limit_public_messages()
     if started_ray:
         cores = os.cpu_count() or 1
-        if chosen := small_machine_defaults(cores):
+        if chosen := cluster_defaults(cores):
             settings = ", ".join(f"{name}={value}" for name, value in chosen.items())
-            log.info("a small machine (%d cores): Serve runs with %s (set them to choose)", cores, settings)
+            log.info("a local cluster on %d cores: Ray and Serve run with %s (set them to choose)", cores, settings)
         # Draft and target take turns within a round, so on one machine they may share its cores: give the local
         # cluster enough logical CPUs for every deployment's request.
         needed = cpus_needed(config)

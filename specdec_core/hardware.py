@@ -193,7 +193,9 @@ def use_threads(setting: int | str, share: int = 1) -> tuple[int, int]:
     return threads, cores
 
 
-def worker_summary(kind: str, threads: int, cores: int, kernels: str) -> str:
-    """The line a worker logs once at start: what it computes with. `kernels`: `kernels.report.kernel_path`."""
+def worker_summary(kind: str, threads: int, cores: int, kernels: str, niceness: int) -> str:
+    """The line a worker logs once at start: what it computes with. `kernels`: `kernels.report.kernel_path`;
+    `niceness`: the process's (`os.getpriority`), which decides who gets the cores when others want them too."""
     plural = "s" if threads != 1 else ""
-    return f"{kind} worker: {threads} torch thread{plural} ({cores} cores available), kernels: {kernels}"
+    cores_part = f"{cores} cores available, nice {niceness}"
+    return f"{kind} worker: {threads} torch thread{plural} ({cores_part}), kernels: {kernels}"

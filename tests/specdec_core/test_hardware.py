@@ -134,10 +134,11 @@ def test_unknown_quantization_is_refused():
         resolve_draft_quantization("int2", device="cpu", dtype="bfloat16", cpu_flags=VNNI)
 
 
-def test_worker_summary_names_threads_cores_and_kernels():
-    line = worker_summary("target", 2, 4, "bf16 AVX-512 (native bf16)")
-    assert line == "target worker: 2 torch threads (4 cores available), kernels: bf16 AVX-512 (native bf16)"
-    assert worker_summary("draft", 1, 1, "int8 VNNI").startswith("draft worker: 1 torch thread (1 cores")
+def test_worker_summary_names_threads_cores_niceness_and_kernels():
+    line = worker_summary("target", 2, 4, "bf16 AVX-512 (native bf16)", 0)
+    assert line == "target worker: 2 torch threads (4 cores available, nice 0), kernels: bf16 AVX-512 (native bf16)"
+    draft = worker_summary("draft", 1, 1, "int8 VNNI", 15)
+    assert draft.startswith("draft worker: 1 torch thread (1 cores available, nice 15)")
 
 
 PIN_CHILD = """
