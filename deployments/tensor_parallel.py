@@ -28,6 +28,7 @@ import ray
 import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deployments.niceness import checked_niceness
 from deployments.ports import free_port
 from specdec_core.build import prepare_model
 from specdec_core.errors import Unavailable
@@ -86,7 +87,8 @@ class TargetRank:
         self.target = build_sharded_target(
             model, dtype, device, rank, world_size, init_method, runner_config, timeout_s
         )
-        serve_log.info("%s", worker_summary(f"target rank {rank}", count, cores, kernel_path(self.target.runner.model)))
+        kernels = kernel_path(self.target.runner.model)
+        serve_log.info("%s", worker_summary(f"target rank {rank}", count, cores, kernels, checked_niceness()))
 
     def ready(self) -> bool:
         return True

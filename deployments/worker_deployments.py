@@ -7,9 +7,7 @@ Plain classes: `deployments.app` makes them Serve deployments, with the resource
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import os
 import threading
 from typing import Any
 
@@ -18,6 +16,7 @@ from ray import serve
 
 from deployments import autoscaling, swap, worker_registry
 from deployments.compute_thread import ComputeThread
+from deployments.niceness import checked_niceness
 from deployments.prometheus import WorkerMetrics
 from deployments.serve_config import Placement, ServeConfig, parse_config
 from deployments.telemetry import setup_tracing
@@ -48,20 +47,6 @@ def _runner_config(config: ServeConfig, placement: Placement) -> RunnerConfig:
         max_cache_bytes=placement.kv_cache_max_bytes,
         prefix_caching=config.prefix_caching,
     )
-
-
-@functools.cache
-def _niceness() -> int:
-    """This worker's niceness, read (and, above 0, warned about) once: Ray starts its workers at 15 unless the
-    node's raylet was told otherwise."""
-    niceness = os.getpriority(os.PRIO_PROCESS, 0)
-    if niceness > 0:
-        serve_log.warning(
-            "this worker runs at nice %d: any other process of the node, Ray's own daemons included, takes its cores "
-            "first; start the cluster's nodes with RAY_worker_niceness=0 (as `specdec serve` and k8s/ do)",
-            niceness,
-        )
-    return niceness
 
 
 METRICS_INTERVAL_S = 5.0  # how often a worker exports its prefix cache's counters
@@ -175,7 +160,7 @@ class TargetWorker(_Worker):
             loaded = prepare_model(t.model, dtype=t.dtype, device=t.device)
             target = LocalTarget(ModelRunner(loaded.model, _runner_config(cfg, t)))
         who = self.kind if t.tensor_parallel_size == 1 else f"{self.kind} rank 0"
-        serve_log.info("%s", worker_summary(who, threads, cores, kernel_path(target.runner.model), _niceness()))
+        serve_log.info("%s", worker_summary(who, threads, cores, kernel_path(target.runner.model), checked_niceness()))
         return target
 
     def check_health(self) -> None:
@@ -229,9 +214,9 @@ class DraftWorker(_Worker):
             quantization=draft.quantization,
             vocabulary=draft.vocabulary,
         )
+        kernels = kernel_path(loaded.model)
         serve_log.info(
-            "%s",
-            worker_summary(f"{self.kind} {model}", self.threads, self.cores, kernel_path(loaded.model), _niceness()),
+            "%s", worker_summary(f"{self.kind} {model}", self.threads, self.cores, kernels, checked_niceness())
         )
         runner = ModelRunner(loaded.model, _runner_config(self.cfg, draft))
         return draft.drafting.build(DraftContext(draft.spec, self.target_vocab, runner))
