@@ -550,12 +550,25 @@ def parse_config(data: Any) -> ServeConfig:
         raise InvalidArgument(fields, "; ".join(problems)) from None
 
 
-def load_config(path: str | Path) -> ServeConfig:
+def read_config_file(path: str | Path) -> Any:
+    """The YAML of `path`, not yet validated (`specdec serve` lays its flags over it first)."""
     path = Path(path)
     if not path.is_file():
         raise InvalidArgument("config", f"no config file at {str(path)!r}")
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise InvalidArgument("config", f"{path} is not valid YAML: {exc}") from None
-    return parse_config(data)
+
+
+def load_config(path: str | Path) -> ServeConfig:
+    return parse_config(read_config_file(path))
+
+
+def dump_config(config: ServeConfig) -> str:
+    """`config` as YAML that `load_config` reads back to an equal config: the keys whose values differ from the
+    defaults, in the models' order; and the draft's method, which says what its other keys mean."""
+    data = config.model_dump(mode="json", exclude_defaults=True)
+    if "draft" in data:
+        data["draft"] = {"method": config.draft.method, **data["draft"]}
+    return yaml.safe_dump(data, sort_keys=False)

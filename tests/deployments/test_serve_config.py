@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray.serve.config import gRPCOptions
 
-from deployments.serve_config import load_config, parse_config
+from deployments.app import grpc_options
+from deployments.serve_config import dump_config, load_config, parse_config
 from specdec_core.errors import InvalidArgument
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deployments" / "configs"
@@ -126,11 +128,29 @@ def test_example_configs_load(path):
     assert config.target.model
 
 
+@pytest.mark.parametrize("path", sorted(p for p in CONFIGS.glob("*.yaml") if not p.name.startswith("serve_")))
+def test_a_dumped_config_loads_back_equal(path, tmp_path):
+    config = load_config(path)
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(dump_config(config))
+    assert load_config(dumped) == config
+    assert yaml.safe_load(dumped.read_text())["draft"]["method"] == config.draft.method  # even the default one
+
+
+def test_a_dump_holds_only_what_differs_from_the_defaults():
+    assert yaml.safe_load(dump_config(parse_config({"target": {"model": "m"}, "grpc_port": 9001}))) == {
+        "grpc_port": 9001,
+        "target": {"model": "m"},
+    }
+
+
 def test_serve_config_args_are_a_specdec_config():
     serve_config = yaml.safe_load((CONFIGS / "serve_demo_cpu.yaml").read_text())
     app = serve_config["applications"][0]
     assert app["import_path"] == "deployments.app:build" and app["name"] == "specdec"
     assert parse_config(app["args"]).grpc_port == serve_config["grpc_options"]["port"]
+    # Serve's gRPC proxy as `specdec serve` starts it: the same services (health too), reflection on.
+    assert gRPCOptions(**serve_config["grpc_options"]) == grpc_options(parse_config(app["args"]))
 
 
 def test_missing_config_file_is_named(tmp_path):

@@ -72,3 +72,13 @@ def test_loads_a_gguf_file(tmp_path):
     gguf = build_tiny_gguf(tmp_path / "tiny.gguf")
     loaded = load_model(gguf, dtype="float32")
     assert loaded.model.vocab_size > 0 and loaded.tokenizer("def f():")["input_ids"]
+
+
+def test_gguf_files_serve_as_target_and_draft(tmp_path):
+    from specdec_core.models.tiny import build_tiny_gguf
+
+    target = build_tiny_gguf(tmp_path / "target.gguf", seed=1)
+    draft = build_tiny_gguf(tmp_path / "draft.gguf", seed=2, hidden_size=32, num_layers=1)
+    loaded_target, loaded_draft = load_pair(str(target), str(draft), dtype="float32")
+    assert loaded_draft is not None and (loaded_target.path, loaded_draft.path) == (target, draft)
+    assert loaded_draft.model.args.hidden_size == 32 != loaded_target.model.args.hidden_size
