@@ -28,7 +28,12 @@ from specdec_core.environment import auth_token
 
 log = logging.getLogger(__name__)
 
-SERVICER_FUNCTIONS = ["specdec.v1.generation_pb2_grpc.add_GenerationServiceServicer_to_server"]
+# The services on the public gRPC port, routed by Serve's proxy to the router: the API, and the standard health
+# Check (`deployments.health`). A Serve config file lists the same (`grpc_options.grpc_servicer_functions`).
+SERVICER_FUNCTIONS = [
+    "specdec.v1.generation_pb2_grpc.add_GenerationServiceServicer_to_server",
+    "deployments.health.add_health_to_server",
+]
 
 
 PUBLIC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -44,7 +49,9 @@ def limit_public_messages() -> None:
 
 
 def grpc_options(config: ServeConfig) -> gRPCOptions:
-    return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS)
+    """Serve's gRPC proxy for `config`. Server reflection (grpc.reflection.v1alpha) is answered by the proxy itself,
+    from the descriptors the servicer functions' modules registered there: `grpcurl list` needs no .proto."""
+    return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS, enable_reflection=True)
 
 
 def _actor_options(

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, NoReturn
 
-from deployments import generation_codec, swap
+from grpc_health.v1 import health_pb2
+
+from deployments import generation_codec, health, swap
 from deployments.ab_variants import ABTest
 from deployments.auth import BearerAuth, Unauthenticated, cache_namespace
 from deployments.discovery import WorkerFollower
@@ -146,7 +148,7 @@ class Router:
 
     def _why_waiting(self) -> Exception:
         """What a request that waited out the queue timeout is told."""
-        if self.target_pool is not None and not self.target_pool.has_usable:
+        if not self.serving:
             return WorkerUnavailable("no target worker is available (a replacement may be starting); retry later")
         return ResourceExhausted("kv_cache", "no KV cache slot came free within router.queue_timeout_s; retry later")
 
@@ -185,6 +187,20 @@ class Router:
         call = self._decode(request, grpc_context)
         async for output in self._run(call, request_id, grpc_context):
             yield generation_codec.encode_chunk(request_id, output, call.draft_variant)
+
+    # -- grpc.health.v1.Health (deployments.health) ------------------------------------------------------------------
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, grpc_context: Any) -> health_pb2.HealthCheckResponse:
+        """No token asked: a probe has none to send, and the answer says only whether this router can serve."""
+        try:
+            return health.check(request.service, self.serving)
+        except health.UnknownService as exc:
+            self._fail(grpc_context, exc)
+
+    @property
+    def serving(self) -> bool:
+        """Whether a request could start now: a target worker to run on (an in-process engine always has one)."""
+        return self.target_pool is None or self.target_pool.has_usable
 
     # -- one request ---------------------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import grpc
 
 from deployments.auth import Unauthenticated
 from deployments.generation_codec import in_request_terms
+from deployments.health import UnknownService
 from deployments.scheduler import DeadlineExceeded
 from specdec_core.errors import InvalidArgument, ResourceExhausted, Unavailable
 
@@ -61,6 +62,7 @@ TABLE: tuple[tuple[type[BaseException], Status], ...] = (
     (DeadlineExceeded, Status(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "server_error")),
     (UnknownSession, Status(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error")),
     (UnknownModel, Status(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error")),
+    (UnknownService, Status(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error")),
     (Unavailable, UNAVAILABLE),
     (WorkerUnavailable, UNAVAILABLE),  # or INTERNAL: see `status_of`
 )

@@ -257,3 +257,27 @@ def _count(text, histogram):
     """Observations of a histogram in a Prometheus exposition, summed over its series."""
     lines = [line for line in text.splitlines() if line.startswith(histogram + "_count")]
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def test_server_reflection_lists_the_services_and_describes_them_as_the_stubs_do(served):
+    """What `grpcurl list` and `describe` ask, through the public port: no .proto on the client's side."""
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    address, _ = served
+    local = pb.DESCRIPTOR.services_by_name["GenerationService"]
+    with grpc.insecure_channel(address) as channel:
+        reflected = ProtoReflectionDescriptorDatabase(channel)
+        assert {local.full_name, "grpc.health.v1.Health"} <= set(reflected.get_services())
+        pool = DescriptorPool(reflected)
+        service = pool.FindServiceByName(local.full_name)
+        assert [m.name for m in service.methods] == [m.name for m in local.methods]
+        stream = service.methods_by_name["GenerateStream"]
+        assert stream.server_streaming and stream.input_type.full_name == pb.GenerateRequest.DESCRIPTOR.full_name
+        request_fields = pool.FindMessageTypeByName(pb.GenerateRequest.DESCRIPTOR.full_name).fields_by_name
+        assert sorted(request_fields) == sorted(pb.GenerateRequest.DESCRIPTOR.fields_by_name)
+        # Only v1alpha is served: a client asking v1 first (grpcurl) is told UNIMPLEMENTED and falls back.
+        v1 = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo")
+        with pytest.raises(grpc.RpcError) as err:
+            list(v1(iter([b""]), timeout=60))
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED

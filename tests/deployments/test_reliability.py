@@ -15,6 +15,7 @@ import urllib.request
 import grpc
 import pytest
 import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc as pb_grpc
@@ -106,6 +107,21 @@ def test_the_public_api_wants_the_bearer_token(rel):
             assert code_of(call)[0] == grpc.StatusCode.UNAUTHENTICATED
     assert len(stub.Generate(small, metadata=AUTH, timeout=60).token_ids) == 3
     assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=AUTH, timeout=60).draft_method == "draft_model"
+
+
+def _health(address, metadata=(("application", APP),)):
+    """The public service's health Check, with no token, as a probe asks it."""
+    check = health_pb2.HealthCheckRequest(service="specdec.v1.GenerationService")
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(check, metadata=metadata, timeout=60).status
+
+
+def test_health_needs_no_token_but_names_the_application_when_serve_runs_two(rel):
+    _, (address, _) = rel
+    assert _health(address) == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        _health(address, metadata=())  # as Kubernetes' gRPC probes call it: the proxy cannot choose an application
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "application metadata" in err.value.details().lower()
 
 
 def test_the_internal_services_refuse_calls_from_outside(rel):
@@ -285,7 +301,7 @@ def test_a_killed_draft_replica_costs_speculation_not_the_request(rel, tiny_dir)
 
 
 def test_a_killed_target_replica_fails_its_requests_cleanly_then_serving_resumes(rel, tiny_dir):
-    stub, _ = rel
+    stub, (address, _) = rel
     prompt = list(range(30, 50))
     params = SamplingParams(max_tokens=220, ignore_eos=True)
     stream = stub.GenerateStream(request(prompt, k=0, max_tokens=220, ignore_eos=True), metadata=AUTH, timeout=120)
@@ -296,6 +312,8 @@ def test_a_killed_target_replica_fails_its_requests_cleanly_then_serving_resumes
         chunks += list(stream)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
     assert time.monotonic() - start < 60  # an answer, not a hang
+    # No target until Serve's replacement registers (a restart and a model load away): health says so.
+    assert _health(address) == health_pb2.HealthCheckResponse.NOT_SERVING
     tokens = [t for c in chunks for t in c.token_ids]
     assert tokens == _plain_tokens(tiny_dir, prompt, params)[: len(tokens)]  # no duplicated or missing token
 
@@ -305,3 +323,4 @@ def test_a_killed_target_replica_fails_its_requests_cleanly_then_serving_resumes
         return code == grpc.StatusCode.OK
 
     _until(serving)
+    assert _health(address) == health_pb2.HealthCheckResponse.SERVING

@@ -13,10 +13,12 @@ import dataclasses
 import json
 import threading
 import time
+import types
 from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from deployments.auth import BearerAuth
 from deployments.prometheus import ServingMetrics
@@ -189,6 +191,18 @@ def test_model_info_reports_the_config_to_authenticated_callers_only(make_router
     with pytest.raises(RequestFailed):
         asyncio.run(router.GetModelInfo(pb.GetModelInfoRequest(), context))
     assert context.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_health_check_needs_no_token_and_is_not_serving_without_a_usable_target(make_router):
+    router, _ = make_router()
+    check = health_pb2.HealthCheckRequest(service="specdec.v1.GenerationService")
+    assert asyncio.run(router.Check(check, Context())).status == health_pb2.HealthCheckResponse.SERVING
+    router.target_pool = types.SimpleNamespace(has_usable=False)  # its only target replica failed
+    assert asyncio.run(router.Check(check, Context())).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    context = Context()
+    with pytest.raises(RequestFailed):
+        asyncio.run(router.Check(health_pb2.HealthCheckRequest(service="specdec.v1.DraftService"), context))
+    assert context.code == grpc.StatusCode.NOT_FOUND and "specdec.v1.DraftService" in context.details
 
 
 def test_hybrid_serves_each_speculation_method_with_plain_decodings_tokens(make_router, pair):

@@ -7,6 +7,7 @@ import pytest
 
 from deployments import status
 from deployments.auth import Unauthenticated
+from deployments.health import UnknownService
 from deployments.replica_pool import WorkerUnavailable as RemoteWorkerUnavailable
 from deployments.scheduler import DeadlineExceeded
 from deployments.status import UnknownModel, UnknownSession, WorkerUnavailable
@@ -33,6 +34,7 @@ Code = grpc.StatusCode
         (DeadlineExceeded("late"), Code.DEADLINE_EXCEEDED, 504, "server_error", "late"),
         (UnknownSession("seq_id: none"), Code.NOT_FOUND, 404, "invalid_request_error", "seq_id: none"),
         (UnknownModel("no such model"), Code.NOT_FOUND, 404, "invalid_request_error", "no such model"),
+        (UnknownService("no service 'x'"), Code.NOT_FOUND, 404, "invalid_request_error", "no service 'x'"),
         (Unavailable("target", "rank died"), Code.UNAVAILABLE, 503, "server_error", "target: rank died"),
         (WorkerUnavailable("gone"), Code.UNAVAILABLE, 503, "server_error", "gone"),
         (WorkerUnavailable("bug there", code=Code.INTERNAL), Code.INTERNAL, 500, "server_error", "bug there"),
@@ -55,6 +57,7 @@ def test_every_row_of_the_table_is_tested():
         DeadlineExceeded,
         UnknownSession,
         UnknownModel,
+        UnknownService,
         Unavailable,
         WorkerUnavailable,
     }

@@ -13,8 +13,10 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from ray.serve.config import gRPCOptions
 from ray.serve.schema import ServeDeploySchema
 
+from deployments.app import grpc_options
 from deployments.serve_config import parse_config
 from tests.k8s.manifests import OVERLAYS, ROOT, env, one, pod_templates, render, volume_at
 from tests.k8s.shapes import SHAPES
@@ -184,6 +186,26 @@ def test_the_kernel_dir_check_catches_a_shared_or_missing_directory(value, probl
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_ray_container_runs_its_workers_at_nice_0(overlay):
+    """Ray's default for its workers is nice 15: every replica would yield its cores to any other process."""
+    service = one(render(overlay), "RayService")
+    for group, template in pod_templates(service).items():
+        variables = env(template["spec"]["containers"][0])
+        assert variables.get("RAY_worker_niceness", {}).get("value") == "0", group
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_ray_containers_keep_the_probes_kuberay_gives_them(overlay):
+    """KubeRay probes a Ray container only where it sets none: a worker's readiness then follows Serve's draining of
+    its proxy, which a gRPC health probe would lose, and a probe on the head that waits for the application would
+    keep KubeRay from deploying it (docs/deploy.md#health-and-probes)."""
+    service = one(render(overlay), "RayService")
+    for group, template in pod_templates(service).items():
+        ray = template["spec"]["containers"][0]
+        assert not {"readinessProbe", "livenessProbe", "startupProbe"} & set(ray), group
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_serve_config_is_valid_for_ray_serve_and_for_specdec(overlay):
     service = one(render(overlay), "RayService")
     serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
@@ -195,6 +217,8 @@ def test_serve_config_is_valid_for_ray_serve_and_for_specdec(overlay):
     assert app["import_path"] == "deployments.app:build" and app["name"] == "specdec"
     config = parse_config(app["args"])
     assert config.grpc_port == serve_config["grpc_options"]["port"]
+    # The proxy `specdec serve` starts: the API and the health Check routed to the router, reflection on.
+    assert gRPCOptions(**serve_config["grpc_options"]) == grpc_options(config)
     groups = {g["groupName"]: g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
     for placement, group in ((config.target, "target"), (config.draft, "draft")):
         # Each deployment asks for a custom resource that only its worker group advertises.
