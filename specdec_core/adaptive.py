@@ -186,22 +186,23 @@ class CostModel:
         return max(stale, key=lambda k: (ages[k], -k)) if stale else None
 
     def verify_cost(self, batch_size: int, tokens_per_row: int) -> float | None:
-        """Measured, or extrapolated from the nearest measured row count (cost grows mildly with tokens)."""
+        """Measured, or extrapolated from the nearest measured row count along the slope of the measured ones; None
+        until two row counts are measured. How the cost grows with the rows is the model's own, and nothing here
+        assumes it: a few percent a token for a dense model's memory-bound verify, but up to a whole expert set
+        more a token for a mixture of experts' (benchmarks/moe)."""
         table = self.verify.get(_bucket(batch_size))
         if not table:
             return None
         if tokens_per_row in table:
             return table[tokens_per_row]
+        if len(table) < 2:
+            return None
         nearest = min(table, key=lambda t: abs(t - tokens_per_row))
         per_token = self._slope(table)
         return max(table[nearest] + per_token * (tokens_per_row - nearest), 1e-6)
 
     @staticmethod
-    def _slope(table: dict[int, float]) -> float:
-        if len(table) < 2:
-            # One point: assume extra rows cost a few percent (memory-bound verification), refined by data.
-            ((t, c),) = table.items()
-            return 0.03 * c
+    def _slope(table: dict[int, float]) -> float:  # at least two points
         ts, cs = zip(*sorted(table.items()))
         return max(0.0, (cs[-1] - cs[0]) / (ts[-1] - ts[0]))
 
@@ -338,6 +339,9 @@ class AdaptivePolicy:
                 return RoundChoice(0, False)
         judged = self._judging_costs(costs, batch_size)
         if judged is None:
+            if explore is None and costs.verify_cost(batch_size, 1) is None:
+                # Explored at one width only (max_k 1) and no plain round yet: one measures plain decoding's cost.
+                return RoundChoice(0, False)
             return RoundChoice(explore if explore is not None else self.explore_k, False)
         if explore is not None and self._best(rows, judged, batch_size, catch_up).k > 0:
             return RoundChoice(explore, False)

@@ -64,6 +64,8 @@ def check_shardable(args: ModelArgs, world_size: int) -> None:
         raise InvalidArgument(field, f"{world_size} is not a multiple of the model's {kv} key/value heads")
     if args.intermediate_size % world_size:
         raise InvalidArgument(field, f"{world_size} does not divide the MLP width {args.intermediate_size}")
+    if args.moe is not None and world_size > 1:
+        raise InvalidArgument(field, "mixture-of-experts models are not sharded: serve them on one rank")
 
 
 def shard_model(model: Transformer, rank: int, world_size: int, group: dist.ProcessGroup | None = None) -> Transformer:

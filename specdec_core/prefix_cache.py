@@ -22,7 +22,7 @@ copying positions rather than sharing blocks.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -61,9 +61,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class PrefixIndex:
     """Per slot: the tokens whose keys and values it holds, its salt, and whether it is a running sequence's
-    (live) or a cache entry. Bookkeeping only: the runner moves the tensors."""
+    (live) or a cache entry. Bookkeeping only: the runner moves the tensors. `restorable(slot, n)`: whether the
+    slot's first n positions can start a sequence (a sliding-window cache's ring may no longer hold the window
+    before n: `KVCache.holds_window`); such a prefix is not offered."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, restorable: Callable[[int, int], bool] = lambda slot, n: True) -> None:
+        self._restorable = restorable
         self._tokens: list[list[int]] = [[] for _ in range(num_slots)]
         self._salts: list[str | None] = [None] * num_slots
         self._live: set[int] = set()
@@ -115,7 +118,7 @@ class PrefixIndex:
             if self._salts[slot] != salt:
                 continue
             n = common_prefix(want, self._tokens[slot])
-            if n and (n, self._whole_entry(slot, n)) > (length, whole):
+            if n and (n, self._whole_entry(slot, n)) > (length, whole) and self._restorable(slot, n):
                 best, length, whole = slot, n, self._whole_entry(slot, n)
         return best, length, whole
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from specdec_core.errors import ResourceExhausted
-from specdec_core.kv_cache import KVCache
-from specdec_core.models.transformer import Transformer
+from specdec_core.kv_cache import KVCache, Ring, slot_bytes
+from specdec_core.models.transformer import ModelArgs, Transformer
 from specdec_core.prefix_cache import PrefixCacheStats, PrefixIndex
 
 
@@ -40,12 +40,18 @@ class RunnerConfig:
 
 
 def slots_within_budget(
-    config: RunnerConfig, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype
+    config: RunnerConfig,
+    num_layers: int,
+    num_kv_heads: int,
+    capacity: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    ring: Ring | None = None,
 ) -> int:
     """`config.num_slots`, or as many as `config.max_cache_bytes` holds; a budget too small for one is refused."""
     if config.max_cache_bytes is None:
         return config.num_slots
-    per_slot = 2 * num_layers * num_kv_heads * capacity * head_dim * dtype.itemsize  # keys and values
+    per_slot = slot_bytes(num_layers, num_kv_heads, capacity, head_dim, dtype, ring)  # keys and values
     fits = config.max_cache_bytes // per_slot
     if fits < 1:
         raise ResourceExhausted(
@@ -53,6 +59,17 @@ def slots_within_budget(
             f"{config.max_cache_bytes} bytes hold no sequence: one slot of {capacity} positions needs {per_slot} bytes",
         )
     return min(config.num_slots, fits)
+
+
+def window_ring(args: ModelArgs, capacity: int, max_extend: int) -> Ring | None:
+    """The ring of a model's sliding-window layers (None without): the W - 1 positions a next query reads, plus
+    2 * max_extend + 1 of slack for what is written past a length and rolled back (a verify's rejected drafts; a
+    draft's assumed tokens and its drafts past them, each at most max_extend; a padded row's padding). Never more
+    than the capacity: a ring that large is the full layout."""
+    if args.sliding_window is None or not args.windowed_layers:
+        return None
+    size = min(args.sliding_window + 2 * max_extend, capacity)
+    return Ring(frozenset(args.windowed_layers), min(args.sliding_window, size), size)
 
 
 class ModelRunner:
@@ -67,8 +84,9 @@ class ModelRunner:
         self.device = param.device
         attn = model.layers[0].self_attn
         capacity = self.max_seq_len + config.max_extend
+        ring = window_ring(args, capacity, config.max_extend)
         num_slots = slots_within_budget(
-            config, args.num_layers, attn.num_kv_heads, capacity, args.head_dim, param.dtype
+            config, args.num_layers, attn.num_kv_heads, capacity, args.head_dim, param.dtype, ring
         )
         # Padded rows of a batch write a few positions past their own end: the slack keeps those writes
         # inside the slot. They are beyond the row's length, so never read.
@@ -80,8 +98,9 @@ class ModelRunner:
             head_dim=args.head_dim,
             dtype=param.dtype,
             device=self.device,
+            ring=ring,
         )
-        self.prefix = PrefixIndex(num_slots) if config.prefix_caching else None
+        self.prefix = PrefixIndex(num_slots, self.cache.holds_window) if config.prefix_caching else None
         self.computed_tokens = 0  # positions written by forwards: what the model computed, cache hits excluded
 
     @property
@@ -118,7 +137,8 @@ class ModelRunner:
         if self.prefix is None:
             return PrefixCacheStats()
         stats = self.prefix.stats()
-        return replace(stats, bytes=stats.positions * self.cache.bytes_per_position)
+        held = stats.positions * self.cache.bytes_per_position + stats.entries * self.cache.ring_bytes
+        return replace(stats, bytes=held)
 
     def length(self, slot: int) -> int:
         return self.cache.lengths[slot]
@@ -156,6 +176,8 @@ class ModelRunner:
         T = max(counts)
         if max(starts) + T > self.cache.capacity:
             raise ValueError("rows of very different lengths in one batch: padding would leave the cache slot")
+        if not all(self.cache.holds_window(s, a + n, (a, a + T)) for s, a, n in zip(slots, starts, counts)):
+            raise ValueError("rows of very different lengths in one batch: padding would overwrite a window's keys")
         tokens = torch.zeros(len(slots), T, dtype=torch.long)  # [B, T], rows padded at the end
         for b, row in enumerate(token_lists):
             tokens[b, : len(row)] = torch.as_tensor(row, dtype=torch.long)
@@ -177,6 +199,7 @@ class ModelRunner:
             **extra,
         )  # [B, T or 1, V]
         for slot, start, n, row in zip(slots, starts, counts, token_lists):
+            self.cache.wrote(slot, start, start + T)
             self.cache.set_length(slot, start + n)
             if self.prefix is not None:
                 self.prefix.wrote(slot, start, row)

@@ -391,3 +391,48 @@ async def asgi_post(app, path: str, body: bytes, headers: Sequence[tuple[bytes, 
     }
     await app(scope, receive, send)
     return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:])), reads
+
+
+# A tiny Gemma 3 (text): sliding-window layers around a full one, each kind with its own RoPE (the full layers'
+# scaled linearly), an attention scale of its own (query_pre_attn_scalar 24 against a head dim of 16).
+GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
+GEMMA3_CONFIG = dict(
+    layer_types=GEMMA3_LAYERS,
+    sliding_window=8,
+    query_pre_attn_scalar=24,
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+)
+
+
+def build_tiny_gemma3(path, tokenizer_dir, seed: int = 31, tie: bool = False, **config):
+    """A tiny random Gemma 3 saved at `path` (transformers' `Gemma3TextConfig`), with its norm weights drawn around
+    0: Gemma's (1 + weight) norms start at 0, where a norm scaling by the weight alone (or rounding before scaling)
+    would go unnoticed. Untied embeddings unless `tie`: tied, a tiny random Gemma's scaled embedding dominates its
+    residual stream and it repeats its last token whatever the context (a test of greedy identity would pass for
+    the wrong reason). `config`: overrides of `GEMMA3_CONFIG`."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from specdec_core.models.tiny import build_tiny_model
+
+    fields = {**GEMMA3_CONFIG, **config}
+    layers = len(fields["layer_types"])
+    path = build_tiny_model(
+        path,
+        family="gemma3_text",
+        seed=seed,
+        num_layers=layers,
+        tie_word_embeddings=tie,
+        tokenizer_dir=tokenizer_dir,
+        config_overrides=fields,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    for file in Path(path).glob("*.safetensors"):
+        state = load_file(file)
+        state = {k: v + 0.3 * torch.randn(v.shape, generator=gen) if "norm" in k else v for k, v in state.items()}
+        save_file(state, file, metadata={"format": "pt"})
+    return path

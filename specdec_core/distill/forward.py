@@ -38,7 +38,11 @@ class CausalAttention:
 
 
 def use_causal_attention(model: Transformer) -> Transformer:
-    """Make `model` run whole sequences without a cache (mutates it; a model used so is not served)."""
+    """Make `model` run whole sequences without a cache (mutates it; a model used so is not served). Refused for a
+    model whose attention is not plain (a sliding window, another scale: Gemma 3), which `CausalAttention` would
+    compute wrongly."""
+    if not model.args.plain_attention:
+        raise ValueError("distillation runs models with plain causal attention only (no sliding window, usual scale)")
     model.attention = CausalAttention()
     return model
 

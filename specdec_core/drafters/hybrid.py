@@ -85,7 +85,7 @@ class HybridDrafter:
         if est is None or n <= 1:
             return proposal
         price = [costs.verify_cost(batch_size, t + 1) for t in range(n + 1)]
-        if price[0] is None:
+        if any(p is None for p in price):  # widths not measured yet: nothing to weigh
             return proposal
         gains = est.expected_tokens(n)
         best = max(range(1, n + 1), key=lambda t: (gains[t] / price[t], -t))  # type: ignore[operator]

@@ -98,13 +98,15 @@ def _fuse(linears: list[nn.Module]) -> nn.Linear:
 
 
 class FusedAttention(nn.Module):
-    """`Attention` with q, k and v projected by one fused linear layer (same results, a third of the calls)."""
+    """`Attention` with q, k and v projected by one fused linear layer (same results, a third of the calls); its
+    per-head q/k norms, where it has them, kept as they are."""
 
     def __init__(self, attn: nn.Module, lib: ctypes.CDLL) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.qkv_proj = FastCPULinear(_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), lib)
         self.o_proj = attn.o_proj
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         self._split = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
@@ -113,6 +115,8 @@ class FusedAttention(nn.Module):
         # Contiguous copies: the rotary kernel rotates q and k in place and assumes dense rows.
         q = q.reshape(B, T, self.num_heads, self.head_dim).contiguous()
         k = k.reshape(B, T, self.num_kv_heads, self.head_dim).contiguous()
+        if self.q_norm is not None and self.k_norm is not None:  # fresh dense tensors too
+            q, k = self.q_norm(q), self.k_norm(k)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         out = ctx.attention(q, k, v, ctx, layer)  # [B, T, H, hd]
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))

@@ -32,8 +32,10 @@ def use_cpu_kernels(model: nn.Module) -> int:
     """Swap in the CPU kernels where they apply; return how many linear layers were swapped.
 
     Linear layers: bf16 weights on the CPU, contiguous, in_features a multiple of 16 and out_features a multiple
-    of the kernel's block. Attention: a bf16 CPU model whose head dim is a multiple of 16. A no-op (returns 0)
-    where the kernels cannot run.
+    of the kernel's block. Attention (and with it the fused norms, q/k/v and MLP): a bf16 CPU model whose head dim
+    is a multiple of 16 and whose attention is plain (`ModelArgs.plain_attention`: no sliding window, the usual
+    scale). Elsewhere the linear layers alone: Gemma 3's windowed attention, (1 + weight) norms,
+    GeGLU and sandwich norms stay on torch's code paths. A no-op (returns 0) where the kernels cannot run.
     """
     lib = load_library()
     if lib is None:
@@ -43,6 +45,7 @@ def use_cpu_kernels(model: nn.Module) -> int:
     param = next(model.parameters())
     if (
         args is not None
+        and args.plain_attention
         and param.dtype == torch.bfloat16
         and param.device.type == "cpu"
         and args.head_dim % 16 == 0
@@ -96,7 +99,8 @@ def _run_layers_in_one_call(model: nn.Module, lib: ctypes.CDLL) -> None:
             and type(layer.input_layernorm) is FastRMSNorm
             and type(layer.post_attention_layernorm) is FastRMSNorm
             and type(layer.self_attn) is FusedAttention
-            and type(layer.mlp) is FastMLP
+            and layer.self_attn.q_norm is None  # the one call has no per-head q/k norm
+            and type(layer.mlp) is FastMLP  # nor experts
         ):
             return
         linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
@@ -128,13 +132,17 @@ def _as_linear(fast: FastCPULinear) -> nn.Linear:
 
 
 def _swap_layer_parts(model: nn.Module, lib: ctypes.CDLL) -> None:
+    """Norms first (the per-head q/k norms among them), so that a fused attention takes over the kernel norms. An MoE
+    block keeps its torch routing; each expert is an `MLP` and is swapped like any other."""
     from specdec_core.models.transformer import MLP, Attention, RMSNorm
 
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is RMSNorm and child.weight.dtype == torch.bfloat16:
                 setattr(parent, name, FastRMSNorm(child, lib))
-            elif type(child) is MLP and _all_fast(child.gate_proj, child.up_proj):
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is MLP and _all_fast(child.gate_proj, child.up_proj):
                 setattr(parent, name, FastMLP(child, lib))
             elif type(child) is Attention and _all_fast(child.q_proj, child.k_proj, child.v_proj):
                 setattr(parent, name, FusedAttention(child, lib))

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from specdec_core.errors import InvalidArgument, ModelNotFound, TokenizerMismatch
-from specdec_core.models.families import args_from_hf_config
-from specdec_core.models.transformer import Transformer, rope_inv_freq
+from specdec_core.models.families import CHECKPOINT_RENAMES, CHECKPOINT_SKIPS, args_from_hf_config
+from specdec_core.models.moe import split_fused_experts
+from specdec_core.models.transformer import Transformer, rope_inv_freq, window_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,14 @@ def _build(
     args = args_from_hf_config(cfg)
     with torch.device("meta"):
         model = Transformer(args)
-    weights = {_our_name(k): v.to(dtype) for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    renames = CHECKPOINT_RENAMES.get(cfg.get("model_type", ""), ())
+    weights = {
+        _our_name(k, renames): v.to(dtype)
+        for k, v in split_fused_experts(state).items()
+        if not k.endswith("rotary_emb.inv_freq")
+    }
+    skips = CHECKPOINT_SKIPS.get(cfg.get("model_type", ""), ())
+    weights = {k: v for k, v in weights.items() if not k.startswith(skips)}
     if args.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
@@ -196,11 +204,15 @@ def _build(
         model.lm_head.weight = model.embed_tokens.weight
     # Buffers are not in the checkpoint: rebuild them on the real device.
     model.inv_freq = rope_inv_freq(args)
+    model.window_inv_freq = window_inv_freq(args)
     return model.to(device).eval().requires_grad_(False)
 
 
-def _our_name(hf_name: str) -> str:
-    return hf_name.removeprefix("model.")
+def _our_name(hf_name: str, renames: tuple[tuple[str, str], ...] = ()) -> str:
+    name = hf_name.removeprefix("model.")
+    for old, new in renames:
+        name = name.replace(old, new)
+    return name
 
 
 def check_tokenizers_compatible(target: Any, draft: Any) -> None:

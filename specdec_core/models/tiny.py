@@ -118,14 +118,25 @@ def build_tiny_tokenizer(path: Path | str | None = None) -> Any:
     return tokenizer
 
 
-def _config_class(family: str) -> type:
-    """The transformers config class per family; the only family-specific line in this module."""
-    from transformers import LlamaConfig, Qwen2Config
+def _family_config(family: str, head_dim: int, intermediate_size: int) -> tuple[type, dict[str, Any]]:
+    """The transformers config class per family, and what its config needs besides the common fields (an explicit
+    head dim, tiny experts: 4 of 8 with an MLP half the dense one's, or 2 of 4 full ones for Mixtral; Gemma 3's
+    sliding window of 8 positions, its layer kinds by its default pattern unless overridden); the only
+    family-specific lines in this module."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config}
-    if family not in classes:
-        raise ValueError(f"family must be one of {sorted(classes)}, got {family!r}")
-    return classes[family]
+    experts = dict(num_experts=8, num_experts_per_tok=4, moe_intermediate_size=intermediate_size // 2)
+    families: dict[str, tuple[type, dict[str, Any]]] = {
+        "llama": (LlamaConfig, {}),
+        "qwen2": (Qwen2Config, {}),
+        "qwen3": (Qwen3Config, dict(head_dim=head_dim)),
+        "qwen3_moe": (Qwen3MoeConfig, dict(head_dim=head_dim, norm_topk_prob=True, **experts)),
+        "mixtral": (MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
+        "gemma3_text": (Gemma3TextConfig, dict(head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8)),
+    }
+    if family not in families:
+        raise ValueError(f"family must be one of {sorted(families)}, got {family!r}")
+    return families[family]
 
 
 def build_tiny_model(
@@ -143,12 +154,14 @@ def build_tiny_model(
     tie_word_embeddings: bool = False,
     tokenizer_dir: Path | str | None = None,
     dtype: torch.dtype = torch.float32,
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Save a random-weight causal LM plus its tokenizer to `path` (a Hugging Face directory).
 
     `vocab_size` defaults to the tokenizer's size; a larger one pads the embedding, as real models
     do (Qwen's 151,936 rows exceed its tokenizer). `tokenizer_dir` reuses a saved tokenizer, so a
     draft and a target built with different seeds still share one vocabulary. Same seed, same weights.
+    `config_overrides`: fields of the family's transformers config to set besides these (e.g. `num_experts`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -157,7 +170,8 @@ def build_tiny_model(
     vocab = vocab_size if vocab_size is not None else len(tokenizer)
     if vocab < len(tokenizer):
         raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer's {len(tokenizer)} tokens")
-    config = _config_class(family)(
+    config_class, family_fields = _family_config(family, hidden_size // num_heads, intermediate_size)
+    config = config_class(
         vocab_size=vocab,
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
@@ -170,6 +184,7 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
+        **(family_fields | (config_overrides or {})),
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(dtype).eval()

@@ -1,4 +1,8 @@
-"""A decoder-only transformer for the Llama family (Llama, Qwen2, SmolLM2, Mistral without sliding window).
+"""A decoder-only transformer in the Llama layout (RMSNorm, RoPE, SwiGLU, grouped-query attention), with optional
+per-family features: q/k/v biases, a per-head RMSNorm on q and k (Qwen3), a sparse mixture-of-experts MLP
+(Qwen3-MoE, Mixtral; `moe.py`), and Gemma 3's: (1 + weight) norms, GeGLU, sandwich norms, scaled embeddings,
+soft-capped logits (`variants.py`), an attention scale of its own, and sliding-window layers with their own RoPE
+base (`window.py`). `families.py` lists the families it serves.
 
 The model owns no cache: every forward receives the `KVCache` and the cache slot of each row, and writes the
 new keys and values *by position*. Rolling back rejected draft tokens is therefore just moving a length in the
@@ -13,6 +17,7 @@ from the cache, D hidden size, H query heads, Hkv key/value heads, hd head dim, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,6 +25,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec_core.kv_cache import KVCache
+from specdec_core.models.moe import MoEArgs, SparseMoE
+from specdec_core.models.variants import (
+    GatedMLP,
+    SandwichDecoderLayer,
+    UnitOffsetRMSNorm,
+    scaled_embedding,
+    softcap,
+)
+from specdec_core.models.window import WindowTables, ring_and_new, window_tables
 
 
 @dataclass(frozen=True)
@@ -39,6 +53,26 @@ class ModelArgs:
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
     tie_word_embeddings: bool = False
     rope_scaling: tuple[tuple[str, float], ...] | None = None  # llama3-style frequency scaling, as items
+    output_bias: bool = False  # a bias on o_proj (Llama and Qwen3 with `attention_bias`)
+    qk_norm: bool = False  # RMSNorm over head_dim on each head of q and k, before the rotary embedding (Qwen3)
+    moe: MoEArgs | None = None  # sparse MLP layers (Qwen3-MoE, Mixtral); None: every MLP is dense
+    # Gemma 3's features (`variants.py`, `window.py`); the defaults are the Llama layout's.
+    norm_unit_offset: bool = False  # every RMSNorm scales by (1 + weight), in float32
+    hidden_act: str = "silu"  # the dense MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too, and one before the MLP
+    embed_scale: float | None = None  # embeddings multiplied by this (rounded to the model dtype first)
+    attention_scale: float | None = None  # of the attention scores; None: head_dim ** -0.5
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    rope_linear_factor: float = 1.0  # linear RoPE scaling (positions divided by it), of the full layers only
+    sliding_window: int | None = None  # W: a windowed layer's query at position i sees keys i-W+1 .. i
+    windowed_layers: tuple[int, ...] = ()  # the layers with that window; the others see every earlier key
+    window_rope_theta: float | None = None  # RoPE base of the windowed layers (never scaled); None: rope_theta
+
+    @property
+    def plain_attention(self) -> bool:
+        """Every layer attends over its whole prefix with the usual scale and one rotary table: what the CPU
+        attention kernel and the cacheless training forward compute."""
+        return not self.windowed_layers and self.attention_scale is None
 
 
 class RMSNorm(nn.Module):
@@ -56,10 +90,23 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse RoPE frequencies [hd/2], with llama3 scaling when the config asks for it."""
+def make_norm(args: ModelArgs, dim: int) -> nn.Module:
+    """One of the model's RMSNorms over `dim` features."""
+    return UnitOffsetRMSNorm(dim, args.rms_norm_eps) if args.norm_unit_offset else RMSNorm(dim, args.rms_norm_eps)
+
+
+def window_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse RoPE frequencies [hd/2] of the windowed layers (those of the others where they share them)."""
+    if args.window_rope_theta is None:
+        return rope_inv_freq(args)
     hd = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    return 1.0 / (args.window_rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse RoPE frequencies [hd/2], with linear or llama3 scaling when the config asks for it."""
+    hd = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)) / args.rope_linear_factor
     if not args.rope_scaling:
         return inv_freq
     s = dict(args.rope_scaling)
@@ -89,22 +136,30 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(args.hidden_size, args.num_heads * hd, bias=args.attention_bias)
         self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * hd, bias=args.attention_bias)
         self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * hd, bias=args.attention_bias)
-        self.o_proj = nn.Linear(args.num_heads * hd, args.hidden_size, bias=False)
+        self.o_proj = nn.Linear(args.num_heads * hd, args.hidden_size, bias=args.output_bias)
+        self.q_norm = make_norm(args, hd) if args.qk_norm else None
+        self.k_norm = make_norm(args, hd) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, H, hd]
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, hd]
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, hd]
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before the backend rotates them
+            q, k = self.q_norm(q), self.k_norm(k)
         out = ctx.attention(q, k, v, ctx, layer)  # [B, T, H, hd]; applies the rotary embedding
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
 class TorchAttention:
     """Attention with torch's SDPA: rotate q and k, write the new keys/values into the cache, attend over the
-    valid prefix."""
+    valid prefix; a windowed layer over its ring and the new keys (`window.py`). `scale`: the model's
+    `attention_scale` (None: SDPA's own, head_dim ** -0.5)."""
 
     needs_tables = True  # the forward context must carry the mask and the cos/sin tables
+
+    def __init__(self, scale: float | None = None) -> None:
+        self.scale = scale
 
     def __call__(
         self,
@@ -114,25 +169,43 @@ class TorchAttention:
         ctx: ForwardContext,
         layer: int,
     ) -> torch.Tensor:  # [B, T, H, hd]
-        q = q * ctx.cos + rotate_half(q) * ctx.sin
-        k = k * ctx.cos + rotate_half(k) * ctx.sin
-        ctx.cache.write(layer, ctx.slots, ctx.positions, k, v, ctx.single)
-        keys, values = ctx.cache.read(layer, ctx.slots, ctx.num_keys, ctx.single)  # [B, Hkv, S, hd] each
+        window = ctx.window if ctx.window is not None and layer in ctx.window.layers else None
+        cos, sin = (ctx.cos, ctx.sin) if window is None else (window.cos, window.sin)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if window is not None:
+            keys, values = ring_and_new(ctx.cache, layer, ctx.slots, ctx.positions, k, v, ctx.single)
+            mask = window.mask
+        else:
+            ctx.cache.write(layer, ctx.slots, ctx.positions, k, v, ctx.single)
+            keys, values = ctx.cache.read(layer, ctx.slots, ctx.num_keys, ctx.single)  # [B, Hkv, S, hd] each
+            mask = ctx.mask
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=ctx.mask, enable_gqa=q.shape[2] != k.shape[2]
+            q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=q.shape[2] != k.shape[2]
         )  # [B, H, T, hd]
         return out.transpose(1, 2)
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        width = args.intermediate_size if intermediate_size is None else intermediate_size  # an expert's: its own
+        self.gate_proj = nn.Linear(args.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def feed_forward(args: ModelArgs, index: int) -> nn.Module:
+    """Layer `index`'s MLP: sparse where the model's experts are (`args.moe.layers`), else dense."""
+    moe = args.moe
+    if moe is None or index not in moe.layers:
+        if args.hidden_act != "silu":  # GeGLU: its own module, which the kernels' SwiGLU never replaces
+            return GatedMLP(args.hidden_size, args.intermediate_size, args.hidden_act)
+        return MLP(args)
+    return SparseMoE(moe, args.hidden_size, [MLP(args, moe.intermediate_size) for _ in range(moe.num_experts)])
 
 
 class DecoderLayer(nn.Module):
@@ -140,13 +213,21 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.self_attn = Attention(args)
-        self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = feed_forward(args, index)
+        self.input_layernorm = make_norm(args, args.hidden_size)
+        self.post_attention_layernorm = make_norm(args, args.hidden_size)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, self.index)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def decoder_layer(args: ModelArgs, index: int) -> nn.Module:
+    """Layer `index`: the Llama layout, or with sandwich norms (`variants.SandwichDecoderLayer`)."""
+    if not args.sandwich_norms:
+        return DecoderLayer(args, index)
+    norm = partial(make_norm, args, args.hidden_size)
+    return SandwichDecoderLayer(index, Attention(args), feed_forward(args, index), norm)
 
 
 @dataclass(frozen=True)
@@ -162,6 +243,7 @@ class ForwardContext:
     num_keys: int  # S
     single: tuple[int, int] | None  # (slot, first position) when B == 1
     attention: Any  # the attention backend: (q, k, v, ctx, layer) -> output; writes the cache
+    window: WindowTables | None = None  # the sliding-window layers' tables; None: the model has none
 
 
 def run_in_turn(layers: nn.ModuleList, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [B, T, D]
@@ -171,21 +253,23 @@ def run_in_turn(layers: nn.ModuleList, x: torch.Tensor, ctx: ForwardContext) -> 
 
 
 class Transformer(nn.Module):
-    """Llama-family decoder. Parameter names follow Hugging Face's so checkpoints load without renaming."""
+    """The decoder. Parameter names follow the Hub checkpoints' so they load without renaming (a few families'
+    expert names aside: `loader.py`)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.layers = nn.ModuleList(decoder_layer(args, i) for i in range(args.num_layers))
+        self.norm = make_norm(args, args.hidden_size)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.register_buffer("window_inv_freq", window_inv_freq(args), persistent=False)
         # Swappable from outside (kernels.surgery): how a layer attends over the cache, and how the layers run (one
         # after the other, or all in one call where a kernel can: `kernels.layers_quant`).
-        self.attention: Any = TorchAttention()
+        self.attention: Any = TorchAttention(args.attention_scale)
         self.run_layers: Any = run_in_turn
 
     @property
@@ -204,11 +288,17 @@ class Transformer(nn.Module):
         extra_vocab: torch.Tensor | None = None,  # [E] ids a cut head (`vocab_head.VocabHead`) scores besides its own
     ) -> torch.Tensor:  # [B, N, V] float32
         ctx = self._context(tokens, positions, cache, slots, num_keys, single)
-        x = self.run_layers(self.layers, self.embed_tokens(tokens), ctx)  # [B, T, D]
+        x = self.embed_tokens(tokens)  # [B, T, D]
+        if self.args.embed_scale is not None:
+            x = scaled_embedding(x, self.args.embed_scale)
+        x = self.run_layers(self.layers, x, ctx)  # [B, T, D]
         if logit_index is not None:
             x = x.gather(1, logit_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # [B, N, D]
         x = self.norm(x)
-        return (self.lm_head(x) if extra_vocab is None else self.lm_head(x, extra_vocab)).float()  # [B, N, V]
+        logits = self.lm_head(x) if extra_vocab is None else self.lm_head(x, extra_vocab)  # [B, N, V]
+        if self.args.final_logit_softcap is not None:
+            logits = softcap(logits, self.args.final_logit_softcap)
+        return logits.float()
 
     def _context(
         self,
@@ -220,16 +310,21 @@ class Transformer(nn.Module):
         single: tuple[int, int] | None,
     ) -> ForwardContext:
         B, T = tokens.shape
-        cos = sin = mask = None
+        cos = sin = mask = window = None
         if self.attention.needs_tables:
-            freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [B, T, hd/2]
-            emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, hd]
             dtype = self.embed_tokens.weight.dtype
-            cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+            cos, sin = rotary_tables(positions, self.inv_freq, dtype)
             if T > 1 or B > 1:
                 # A new token at position i sees every cached key at j <= i: the prefix, and itself.
                 key_pos = torch.arange(num_keys, device=tokens.device)  # [S]
                 mask = key_pos.view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)  # [B, 1, T, S]
+            if self.args.windowed_layers and self.args.sliding_window is not None:
+                layers = self.args.windowed_layers
+                local_cos, local_sin = rotary_tables(positions, self.window_inv_freq, dtype)
+                held = cache.held(layers[0])  # every windowed layer holds as many positions
+                window = window_tables(
+                    positions, self.args.sliding_window, held, frozenset(layers), local_cos, local_sin
+                )
         return ForwardContext(
             cache=cache,
             slots=slots,
@@ -240,4 +335,15 @@ class Transformer(nn.Module):
             num_keys=num_keys,
             single=single,
             attention=self.attention,
+            window=window,
         )
+
+
+def rotary_tables(
+    positions: torch.Tensor,  # [B, T]
+    inv_freq: torch.Tensor,  # [hd/2]
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [B, T, 1, hd]: computed in float32, rounded to `dtype`
+    freqs = positions.unsqueeze(-1).float() * inv_freq  # [B, T, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)

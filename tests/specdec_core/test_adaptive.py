@@ -469,3 +469,34 @@ def test_a_stale_cost_is_replaced_not_averaged():
     assert costs.stale_k(1, 4) == 2
     costs.observe_draft(1, 2, 0.1)
     assert costs.draft[1][2] == 0.1 and costs.stale_k(1, 4) is None
+
+
+def test_a_verify_cost_is_not_assumed_from_one_measured_width():
+    """One width measured says nothing of how cost grows with width: flat for a dense model's memory-bound verify,
+    steep for a mixture of experts' (every extra row may read other experts). From two widths on, the slope of
+    the measured ones extends the table."""
+    costs = CostModel()
+    costs.observe_verify(1, 1, 0.1)
+    assert costs.verify_cost(1, 1) == 0.1 and costs.verify_cost(1, 3) is None
+    costs.observe_verify(1, 2, 0.18)  # a second width: 80% more
+    assert costs.verify_cost(1, 4) == pytest.approx(0.34)
+
+
+def test_a_verify_that_grows_steeply_with_width_gets_short_proposals():
+    """The same acceptance and draft cost; a dense-like verify (3% a token) against a mixture-of-experts-like one
+    (each extra token reads about half an expert set more): auto's k follows the measured widths."""
+    flat = _costs(1, draft=0.005, verify={1: 0.1, 9: 0.124})
+    steep = _costs(1, draft=0.005, verify={1: 0.1, 9: 0.5})
+    policy, estimate = AdaptivePolicy(max_k=8), AcceptanceEstimate.starting_at(0.8, weight=1e6)
+    assert policy.choose(estimate, flat, 1) == 6
+    assert policy.choose(estimate, steep, 1) == 2
+
+
+def test_a_batch_explored_at_one_width_measures_plain_decoding_before_judging():
+    """max_k 1 explores k = 1 only (verify width 2): with no plain round measured, one is run, then k is judged."""
+    costs, policy = CostModel(), AdaptivePolicy(max_k=1)
+    costs.observe_draft(1, 1, 0.001)
+    _observe(costs, 1, 2, 0.11)
+    assert policy.choose(_estimate(0.9), costs, 1) == 0
+    costs.observe_verify(1, 1, 0.1)
+    assert policy.choose(_estimate(0.9), costs, 1) == 1
