@@ -75,13 +75,15 @@ def greedy_acceptance(target: LoadedModel, draft: torch.nn.Module, k: int | str 
     return accepted / proposed
 
 
-def sampled_counts(target: LoadedModel, draft: torch.nn.Module) -> tuple[dict[tuple[int, ...], int], float]:
-    """Counts of each 3-token output of SAMPLES seeded requests speculating with `draft` (k = 2), and the
-    acceptance rate."""
+def sampled_counts(
+    target: LoadedModel, draft: torch.nn.Module, prompt: list[int] = PROMPT
+) -> tuple[dict[tuple[int, ...], int], float]:
+    """Counts of each 3-token output of SAMPLES seeded requests after `prompt` speculating with `draft` (k = 2), and
+    the acceptance rate."""
     with one_torch_thread():
         engine = make_engine(target, draft, num_slots=256, max_seq_len=64)
         for i in range(SAMPLES):
-            engine.add_request(Request(str(i), tuple(PROMPT), SamplingParams(seed=i, **SAMPLED), 2))
+            engine.add_request(Request(str(i), tuple(prompt), SamplingParams(seed=i, **SAMPLED), 2))
         outputs: dict[str, list[int]] = {}
         proposed = accepted = 0
         while engine.has_work:

@@ -8,20 +8,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3TextConfig
 
-from specdec_core.config import SamplingParams
 from specdec_core.models.families import args_from_hf_config
 from specdec_core.models.loader import load_model
 from specdec_core.models.tiny import build_tiny_tokenizer
 from specdec_core.models.transformer import TorchAttention
 from specdec_core.models.variants import GatedMLP, SandwichDecoderLayer, UnitOffsetRMSNorm
-from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.sampling import processed_probs
 from tests.helpers import (
     GEMMA3_LAYERS,
     build_tiny_gemma3,
     chi_square_p_value,
-    make_engine,
     one_torch_thread,
     perturbed,
 )
@@ -210,8 +207,7 @@ def test_greedy_speculation_with_a_gemma3_draft_is_exact_past_the_window(gemma):
     assert 0.0 < rate < 1.0, rate
 
 
-SAMPLED = dict(temperature=1.0, top_k=3, top_p=1.0, max_tokens=3, ignore_eos=True)
-SAMPLES = 1500
+SAMPLED, SAMPLES = checks.SAMPLED, checks.SAMPLES  # what `checks.sampled_counts` samples with
 PROMPT = [(5 * i * i + i + 7) % 380 for i in range(44)]  # past the ring: 44 > 8 + 2 * 16
 
 
@@ -236,19 +232,7 @@ def test_sampling_with_a_gemma3_draft_follows_the_target(gemma):
     """Seeded requests after a prompt past the ring, k = 2: the outputs follow the target's exact law (chi-square),
     and the same counts reject the draft's law, so the test can tell the two apart."""
     draft = perturbed(gemma.model, 0.1, seed=36)
-    engine = make_engine(gemma, draft, num_slots=256, max_seq_len=64)
-    for i in range(SAMPLES):
-        engine.add_request(Request(str(i), tuple(PROMPT), SamplingParams(seed=i, **SAMPLED), 2))
-    outputs: dict[str, list[int]] = {}
-    proposed = accepted = 0
-    while engine.has_work:
-        for out in engine.step():
-            outputs.setdefault(out.seq_id, []).extend(out.new_token_ids)
-            if out.finished:
-                proposed, accepted = proposed + out.stats.proposed, accepted + out.stats.accepted
-    counts: dict[tuple[int, ...], int] = {}
-    for tokens in outputs.values():
-        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
-    assert 0.2 < accepted / proposed < 0.95, accepted / proposed
+    counts, acceptance = checks.sampled_counts(gemma, draft, PROMPT)
+    assert 0.2 < acceptance < 0.95, acceptance
     assert chi_square_p_value(counts, _exact_law(gemma.model), SAMPLES) > 1e-3
     assert chi_square_p_value(counts, _exact_law(draft), SAMPLES) < 1e-6
