@@ -5,7 +5,9 @@ CONFIG is deployed once per mode, its workers pinned by `--target-cores` / `--dr
 - `draft.overlap: off`: sequential rounds, and plain decoding (requests with `num_speculative_tokens: 0`) on the
   same deployment, so plain runs on the target's cores alone;
 - `draft.overlap: on`: every round pre-drafts;
-- `draft.overlap: auto`: rounds pre-draft where they measure faster.
+- `draft.overlap: auto`: rounds pre-draft where they measure faster;
+- `shared`: the config's own placement, both workers on every core, sequential rounds (`draft.overlap: off`): what
+  a machine whose draft has no device of its own runs best, for comparison.
 Deployments alternate mode by mode for `--rotations` rotations, and each mode's figures are summed over them: a small
 machine's speed drifts within minutes, and taking turns puts the drift on every mode. Each mode sends the same
 prompts as the same token ids (`/v1/completions`, greedy, `ignore_eos`, exactly `--max-new-tokens` tokens), at each
@@ -36,13 +38,19 @@ from specdec_core.models.loader import load_tokenizer
 from specdec_tools.bench.peer_client import Completion, Endpoint, complete, model_id, run_sessions, run_set
 from specdec_tools.requests import read_prompt_texts, read_sessions
 
-MODES = ("off", "on", "auto")  # draft.overlap of each deployment; plain decoding runs on the "off" one
+# Each deployment: draft.overlap with the workers pinned apart, or shared cores; plain decoding runs on "off".
+MODES = ("off", "on", "auto", "shared")
+SHARED = "shared"
 PLAIN_FIELDS = {"num_speculative_tokens": 0, "speculation_method": "none"}
+ROLES = {"off": "sequential", SHARED: "shared cores, sequential"}
 READY_TIMEOUT_S = 900.0
 
 
 def pinned(config: ServeConfig, overlap: str, target_cores: list[int], draft_cores: list[int]) -> ServeConfig:
-    """`config` with its workers pinned apart and pre-drafting set to `overlap`."""
+    """`config` with its workers pinned apart and pre-drafting set to `overlap`; for `shared`, its own placement
+    and sequential rounds."""
+    if overlap == SHARED:
+        return config.model_copy(update={"draft": config.draft.model_copy(update={"overlap": "off"})})
     target = config.target.model_copy(update={"cpu_affinity": target_cores})
     draft = config.draft.model_copy(update={"cpu_affinity": draft_cores, "overlap": overlap})
     return config.model_copy(update={"target": target, "draft": draft})
@@ -80,7 +88,7 @@ def measure_mode(config: ServeConfig, work: Workloads, mode: str, rotation: int)
     """Deploy `config` and run every workload with its speculation (and, for the sequential deployment, plain)."""
     base = f"http://127.0.0.1:{config.http_port}"
     roles = [("plain", PLAIN_FIELDS)] if mode == "off" else []
-    roles.append(("sequential" if mode == "off" else f"overlap {mode}", {}))
+    roles.append((ROLES.get(mode, f"overlap {mode}"), {}))
     results = []
     with serving(config, quiet=True):
         model = _wait_ready(base)

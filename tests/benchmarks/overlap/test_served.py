@@ -35,6 +35,12 @@ def test_pinned_sets_each_workers_cores_and_the_mode_and_nothing_else():
     assert got.overlap == "on"  # what the router's engine is given
 
 
+def test_shared_keeps_the_configs_placement_and_runs_sequential_rounds():
+    config = parse_config({**CONFIG, "target": {"model": "t", "cpu_affinity": [3]}})
+    got = served.pinned(config, "shared", [0], [1])
+    assert got.target.cpu_affinity == [3] and got.draft.cpu_affinity is None and got.overlap == "off"
+
+
 def test_summary_sums_rotations_and_compares_with_sequential_and_plain():
     ids = [[1, 2, 3]]
     runs = [
