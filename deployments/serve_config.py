@@ -5,16 +5,21 @@ Unknown keys are errors that name them: a misspelt key must not silently fall ba
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from deployments.tls import TlsSetting
+from specdec_core.cuda_graphs import GraphConfig, check_widths
 from specdec_core.drafters import registry as drafters
 from specdec_core.drafters.base import DraftMethod, DraftSpec
 from specdec_core.errors import InvalidArgument
+
+# Serve's logger: what a worker logs at its start goes there (module loggers stay under WARNING in Ray's workers).
+serve_log = logging.getLogger("ray.serve")
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 Device = Literal["cpu", "cuda"]
@@ -63,6 +68,33 @@ class WorkerAutoscaling(_Strict):
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError("initial_replicas must be within [min_replicas, max_replicas]")
         return self
+
+
+class CudaGraphs(_Strict):
+    """A worker's forwards captured as CUDA graphs (`specdec_core.cuda_graphs`): every batch size 1, 2, 4, ... up to
+    max_batch (included) with every width in `widths` (new tokens per row: 1 for decode, k + 1 for a verify of k
+    drafts). Other forwards (prefill) run eagerly. A CUDA feature: on a CPU device it is ignored."""
+
+    max_batch: int = Field(ge=1)
+    widths: tuple[int, ...]
+
+    @field_validator("widths")
+    @classmethod
+    def _widths(cls, widths: tuple[int, ...]) -> tuple[int, ...]:
+        check_widths(widths)
+        return widths
+
+
+def _graphs_or_off(graphs: Any) -> Any:
+    # `off` (bare in YAML 1.1: false) is None inside, so that a dump leaves it out; a mapping is a CudaGraphs.
+    if graphs is False or graphs == "off":
+        return None
+    if graphs is None or isinstance(graphs, dict | CudaGraphs):
+        return graphs
+    raise ValueError(f"off, or a mapping of max_batch and widths; got {graphs!r}")
+
+
+GraphsSetting = Annotated[CudaGraphs | None, BeforeValidator(_graphs_or_off)]
 
 
 class Placement(_Strict):
@@ -136,12 +168,16 @@ class TargetConfig(Placement):
     # GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME in every rank's environment. None: gloo uses the address its
     # node's hostname resolves to, NCCL picks one itself.
     socket_ifname: str | None = Field(None, pattern=r"^[^\s,]+(,[^\s,]+)*$")
+    # off, or {max_batch, widths}: the target's forwards captured as CUDA graphs (CudaGraphs).
+    cuda_graphs: GraphsSetting = None
 
     @model_validator(mode="after")
     def _ranks_only(self) -> TargetConfig:
         for key in ("placement_strategy", "socket_ifname"):
             if getattr(self, key) is not None and self.tensor_parallel_size == 1:
                 raise ValueError(f"{key} places the ranks of a split target: it needs tensor_parallel_size > 1")
+        if self.cuda_graphs is not None and self.device == "cuda" and self.tensor_parallel_size > 1:
+            raise ValueError("cuda_graphs captures one process's forwards: it needs tensor_parallel_size 1")
         if self.cpu_affinity is not None and self.tensor_parallel_size > 1:
             raise ValueError("cpu_affinity pins one process: it needs tensor_parallel_size 1")
         return self
@@ -192,6 +228,8 @@ class DraftConfig(Placement):
     # It pays where the draft computes on hardware of its own (a GPU, a node, `cpu_affinity` apart from the
     # target's); auto measures both ways as it serves and takes the faster.
     overlap: Literal["auto", "on", "off"] = "auto"
+    # off, or {max_batch, widths}: the draft model's forwards captured as CUDA graphs (CudaGraphs).
+    cuda_graphs: GraphsSetting = None
 
     @field_validator("overlap", mode="before")
     @classmethod
@@ -221,6 +259,8 @@ class DraftConfig(Placement):
             raise ValueError("ngram_min must be <= ngram_max")
         if self.suffix_min_match > self.suffix_max_depth // 2:
             raise ValueError("suffix_min_match must be <= suffix_max_depth // 2 (matches use half the depth)")
+        if self.cuda_graphs is not None and self.device == "cuda" and self.vocabulary > 0:
+            raise ValueError("cuda_graphs needs the whole LM head (vocabulary 0): a cut head's ids change every call")
         return self
 
     @property
@@ -513,6 +553,18 @@ class ServeConfig(_Strict):
         if self.draft.overlap == "auto" and shares_cores(self.target, self.draft):
             return "off"
         return self.draft.overlap
+
+
+def runner_graphs(worker: TargetConfig | DraftConfig) -> GraphConfig | None:
+    """The `RunnerConfig.cuda_graphs` of a worker's runner: None when off, and on a CPU device, where the setting is
+    accepted and ignored with one log line (graphs are a CUDA feature)."""
+    graphs = worker.cuda_graphs
+    if graphs is None:
+        return None
+    if worker.device != "cuda":
+        serve_log.info("cuda_graphs ignored: the worker's device is %s, and CUDA graphs need CUDA", worker.device)
+        return None
+    return GraphConfig(graphs.max_batch, graphs.widths)
 
 
 def shares_cores(target: Placement, draft: Placement) -> bool:

@@ -18,7 +18,7 @@ from deployments import autoscaling, swap, worker_registry
 from deployments.compute_thread import ComputeThread
 from deployments.niceness import checked_niceness
 from deployments.prometheus import WorkerMetrics
-from deployments.serve_config import Placement, ServeConfig, parse_config
+from deployments.serve_config import DraftConfig, Placement, ServeConfig, TargetConfig, parse_config, runner_graphs
 from deployments.telemetry import setup_tracing
 from deployments.tls import Role
 from deployments.worker_registry import draft_kind
@@ -39,13 +39,14 @@ log = logging.getLogger(__name__)
 serve_log = logging.getLogger("ray.serve")
 
 
-def _runner_config(config: ServeConfig, placement: Placement) -> RunnerConfig:
+def _runner_config(config: ServeConfig, placement: TargetConfig | DraftConfig) -> RunnerConfig:
     return RunnerConfig(
         num_slots=placement.max_sequences,
         max_seq_len=config.router.max_seq_len,
         max_extend=config.draft.max_speculative_tokens + 1,
         max_cache_bytes=placement.kv_cache_max_bytes,
         prefix_caching=config.prefix_caching,
+        cuda_graphs=runner_graphs(placement),
     )
 
 

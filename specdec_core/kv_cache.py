@@ -9,6 +9,9 @@ Nothing is ever copied or recomputed to roll back.
 Prefix caching (`prefix_cache.py`) starts a new sequence from positions another slot holds: `copy_prefix` copies
 them, once, when the sequence starts; rollback stays a length.
 
+A cache built with `scratch` holds one slot more than `num_slots`: the scratch slot, never allocated, where the
+padding rows of a static-shape forward (`cuda_graphs.py`) write, so that they change no sequence's keys.
+
 Sliding-window layers (`Ring`) keep only the last R positions of a slot, position j at index j mod R, so their
 memory follows the window, not the context (`models/window.py` reads them). What must stay true: after every
 write, the ring still holds the W - 1 positions before any length the slot is set to. A write of positions
@@ -62,13 +65,16 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         ring: Ring | None = None,
+        scratch: bool = False,
     ) -> None:
         sizes = [ring.size if ring is not None and i in ring.layers else capacity for i in range(num_layers)]
-        self.keys = [torch.zeros(num_slots, num_kv_heads, n, head_dim, dtype=dtype, device=device) for n in sizes]
-        self.values = [torch.zeros(num_slots, num_kv_heads, n, head_dim, dtype=dtype, device=device) for n in sizes]
+        rows = num_slots + int(scratch)
+        self.keys = [torch.zeros(rows, num_kv_heads, n, head_dim, dtype=dtype, device=device) for n in sizes]
+        self.values = [torch.zeros(rows, num_kv_heads, n, head_dim, dtype=dtype, device=device) for n in sizes]
         self.capacity = capacity
         self.ring = ring
-        self.num_slots = num_slots
+        self.num_slots = num_slots  # the slots `allocate` hands out; the scratch slot is not one of them
+        self.scratch_slot = num_slots if scratch else None
         self.lengths = [0] * num_slots
         self._oldest = [0] * num_slots  # per slot: the oldest position its rings still hold (all later ones too)
         self._free = list(range(num_slots - 1, -1, -1))
@@ -217,6 +223,8 @@ class KVCache:
         if single is not None:
             slot = single[0]
             return kc[slot : slot + 1, :, :num_keys], vc[slot : slot + 1, :, :num_keys]
+        if num_keys == kc.shape[2]:  # whole slots (a static-shape forward): a gather of rows, no index per position
+            return kc[slots], vc[slots]
         rows = slots.view(-1, 1, 1)  # [B, 1, 1]
         read = torch.arange(num_keys, device=slots.device).view(1, 1, -1)  # [1, 1, S]
         return kc[rows, self._head_index, read], vc[rows, self._head_index, read]

@@ -10,19 +10,29 @@ their keys/values at the next positions) and returns logits; `truncate(slot, n)`
 
 With prefix caching (`RunnerConfig.prefix_caching`), `allocate(reuse, salt)` starts a slot with the longest prefix
 of `reuse` cached for `salt` (`prefix_cache.py`), and `release` keeps the slot's contents as a cache entry.
+
+With CUDA graphs (`RunnerConfig.cuda_graphs`, `cuda_graphs.py`), calls that fit a bucket run as static-shape forwards:
+replayed graphs on CUDA (captured when the runner is built), the same forwards run eagerly elsewhere; other calls
+run eagerly as before. The cache holds one scratch slot more, for the padding rows, counted in the KV budget.
+Models the static forward cannot run (sliding-window rings, mixtures of experts, a cut head) are refused, not
+quietly run eagerly: a config that asks for graphs gets them or an error.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
+from specdec_core.cuda_graphs import CaptureReport, GraphConfig, GraphCounters, GraphedForwards, Rows
 from specdec_core.errors import ResourceExhausted
 from specdec_core.kv_cache import KVCache, Ring, slot_bytes
 from specdec_core.models.transformer import ModelArgs, Transformer
 from specdec_core.prefix_cache import PrefixCacheStats, PrefixIndex
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,8 @@ class RunnerConfig:
     # tokens (`prefix_cache.py`). Off here, so that an in-process engine (benchmarks) computes every prompt; the
     # service turns it on (`prefix_caching` in its config, on by default).
     prefix_caching: bool = False
+    # Capture forwards of these batch sizes and widths as CUDA graphs (`cuda_graphs.py`); None: every forward eager.
+    cuda_graphs: GraphConfig | None = None
 
 
 def slots_within_budget(
@@ -48,15 +60,18 @@ def slots_within_budget(
     dtype: torch.dtype,
     ring: Ring | None = None,
 ) -> int:
-    """`config.num_slots`, or as many as `config.max_cache_bytes` holds; a budget too small for one is refused."""
+    """`config.num_slots`, or as many as `config.max_cache_bytes` holds besides the scratch slot CUDA graphs need;
+    a budget too small for one is refused."""
     if config.max_cache_bytes is None:
         return config.num_slots
     per_slot = slot_bytes(num_layers, num_kv_heads, capacity, head_dim, dtype, ring)  # keys and values
-    fits = config.max_cache_bytes // per_slot
+    scratch = int(config.cuda_graphs is not None)
+    fits = config.max_cache_bytes // per_slot - scratch
     if fits < 1:
         raise ResourceExhausted(
             "kv_cache_max_bytes",
-            f"{config.max_cache_bytes} bytes hold no sequence: one slot of {capacity} positions needs {per_slot} bytes",
+            f"{config.max_cache_bytes} bytes hold no sequence: one slot of {capacity} positions needs {per_slot} bytes"
+            + (" (and CUDA graphs one more, for padding rows)" if scratch else ""),
         )
     return min(config.num_slots, fits)
 
@@ -99,9 +114,40 @@ class ModelRunner:
             dtype=param.dtype,
             device=self.device,
             ring=ring,
+            scratch=config.cuda_graphs is not None,
         )
         self.prefix = PrefixIndex(num_slots, self.cache.holds_window) if config.prefix_caching else None
         self.computed_tokens = 0  # positions written by forwards: what the model computed, cache hits excluded
+        self.graphs = None if config.cuda_graphs is None else self._graphs(config.cuda_graphs)
+        self.capture_report: CaptureReport | None = None
+        if self.graphs is not None and self.device.type == "cuda":
+            self.capture()
+
+    def _graphs(self, config: GraphConfig) -> GraphedForwards:
+        # No forward has more rows than the cache has slots: larger buckets would never be used.
+        fitted = replace(config, max_batch=min(config.max_batch, self.cache.num_slots))
+        return GraphedForwards(self.model, self.cache, fitted)
+
+    def capture(self) -> CaptureReport:
+        """Capture the forwards of `RunnerConfig.cuda_graphs` as CUDA graphs (again, after the model changed:
+        a graph replays the kernels it captured). Refused without them, and on a device other than CUDA."""
+        if self.graphs is None:
+            raise ValueError("this runner has no cuda_graphs to capture (RunnerConfig.cuda_graphs)")
+        self.capture_report = self.graphs.capture()
+        report = self.capture_report
+        log.info(
+            "captured %d CUDA graphs in %.1f s: %.1f MiB allocated, %.1f MiB reserved, %.1f MiB of static buffers",
+            len(report.buckets),
+            report.seconds,
+            report.allocated_bytes / 2**20,
+            report.reserved_bytes / 2**20,
+            report.static_bytes / 2**20,
+        )
+        return report
+
+    def graph_counters(self) -> GraphCounters:
+        """Forwards through a CUDA-graph bucket and those run eagerly instead (all zero without graphs)."""
+        return GraphCounters() if self.graphs is None else self.graphs.counters
 
     @property
     def vocab_size(self) -> int:
@@ -178,6 +224,43 @@ class ModelRunner:
             raise ValueError("rows of very different lengths in one batch: padding would leave the cache slot")
         if not all(self.cache.holds_window(s, a + n, (a, a + T)) for s, a, n in zip(slots, starts, counts)):
             raise ValueError("rows of very different lengths in one batch: padding would overwrite a window's keys")
+        logits, width = self._forward(slots, starts, token_lists, all_logits, extra_vocab)  # [B, T or 1, V]
+        for slot, start, n, row in zip(slots, starts, counts, token_lists):
+            self.cache.wrote(slot, start, start + width)
+            self.cache.set_length(slot, start + n)
+            if self.prefix is not None:
+                self.prefix.wrote(slot, start, row)
+        self.computed_tokens += sum(counts)
+        return logits if all_logits else logits[:, 0]
+
+    def _forward(
+        self,
+        slots: Sequence[int],
+        starts: Sequence[int],
+        token_lists: Sequence[Sequence[int]],
+        all_logits: bool,
+        extra_vocab: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, int]:  # [B, T or 1, V], and the width every row wrote
+        """Through a CUDA-graph bucket where one takes the call (rows padded to its width W), else eagerly (T)."""
+        if self.graphs is not None and extra_vocab is None:
+            rows = Rows(tuple(slots), tuple(starts), tuple(tuple(row) for row in token_lists))
+            graphed = self.graphs.run(rows, all_logits)
+            if graphed is not None:
+                return graphed
+        return self._eager(slots, starts, token_lists, all_logits, extra_vocab), max(len(t) for t in token_lists)
+
+    def _eager(
+        self,
+        slots: Sequence[int],
+        starts: Sequence[int],
+        token_lists: Sequence[Sequence[int]],
+        all_logits: bool,
+        extra_vocab: torch.Tensor | None,
+    ) -> torch.Tensor:  # [B, T or 1, V]
+        """One forward launched from Python, shaped to the call: rows padded to the longest, keys read up to the
+        furthest row's last position, views for a single row."""
+        counts = [len(t) for t in token_lists]
+        T = max(counts)
         tokens = torch.zeros(len(slots), T, dtype=torch.long)  # [B, T], rows padded at the end
         for b, row in enumerate(token_lists):
             tokens[b, : len(row)] = torch.as_tensor(row, dtype=torch.long)
@@ -188,7 +271,7 @@ class ModelRunner:
         if not all_logits:
             index = torch.tensor(counts).sub(1).unsqueeze(1)  # [B, 1]: each row's last real token
         extra = {} if extra_vocab is None else {"extra_vocab": extra_vocab}
-        logits = self.model(
+        return self.model(
             tokens.to(self.device),
             positions.to(self.device),
             self.cache,
@@ -197,11 +280,4 @@ class ModelRunner:
             single,
             None if index is None else index.to(self.device),
             **extra,
-        )  # [B, T or 1, V]
-        for slot, start, n, row in zip(slots, starts, counts, token_lists):
-            self.cache.wrote(slot, start, start + T)
-            self.cache.set_length(slot, start + n)
-            if self.prefix is not None:
-                self.prefix.wrote(slot, start, row)
-        self.computed_tokens += sum(counts)
-        return logits if all_logits else logits[:, 0]
+        )

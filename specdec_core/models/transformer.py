@@ -314,8 +314,10 @@ class Transformer(nn.Module):
         if self.attention.needs_tables:
             dtype = self.embed_tokens.weight.dtype
             cos, sin = rotary_tables(positions, self.inv_freq, dtype)
-            if T > 1 or B > 1:
-                # A new token at position i sees every cached key at j <= i: the prefix, and itself.
+            if T > 1 or B > 1 or single is None:
+                # A new token at position i sees every cached key at j <= i: the prefix, and itself. Only one row's
+                # one token with `single` reads exactly its keys (num_keys is its position + 1); a static-shape
+                # forward (`cuda_graphs.py`) reads the whole capacity, so even its one token needs the mask.
                 key_pos = torch.arange(num_keys, device=tokens.device)  # [S]
                 mask = key_pos.view(1, 1, 1, -1) <= positions.view(B, 1, T, 1)  # [B, 1, T, S]
             if self.args.windowed_layers and self.args.sliding_window is not None:

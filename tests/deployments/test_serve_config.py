@@ -416,3 +416,108 @@ def test_bad_variants_are_named(change, field, words):
     with pytest.raises(InvalidArgument) as refused:
         parse_config({"target": {"model": "t"}, **change})
     assert refused.value.field.startswith(field) and words in refused.value.message, refused.value.message
+
+
+# -- CUDA graphs ---------------------------------------------------------------------------------------------------
+
+GRAPHS = {"max_batch": 8, "widths": [1, 2, 3, 4, 5]}
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"target": {"model": "m", "cuda_graphs": {"max_batch": 0, "widths": [1]}}}, "target.cuda_graphs.max_batch"),
+        ({"target": {"model": "m", "cuda_graphs": {"max_batch": 2, "widths": []}}}, "target.cuda_graphs.widths"),
+        ({"target": {"model": "m", "cuda_graphs": {"max_batch": 2, "widths": [0, 1]}}}, "target.cuda_graphs.widths"),
+        (
+            {"target": {"model": "m"}, "draft": {"model": "d", "cuda_graphs": {"max_batch": 2, "widths": [2, 1]}}},
+            "draft.cuda_graphs.widths",
+        ),
+        ({"target": {"model": "m", "cuda_graphs": {"max_batch": 2, "widths": [1, 1]}}}, "target.cuda_graphs.widths"),
+        ({"target": {"model": "m", "cuda_graphs": {"max_batch": 2}}}, "target.cuda_graphs.widths"),
+        ({"target": {"model": "m", "cuda_graphs": {**GRAPHS, "pool": "shared"}}}, "target.cuda_graphs.pool"),
+        ({"target": {"model": "m", "cuda_graphs": "on"}}, "target.cuda_graphs"),
+    ],
+)
+def test_bad_cuda_graphs_are_named(config, field):
+    with pytest.raises(InvalidArgument) as err:
+        parse_config(config)
+    assert f"{field}:" in str(err.value)
+
+
+def test_cuda_graphs_are_off_by_default_and_off_parses_bare_or_quoted(tmp_path):
+    assert parse_config({"target": {"model": "m"}}).target.cuda_graphs is None
+    assert parse_config({"target": {"model": "m", "cuda_graphs": "off"}}).target.cuda_graphs is None
+    path = tmp_path / "config.yaml"
+    path.write_text("target: {model: m, cuda_graphs: off}\ndraft: {model: d, cuda_graphs: off}\n")  # YAML 1.1: false
+    config = load_config(path)
+    assert config.target.cuda_graphs is None and config.draft.cuda_graphs is None
+
+
+def test_cuda_graphs_reach_the_runner_of_a_cuda_worker_and_a_dump_keeps_them(tmp_path):
+    from deployments.serve_config import runner_graphs
+    from specdec_core.cuda_graphs import GraphConfig
+
+    config = parse_config(
+        {
+            "target": {"model": "m", "device": "cuda", "cuda_graphs": GRAPHS},
+            "draft": {"model": "d", "device": "cuda", "cuda_graphs": {"max_batch": 4, "widths": [1]}},
+        }
+    )
+    assert runner_graphs(config.target) == GraphConfig(8, (1, 2, 3, 4, 5))
+    assert runner_graphs(config.draft) == GraphConfig(4, (1,))
+    assert runner_graphs(parse_config({"target": {"model": "m", "device": "cuda"}}).target) is None
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(dump_config(config))
+    assert load_config(dumped) == config
+
+
+def test_cuda_graphs_on_a_cpu_device_are_accepted_and_ignored_with_one_log_line(caplog):
+    from deployments.serve_config import runner_graphs
+
+    config = parse_config({"target": {"model": "m", "cuda_graphs": GRAPHS}})
+    with caplog.at_level("INFO", logger="ray.serve"):
+        assert runner_graphs(config.target) is None
+    assert [r.getMessage() for r in caplog.records if "cuda_graphs" in r.getMessage()] == [
+        "cuda_graphs ignored: the worker's device is cpu, and CUDA graphs need CUDA"
+    ]
+
+
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        (
+            {"target": {"model": "m", "device": "cuda", "tensor_parallel_size": 2, "cuda_graphs": GRAPHS}},
+            "tensor_parallel_size 1",
+        ),
+        (
+            {
+                "target": {"model": "m"},
+                "draft": {"model": "d", "device": "cuda", "vocabulary": 1024, "cuda_graphs": GRAPHS},
+            },
+            "vocabulary 0",
+        ),
+    ],
+)
+def test_cuda_graphs_are_refused_where_a_worker_cannot_capture_them(config, words):
+    with pytest.raises(InvalidArgument, match=words) as err:
+        parse_config(config)
+    assert "cuda_graphs" in str(err.value)
+    on_cpu = {key: {**value, "device": "cpu"} for key, value in config.items()}  # there the same keys are ignored
+    assert parse_config(on_cpu).target.device == "cpu"
+
+
+def test_the_workers_runners_get_cuda_graphs_on_a_cuda_device_and_none_on_the_cpu():
+    from deployments.worker_deployments import _runner_config
+    from specdec_core.cuda_graphs import GraphConfig
+
+    graphs = {"max_batch": 8, "widths": [1, 2, 3]}
+    for device, expected in (("cuda", GraphConfig(8, (1, 2, 3))), ("cpu", None)):
+        config = parse_config(
+            {
+                "target": {"model": "t", "device": device, "cuda_graphs": graphs},
+                "draft": {"method": "draft_model", "model": "d", "device": device, "cuda_graphs": graphs},
+            }
+        )
+        assert _runner_config(config, config.target).cuda_graphs == expected
+        assert _runner_config(config, config.draft).cuda_graphs == expected
