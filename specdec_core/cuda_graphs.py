@@ -188,10 +188,14 @@ class GraphedForwards:
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.counters = GraphCounters()
 
-    def run(self, rows: Rows, all_logits: bool) -> tuple[torch.Tensor, int] | None:
+    def run(
+        self, rows: Rows, all_logits: bool, device_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int] | None:
         """Logits of `rows` through their bucket, [b, T, V] when `all_logits` else [b, 1, V] (each row's last
         ones; fresh tensors, not the static buffer), and the width every row wrote (its bucket's W); None where no
-        bucket takes them (counted: the caller runs them eagerly). Mutates the cache's keys/values only."""
+        bucket takes them (counted: the caller runs them eagerly). Mutates the cache's keys/values only.
+        `device_tokens` [b] (rows of one token each): the tokens, already on the device, in place of `rows.tokens`
+        (copied device to device: the host never waits for them)."""
         b, T = len(rows.slots), max(len(t) for t in rows.tokens)
         bucket = bucket_for(b, T, self.config)
         if bucket is None or max(rows.starts) + bucket[1] > self.cache.capacity:
@@ -204,6 +208,8 @@ class GraphedForwards:
             return None
         inputs = self.inputs[bucket]
         inputs.buffer.copy_(pack(rows, bucket, self.scratch))
+        if device_tokens is not None:
+            inputs.tokens[:b, 0].copy_(device_tokens)
         graph = self.graphs.get(bucket)
         if graph is None:
             self._forward(inputs)

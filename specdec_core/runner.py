@@ -233,6 +233,36 @@ class ModelRunner:
         self.computed_tokens += sum(counts)
         return logits if all_logits else logits[:, 0]
 
+    @torch.inference_mode()
+    def extend_next(
+        self,
+        slots: Sequence[int],
+        tokens: torch.Tensor,  # [B] long, on the model's device: one new token per row
+        extra_vocab: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [B, V]
+        """`extend` by one token a row whose ids stay on the device (e.g. the argmax of the last step's logits):
+        a chain of steps with no copy to the host between them. The prefix cache forgets the slots' positions from
+        here on until `record` tells it the tokens: what it holds must stay a prefix of what the slot holds."""
+        starts = [self.cache.lengths[s] for s in slots]
+        if (longest := max(starts) + 1) > self.max_seq_len:
+            raise ResourceExhausted("max_seq_len", f"sequence would reach {longest} > {self.max_seq_len} tokens")
+        placeholders = [[0] for _ in slots]  # the shapes of the call; the ids come from `tokens`
+        logits, width = self._forward(slots, starts, placeholders, False, extra_vocab, tokens)  # [B, 1, V]
+        for slot, start in zip(slots, starts):
+            self.cache.wrote(slot, start, start + width)
+            self.cache.set_length(slot, start + 1)
+            if self.prefix is not None:
+                self.prefix.truncated(slot, start)
+        self.computed_tokens += len(slots)
+        return logits[:, 0]
+
+    def record(self, slot: int, start: int, tokens: Sequence[int]) -> None:
+        """The ids `extend_next` wrote at positions start.. of `slot`, now known on the host: the prefix cache may
+        offer them again. Positions the cache no longer holds, or after a gap, are not recorded."""
+        if self.prefix is None or len(self.prefix.tokens(slot)) != start:
+            return
+        self.prefix.wrote(slot, start, list(tokens)[: max(0, self.cache.lengths[slot] - start)])
+
     def _forward(
         self,
         slots: Sequence[int],
@@ -240,14 +270,16 @@ class ModelRunner:
         token_lists: Sequence[Sequence[int]],
         all_logits: bool,
         extra_vocab: torch.Tensor | None,
+        device_tokens: torch.Tensor | None = None,  # [B]: one token a row, on the device, in place of token_lists
     ) -> tuple[torch.Tensor, int]:  # [B, T or 1, V], and the width every row wrote
         """Through a CUDA-graph bucket where one takes the call (rows padded to its width W), else eagerly (T)."""
         if self.graphs is not None and extra_vocab is None:
             rows = Rows(tuple(slots), tuple(starts), tuple(tuple(row) for row in token_lists))
-            graphed = self.graphs.run(rows, all_logits)
+            graphed = self.graphs.run(rows, all_logits, device_tokens)
             if graphed is not None:
                 return graphed
-        return self._eager(slots, starts, token_lists, all_logits, extra_vocab), max(len(t) for t in token_lists)
+        logits = self._eager(slots, starts, token_lists, all_logits, extra_vocab, device_tokens)
+        return logits, max(len(t) for t in token_lists)
 
     def _eager(
         self,
@@ -256,6 +288,7 @@ class ModelRunner:
         token_lists: Sequence[Sequence[int]],
         all_logits: bool,
         extra_vocab: torch.Tensor | None,
+        device_tokens: torch.Tensor | None = None,  # [B]: one token a row, in place of token_lists
     ) -> torch.Tensor:  # [B, T or 1, V]
         """One forward launched from Python, shaped to the call: rows padded to the longest, keys read up to the
         furthest row's last position, views for a single row."""
@@ -264,6 +297,7 @@ class ModelRunner:
         tokens = torch.zeros(len(slots), T, dtype=torch.long)  # [B, T], rows padded at the end
         for b, row in enumerate(token_lists):
             tokens[b, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+        tokens = tokens.to(self.device) if device_tokens is None else device_tokens.view(-1, 1)  # [B, T]
         positions = torch.tensor(starts).unsqueeze(1) + torch.arange(T)  # [B, T]
         num_keys = max(starts) + T
         single = (slots[0], starts[0]) if len(slots) == 1 else None
@@ -272,7 +306,7 @@ class ModelRunner:
             index = torch.tensor(counts).sub(1).unsqueeze(1)  # [B, 1]: each row's last real token
         extra = {} if extra_vocab is None else {"extra_vocab": extra_vocab}
         return self.model(
-            tokens.to(self.device),
+            tokens,
             positions.to(self.device),
             self.cache,
             torch.tensor(slots, device=self.device),

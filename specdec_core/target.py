@@ -159,7 +159,7 @@ class LocalTarget:
         starts = [self.runner.length(slot) for slot in slots]
         feeds = [[item.last_token_id, *item.draft_token_ids] for item in items]
         logits = _masked(self.runner.extend(slots, feeds, all_logits=True), [i.allowed for i in items])  # [B, T, V]
-        result = self._accept(items, logits)
+        result = _to_host(self._accept(items, logits))
         probs = _draft_token_probs(items, logits)
         outcomes = []
         for b, (slot, start) in enumerate(zip(slots, starts)):
@@ -180,30 +180,33 @@ class LocalTarget:
         return slot
 
     def _accept(self, items: Sequence[VerifyItem], logits: torch.Tensor) -> VerifyResult:
-        """Greedy rows by argmax, sampled rows by rejection sampling."""
+        """Greedy rows by argmax, sampled rows by rejection sampling; the outcome stays on the logits' device (the
+        caller copies it to the host once, for the whole batch)."""
         B, T, V = logits.shape
+        device = logits.device
         drafts = torch.full((B, T - 1), -1, dtype=torch.long)  # [B, K]
         for b, item in enumerate(items):
             drafts[b, : len(item.draft_token_ids)] = torch.tensor(list(item.draft_token_ids), dtype=torch.long)
         num_draft = torch.tensor([len(item.draft_token_ids) for item in items])  # [B]
+        drafts, num_draft = drafts.to(device), num_draft.to(device)
         sampled = [b for b, item in enumerate(items) if not item.shaping.greedy]
         if len(sampled) < B:
-            result = greedy_accept(drafts, num_draft, logits.argmax(dim=-1).cpu())
+            result = greedy_accept(drafts, num_draft, logits.argmax(dim=-1))
             if not sampled:
                 return result
         sub = self._rejection_sample([items[b] for b in sampled], logits[sampled], drafts[sampled])
         if len(sampled) == B:
             return sub
-        out, n = result.output_token_ids.clone(), result.num_accepted.clone()
-        out[sampled], n[sampled] = sub.output_token_ids, sub.num_accepted
-        return VerifyResult(out, n)
+        at = torch.tensor(sampled, device=device)  # [S]
+        out = result.output_token_ids.index_copy(0, at, sub.output_token_ids)  # [B, K+1]
+        return VerifyResult(out, result.num_accepted.index_copy(0, at, sub.num_accepted))
 
     @staticmethod
     def _rejection_sample(
         items: Sequence[VerifyItem],
         logits: torch.Tensor,  # [S, K+1, V]
-        drafts: torch.Tensor,  # [S, K]
-    ) -> VerifyResult:
+        drafts: torch.Tensor,  # [S, K] on the logits' device
+    ) -> VerifyResult:  # on the logits' device
         S, T, V = logits.shape
         K = T - 1
         p = _probs(logits.reshape(S * T, V), [item.shaping for item in items for _ in range(T)]).view(S, T, V)
@@ -217,16 +220,21 @@ class LocalTarget:
                 uniform_accept[i, :n] = item.uniform_accept
         uniform_sample = torch.tensor([item.uniform_sample for item in items], dtype=torch.float64)  # [S]
         device = p.device
-        result = rejection_sample(
-            drafts.to(device),
+        return rejection_sample(
+            drafts,
             num_draft.to(device),
             p,
             q,
             uniform_accept.to(device, p.dtype),
             uniform_sample.to(device, p.dtype),
         )
-        # Outcomes are read on the host, and merged with the greedy rows' (host) outcomes: one copy each.
-        return VerifyResult(result.output_token_ids.cpu(), result.num_accepted.cpu())
+
+
+def _to_host(result: VerifyResult) -> VerifyResult:
+    """The batch's outcome on the host in one device-to-host copy: tokens and counts packed side by side (on a GPU
+    every copy is a sync that waits for the device, so one per round, never one per row)."""
+    packed = torch.cat([result.output_token_ids, result.num_accepted.unsqueeze(1)], dim=1).cpu()  # [B, K+2]
+    return VerifyResult(packed[:, :-1], packed[:, -1])
 
 
 def _masked(

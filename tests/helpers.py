@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 
@@ -436,3 +437,17 @@ def build_tiny_gemma3(path, tokenizer_dir, seed: int = 31, tie: bool = False, **
         state = {k: v + 0.3 * torch.randn(v.shape, generator=gen) if "norm" in k else v for k, v in state.items()}
         save_file(state, file, metadata={"format": "pt"})
     return path
+
+
+def syncs_during(call) -> int:
+    """Synchronising CUDA calls (copies that wait for the device) made by `call()`, as torch's sync debug mode
+    reports them."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)

@@ -10,6 +10,7 @@ import torch
 
 from specdec_core.config import TokenShaping
 from specdec_core.drafters.base import DraftContext, DraftMethod, DraftRequest, Proposal
+from specdec_core.drafters.draft_chain import ChainRow, draft_chain
 from specdec_core.errors import InvalidArgument
 from specdec_core.models.vocab_head import VocabHead, context_ids
 from specdec_core.runner import ModelRunner
@@ -57,6 +58,7 @@ class DraftModelDrafter:
         target_vocab_size: int,
         q_support: int | None = Q_SUPPORT,
         confidence_threshold: float = 0.0,
+        chain_on_device: bool | None = None,
     ) -> None:
         if not 0.0 <= confidence_threshold < 1.0:
             raise ValueError(f"need 0 <= confidence_threshold < 1, got {confidence_threshold}")
@@ -64,6 +66,9 @@ class DraftModelDrafter:
         self.target_vocab_size = target_vocab_size
         self.q_support = q_support
         self.confidence_threshold = confidence_threshold
+        # On a GPU a step's read-back costs more than the step: greedy rows draft as one chain there. On a CPU the
+        # loop stops early (every row done, or unsure) and saves whole steps, which cost far more than a read-back.
+        self.chain_on_device = runner.device.type == "cuda" if chain_on_device is None else chain_on_device
         self._slots: dict[str, int] = {}
         # Per sequence, what its cache holds past the tokens known to be committed: (the first such position, the
         # tokens there): its last call's assumed tokens (`DraftRequest.num_assumed`) and the drafts it wrote.
@@ -137,6 +142,8 @@ class DraftModelDrafter:
             if self._keep is None or not rows
             else context_ids((requests[i].token_ids for i in rows), self._keep, self.runner.vocab_size)
         )  # [E]
+        if rows and self._chains(requests, rows):
+            return self._propose_chain(requests, rows, feeds, extra)
         try:
             step = 0
             while rows:
@@ -171,16 +178,60 @@ class DraftModelDrafter:
             for request, n in zip(requests, advanced):
                 if n and request.grammar is not None:  # advanced only where there is a grammar
                     request.grammar.rollback(n)
+        self._note_fed(requests, tokens)
+        return [
+            Proposal(token_ids=t, q=_stack(q), draft_probs=tuple(c) if r.return_probs else None)
+            for t, q, c, r in zip(tokens, qs, chosen, requests)
+        ]
+
+    def _chains(self, requests: Sequence[DraftRequest], rows: Sequence[int]) -> bool:
+        """Whether this call drafts as one chain on the device (`draft_chain.py`): on by `chain_on_device` (a
+        CUDA runner), for greedy rows without a grammar (whose steps need the host) within their length limit."""
+        if not self.chain_on_device:
+            return False
+        steps = max(requests[i].num_tokens for i in rows)
+        for i in rows:
+            r = requests[i]
+            if not r.shaping.greedy or r.grammar is not None:
+                return False
+            if len(r.token_ids) + steps > self.runner.max_seq_len:  # a short row runs the longest row's steps
+                return False
+        return True
+
+    def _propose_chain(
+        self,
+        requests: Sequence[DraftRequest],
+        rows: Sequence[int],
+        feeds: dict[int, list[int]],
+        extra: torch.Tensor | None,
+    ) -> list[Proposal]:
+        chain = [
+            ChainRow(self._slots[requests[i].seq_id], feeds[i], requests[i].num_tokens, requests[i].shaping)
+            for i in rows
+        ]
+        with_probs = self.confidence_threshold > 0 or any(requests[i].return_probs for i in rows)
+        drafted = dict(
+            zip(rows, draft_chain(self.runner, chain, self._align, self.confidence_threshold, with_probs, extra))
+        )
+        tokens = [drafted[i].token_ids if i in drafted else [] for i in range(len(requests))]
+        self._note_fed(requests, tokens)
+        return [
+            Proposal(
+                token_ids=t,
+                q=None,  # greedy rows: their drafts are point masses
+                draft_probs=(tuple(drafted[i].probs) if i in drafted else ()) if r.return_probs else None,
+            )
+            for i, (t, r) in enumerate(zip(tokens, requests))
+        ]
+
+    def _note_fed(self, requests: Sequence[DraftRequest], tokens: Sequence[list[int]]) -> None:
+        """What each row's cache now holds past its committed tokens (`_fed`): the assumed tokens, then drafts."""
         for r, drafted in zip(requests, tokens):
             if r.num_tokens > 0:
                 written = self.runner.length(self._slots[r.seq_id]) - len(r.token_ids)
                 committed = len(r.token_ids) - r.num_assumed
                 assumed = self._readable(r.token_ids[committed:])
                 self._fed[r.seq_id] = (committed, assumed + drafted[:written])
-        return [
-            Proposal(token_ids=t, q=_stack(q), draft_probs=tuple(c) if r.return_probs else None)
-            for t, q, c, r in zip(tokens, qs, chosen, requests)
-        ]
 
     def _drop_stale_drafts(self, seq_id: str, slot: int, token_ids: Sequence[int]) -> None:
         """Keep what the cache holds past the known committed tokens (the last call's drafts, and the tokens it

@@ -5,21 +5,23 @@ position it samples at."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from specdec_core.config import TokenShaping
 from specdec_core.grammar.bits import PackedMasks
+from specdec_core.models.loader import load_model
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.sparse_q import SparseQ
 from specdec_core.target import LocalTarget, PrefillItem, VerifyItem
-from tests.helpers import logits_after
+from tests.helpers import logits_after, syncs_during
 
 PROMPT = list(range(5, 25))
 SAMPLED = TokenShaping(temperature=1.0)
 
 
 def _started(tiny_target, names):
-    target = LocalTarget(ModelRunner(tiny_target.model, RunnerConfig(num_slots=4, max_seq_len=128)))
+    target = LocalTarget(ModelRunner(tiny_target.model, RunnerConfig(num_slots=len(names), max_seq_len=128)))
     target.prefill([PrefillItem(name, PROMPT, SAMPLED, 0.5) for name in names])
     return target
 
@@ -96,3 +98,40 @@ def test_a_masked_sampled_row_samples_only_allowed_tokens(tiny_target):
     )
     assert all(set(o.token_ids) <= set(allowed) for o in outcomes)
     assert outcomes[1].num_accepted == 0
+
+
+def _rows(vocab: int) -> list[VerifyItem]:
+    """Greedy and sampled rows mixed, with 0..3 drafts each; each sampled row's uniforms fixed."""
+    greedy = TokenShaping()
+    uniforms = torch.tensor([0.2, 0.7, 0.4], dtype=torch.float64)
+    return [
+        VerifyItem("g0", 7, [11, 12, 13], None, greedy, None, None),
+        VerifyItem("s0", 7, [11, 12], None, SAMPLED, uniforms[:2], 0.3),
+        VerifyItem("g1", 9, [], None, greedy, None, None),
+        VerifyItem("s1", 9, [vocab - 1, 4, 5], None, SAMPLED, uniforms, 0.9),
+        VerifyItem("g2", 8, [21], None, greedy, None, None),
+    ]
+
+
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone(tiny_target):
+    """Greedy and sampled rows are accepted apart and merged on the device: every row's outcome, and its cache
+    length after the rollback, equal the row's verified alone."""
+    rows = _rows(tiny_target.model.vocab_size)
+    names = [row.seq_id for row in rows]
+    batched = _started(tiny_target, names)
+    together = batched.verify(rows)
+    for row, outcome in zip(rows, together):
+        alone = _started(tiny_target, [row.seq_id])
+        assert alone.verify([row]) == [outcome], row.seq_id
+        assert batched.runner.length(batched._slots[row.seq_id]) == alone.runner.length(alone._slots[row.seq_id])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts device-to-host syncs on a CUDA device")
+def test_a_verify_waits_for_the_device_as_often_for_five_rows_as_for_one_on_cuda(tiny_dir):
+    """No per-row reads: the batch's outcome comes back in one copy, whatever the rows (greedy and sampled)."""
+    model = load_model(tiny_dir / "target", dtype="float32").model.to("cuda")
+    target = LocalTarget(ModelRunner(model, RunnerConfig(num_slots=8, max_seq_len=128)))
+    rows = _rows(model.vocab_size)
+    target.prefill([PrefillItem(row.seq_id, PROMPT, SAMPLED, 0.5) for row in rows])
+    one = syncs_during(lambda: target.verify(rows[3:4]))
+    assert syncs_during(lambda: target.verify(rows[:3] + rows[4:])) == one
