@@ -117,7 +117,8 @@ class AcceptanceEstimate:
 CATCH_UP_TIMED_FROM = 16
 
 
-def _bucket(batch_size: int) -> int:
+def batch_bucket(batch_size: int) -> int:
+    """The batch-size bucket costs are kept per: the next power of two."""
     return 1 << max(0, math.ceil(math.log2(max(1, batch_size))))
 
 
@@ -151,13 +152,13 @@ class CostModel:
 
     def observe_draft(self, batch_size: int, steps: int, seconds: float) -> None:
         if steps > 0:
-            bucket = _bucket(batch_size)
+            bucket = batch_bucket(batch_size)
             self._ewma(
                 self.draft.setdefault(bucket, {}), self.draft_seen.setdefault(bucket, {}), bucket, steps, seconds
             )
 
     def observe_verify(self, batch_size: int, tokens_per_row: int, seconds: float) -> None:
-        bucket = _bucket(batch_size)
+        bucket = batch_bucket(batch_size)
         self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
         self._ewma(
             self.verify.setdefault(bucket, {}), self.verify_seen.setdefault(bucket, {}), bucket, tokens_per_row, seconds
@@ -174,7 +175,7 @@ class CostModel:
     def stale_k(self, batch_size: int, up_to: int) -> int | None:
         """The k in 1..up_to, among those measured, whose draft call (k steps) or verify (k + 1 tokens a row) was
         last measured the longest ago, if more than `stale_after` rounds ago; None where none is stale."""
-        bucket = _bucket(batch_size)
+        bucket = batch_bucket(batch_size)
         now = self.rounds.get(bucket, 0)
         drafts, verifies = self.draft_seen.get(bucket, {}), self.verify_seen.get(bucket, {})
         ages = {
@@ -190,7 +191,7 @@ class CostModel:
         until two row counts are measured. How the cost grows with the rows is the model's own, and nothing here
         assumes it: a few percent a token for a dense model's memory-bound verify, but up to a whole expert set
         more a token for a mixture of experts' (benchmarks/moe)."""
-        table = self.verify.get(_bucket(batch_size))
+        table = self.verify.get(batch_bucket(batch_size))
         if not table:
             return None
         if tokens_per_row in table:
@@ -209,7 +210,7 @@ class CostModel:
     def draft_cost(self, batch_size: int, k: int) -> float | None:
         """Seconds of a call drafting k tokens: measured, or extrapolated along the measured line (with one
         measurement, proportional to k)."""
-        table = self.draft.get(_bucket(batch_size))
+        table = self.draft.get(batch_bucket(batch_size))
         if not table:
             return None
         if k in table:
@@ -227,7 +228,7 @@ class CostModel:
         tokens a row here is read at B * t / b tokens a row there, and scaled by c_verify(B, 1) / c_verify(b, B / b):
         the same token count on both sides. Draft costs are scaled by the ratio of plain decoding's costs. None
         when this batch size has no plain-decoding measurement or no batch size is explored."""
-        bucket = _bucket(batch_size)
+        bucket = batch_bucket(batch_size)
         here = self.verify.get(bucket, {}).get(1)
         explored = [
             b
@@ -251,7 +252,7 @@ class CostModel:
     def unmeasured_k(self, batch_size: int, up_to: int, samples: int = 1) -> int | None:
         """The smallest k in 1..up_to whose verify cost (k + 1 tokens per row) has fewer than `samples`
         measurements."""
-        counts = self.verify_samples.get(_bucket(batch_size), {})
+        counts = self.verify_samples.get(batch_bucket(batch_size), {})
         return next((k for k in range(1, up_to + 1) if counts.get(k + 1, 0) < samples), None)
 
 
@@ -335,7 +336,7 @@ class AdaptivePolicy:
             explored_elsewhere = any(
                 costs.unmeasured_k(b, self.explore_k, self.explore_samples) is None for b in costs.verify
             )
-            if explored_elsewhere and 1 not in costs.verify.get(_bucket(batch_size), {}):
+            if explored_elsewhere and 1 not in costs.verify.get(batch_bucket(batch_size), {}):
                 return RoundChoice(0, False)
         judged = self._judging_costs(costs, batch_size)
         if judged is None:

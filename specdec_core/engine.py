@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from specdec_core import structured
-from specdec_core.adaptive import AcceptanceEstimate, AdaptivePolicy, CostModel
+from specdec_core.adaptive import AcceptanceEstimate, AdaptivePolicy, CostModel, batch_bucket
 from specdec_core.config import AUTO, parse_num_speculative_tokens
 from specdec_core.decode_run import RUN_STEPS, DecodeRun, Step
 from specdec_core.drafters.base import Drafter, Hybrid, Proposal
@@ -404,10 +404,13 @@ class SpecEngine:
         except Exception as exc:
             self._branches(rows, predrafting)  # the pre-draft ends before its rows do
             return outputs + self._fail([row.seq for row in rows], exc)
+        width = 1 + max(len(row.proposal.token_ids) for row in rows)
         if not failed:
-            width = 1 + max(len(row.proposal.token_ids) for row in rows)
             self.costs.observe_verify(len(rows), width, time.perf_counter() - t0)
         branches = self._branches(rows, predrafting)
+        if not failed and self.overlap.enabled:
+            shape = (batch_bucket(len(rows)), width)
+            self.overlap.observe_verify(predrafting is not None, shape, time.perf_counter() - t0)
         seconds = time.perf_counter() - started
         committed = 0
         for i, (row, outcome) in enumerate(zip(rows, outcomes)):
@@ -591,6 +594,8 @@ class SpecEngine:
             if branch is not None and k > 0:
                 proposals[i], predrafted[i] = branch.prefix(k), True
         rows = [i for i, k in enumerate(ks) if k > 0 and not predrafted[i]]
+        if self.overlap.enabled:
+            self.overlap.observe_saved(self._drafting_saved(ks, predrafted, rows))
         if self.drafter is None or not rows:
             return proposals, predrafted
         # A drafting row that sat at k = 0 has context to catch up on: that call's time is not a k-draft's.
@@ -610,6 +615,16 @@ class SpecEngine:
         return proposals, predrafted
 
     # -- pre-drafting (`overlap.py`) -----------------------------------------------------------------------------
+
+    def _drafting_saved(self, ks: list[int], predrafted: list[bool], rows: list[int]) -> float:
+        """Seconds of drafting the branches used this round saved, by the measured costs: a call for every row that
+        drafts or holds a branch, less the call for those that draft (none if every one holds a branch)."""
+        covered = [i for i, k in enumerate(ks) if k > 0 and (predrafted[i] or i in rows)]
+        if not any(predrafted) or not covered:
+            return 0.0
+        full = self.costs.draft_cost(len(covered), max(ks[i] for i in covered))
+        left = self.costs.draft_cost(len(rows), max(ks[i] for i in rows)) if rows else 0.0
+        return 0.0 if full is None or left is None else max(0.0, full - left)
 
     def _predraft(self, rows: list[_Row]) -> tuple[list[int], Future[list[Proposal]]] | None:
         """Start pre-drafting, on the pre-drafting thread, the rows that may: each row's branch where every draft of

@@ -14,10 +14,14 @@ plain decoding's, token for token. Seeded sampling stays exact in law, but a pre
 round would not: a seed's sample differs between overlap on and off.
 
 Pre-drafting pays only where the draft computes while the target verifies on hardware of its own (a draft GPU, a
-draft node, cores pinned apart): on shared cores the two contend, and the round is slower. `overlap: auto` measures
-it: rounds with and without pre-drafting are timed per committed token (each mode tried again now and then) and
-the faster is used. Rows with a grammar never pre-draft (the grammar's state would have to follow the assumed
-drafts).
+draft node, cores pinned apart): on shared cores the two contend, and the round is slower. `overlap: auto` weighs
+what it measured of both modes (each tried again now and then): per pre-drafting round, the drafting its branches
+saved the round after (the draft call a hit made unnecessary, at its measured cost) against what pre-drafting added
+to the wait for the verify (the verify and the pre-draft together, less a sequential verify of the same shape).
+Round against round, that compares like with like: timing rounds per committed token would weigh in how many
+tokens each happened to commit, which varies far more between rounds than either term. Until both terms are
+measured, rounds are timed per committed token. Rows with a grammar never pre-draft (the grammar's state would
+have to follow the assumed drafts).
 """
 
 from __future__ import annotations
@@ -91,7 +95,9 @@ BLOCK_ROUNDS = 4
 EXPLORE_EVERY = 64
 MAX_EXPLORE_EVERY = 4096
 WARMUP_ROUNDS = BLOCK_ROUNDS  # rounds of each mode timed before `auto` compares them
-WINDOW_ROUNDS = 4 * BLOCK_ROUNDS  # each mode's time per token: over its last this many rounds
+WINDOW_ROUNDS = 4 * BLOCK_ROUNDS  # each mode's time per token, and the terms weighed: over this many last rounds
+MIN_WEIGHED = BLOCK_ROUNDS  # samples of each term before `auto` weighs them instead of timing per token
+VERIFY_SMOOTHING = 0.3  # weight of a new sequential verify in its shape's average
 
 
 class Overlap:
@@ -108,6 +114,12 @@ class Overlap:
         self._until_explore = EXPLORE_EVERY  # auto: rounds before the next trial of the mode not in use
         self._explore_every = EXPLORE_EVERY
         self._exploring = False
+        # Weighed terms (module docstring): a sequential verify's seconds per shape (rows' bucket, tokens a row);
+        # per pre-drafting round, its wait beyond that; per round after one, the drafting its branches saved.
+        self._verify: dict[tuple[int, int], float] = {}
+        self._extra: deque[float] = deque(maxlen=WINDOW_ROUNDS)
+        self._saved: deque[float] = deque(maxlen=WINDOW_ROUNDS)
+        self._last = False  # whether the last round chosen pre-drafted
         self.branches = 0  # branches pre-drafted
         self.hits = 0  # branches used as the next round's proposal
 
@@ -118,11 +130,13 @@ class Overlap:
     def choose(self) -> bool:
         """Whether this round pre-drafts."""
         if self.mode is not OverlapMode.AUTO:
-            return self.mode is OverlapMode.ON
+            self._last = self.mode is OverlapMode.ON
+            return self._last
         mode, left = self._block
         if left == 0:
             mode, left = self._next_block(), BLOCK_ROUNDS
         self._block = (mode, left - 1)
+        self._last = mode
         return mode
 
     def _next_block(self) -> bool:
@@ -139,10 +153,15 @@ class Overlap:
         if self._until_explore <= 0:  # a trial: the other mode is timed afresh, on this block alone
             self._exploring = True
             self._recent[not better].clear()
+            if not better:  # pre-drafting's terms too; sequential verifies are averaged, and follow at once
+                self._extra.clear()
+                self._saved.clear()
             return not better
         return better
 
     def _better(self) -> bool:
+        if len(self._extra) >= MIN_WEIGHED and len(self._saved) >= MIN_WEIGHED:
+            return sum(self._saved) / len(self._saved) > sum(self._extra) / len(self._extra)
         return self._seconds_per_token(True) < self._seconds_per_token(False)
 
     def _seconds_per_token(self, mode: bool) -> float:
@@ -155,6 +174,21 @@ class Overlap:
             return
         self._rounds[overlapped] += 1
         self._recent[overlapped].append((seconds, tokens))
+
+    def observe_verify(self, overlapped: bool, shape: tuple[int, int], seconds: float) -> None:
+        """A round of `shape` (its rows' batch bucket, tokens a row) waited `seconds` from the verify's start until
+        its verify (and its pre-draft, if it pre-drafted) had answered."""
+        if not overlapped:
+            old = self._verify.get(shape)
+            self._verify[shape] = seconds if old is None else old + VERIFY_SMOOTHING * (seconds - old)
+        elif (sequential := self._verify.get(shape)) is not None:
+            self._extra.append(seconds - sequential)
+
+    def observe_saved(self, seconds: float) -> None:
+        """This round's drafting took `seconds` less than it would have without the branches the last round
+        pre-drafted (0: none was used). Ignored after a round that did not pre-draft."""
+        if self._last:
+            self._saved.append(seconds)
 
     def submit(self, call: Callable[[], list[Proposal]]) -> Future[list[Proposal]]:
         """Run `call` (the pre-draft) on the pre-drafting thread."""

@@ -119,6 +119,60 @@ def test_auto_follows_a_change_in_which_is_faster():
     assert [overlap.choose() for _ in range(EXPLORE_EVERY - BLOCK_ROUNDS)].count(False) >= EXPLORE_EVERY // 2
 
 
+def _weighed_rounds(overlap: Overlap, rounds: int, saved: float, extra: float) -> list[bool]:
+    """`rounds` rounds of `auto` in which a pre-drafting round's branches save `saved` seconds of drafting the round
+    after, and add `extra` to its verify's wait; timed per token, the mode the terms make slower looks twice as
+    fast (its rounds happen to commit more tokens), which the weighed terms must override."""
+    pays = saved > extra
+    choices = []
+    for _ in range(rounds):
+        overlap.observe_saved(saved)  # this round's drafting, after the last round (ignored unless it pre-drafted)
+        mode = overlap.choose()
+        choices.append(mode)
+        overlap.observe_verify(mode, (1, 5), 0.100 + (extra if mode else 0.0))
+        overlap.observe(mode, 0.2, 1 if mode is pays else 2)
+    return choices
+
+
+@pytest.mark.parametrize(("saved", "extra", "expect"), [(0.030, 0.002, True), (0.010, 0.040, False)])
+def test_auto_weighs_drafting_saved_against_the_verifys_wait_not_tokens_per_round(saved, extra, expect):
+    overlap = Overlap("auto")
+    choices = _weighed_rounds(overlap, 2 * WARMUP_ROUNDS + 8 * EXPLORE_EVERY, saved, extra)
+    later = choices[2 * WARMUP_ROUNDS + BLOCK_ROUNDS :]
+    assert later.count(expect) > 0.9 * len(later)
+
+
+def test_the_weighed_terms_count_only_what_they_say():
+    overlap = Overlap("on")
+    overlap.observe_verify(True, (1, 5), 0.3)  # no sequential verify of that shape yet: nothing to weigh
+    assert list(overlap._extra) == []
+    overlap.observe_verify(False, (1, 5), 0.1)
+    overlap.observe_verify(False, (1, 5), 0.2)  # averaged: 0.1 + 0.3 * (0.2 - 0.1)
+    overlap.observe_verify(True, (1, 5), 0.3)
+    overlap.observe_verify(True, (2, 5), 0.3)  # another shape: not comparable
+    assert list(overlap._extra) == [pytest.approx(0.3 - 0.13)]
+    overlap.observe_saved(0.05)  # no round chosen yet: the last did not pre-draft
+    overlap.choose()
+    overlap.observe_saved(0.04)
+    assert list(overlap._saved) == [0.04]
+
+
+@pytest.mark.parametrize(
+    ("ks", "predrafted", "rows", "saved"),
+    [
+        ([4], [True], [], 0.050),  # the one row held its branch: the whole call saved
+        ([4], [False], [0], 0.0),  # no branch used
+        ([4, 4], [True, False], [1], 0.060 - 0.050),  # a call for one row instead of two
+        ([4, 0], [True, False], [], 0.050),  # the other row did not draft anyway
+    ],
+)
+def test_the_drafting_saved_is_the_measured_call_less_the_call_made(tiny_target, ks, predrafted, rows, saved):
+    engine = make_engine(tiny_target, tiny_target.model, overlap="on")
+    engine.costs.observe_draft(1, 4, 0.050)
+    engine.costs.observe_draft(2, 4, 0.060)
+    assert engine._drafting_saved(ks, predrafted, rows) == pytest.approx(saved)
+
+
 # -- the engine ------------------------------------------------------------------------------------------------------
 
 
