@@ -17,16 +17,17 @@ Pre-drafting pays only where the draft computes while the target verifies on har
 draft node, cores pinned apart): on shared cores the two contend, and the round is slower. `overlap: auto` weighs
 what it measured of both modes (each tried again now and then): per pre-drafting round, the drafting its branches
 saved the round after (the draft call a hit made unnecessary, at its measured cost) against what pre-drafting added
-to the wait for the verify (the verify and the pre-draft together, less a sequential verify of the same shape).
-Round against round, that compares like with like: timing rounds per committed token would weigh in how many
-tokens each happened to commit, which varies far more between rounds than either term. Until both terms are
-measured, rounds are timed per committed token. Rows with a grammar never pre-draft (the grammar's state would
-have to follow the assumed drafts).
-"""
+to the wait for the verify (the verify and the pre-draft together, less a sequential verify of the same shape), each
+averaged over the last pre-drafting rounds, across trials; pre-drafting stays unless it costs more than it saves by
+more than the averages' uncertainty (`Overlap._better`). Round against round, that compares like with like: timing
+rounds per committed token would weigh in how many tokens each happened to commit, which varies far more between
+rounds than either term. Until both terms are measured, rounds are timed per committed token. Rows with a grammar
+never pre-draft (the grammar's state would have to follow the assumed drafts)."""
 
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -97,6 +98,10 @@ MAX_EXPLORE_EVERY = 4096
 WARMUP_ROUNDS = BLOCK_ROUNDS  # rounds of each mode timed before `auto` compares them
 WINDOW_ROUNDS = 4 * BLOCK_ROUNDS  # each mode's time per token, and the terms weighed: over this many last rounds
 MIN_WEIGHED = BLOCK_ROUNDS  # samples of each term before `auto` weighs them instead of timing per token
+# The weighed terms: over this many last pre-drafting rounds, across trials. A trial's block alone is too few: a hit
+# saves a whole draft call or nothing, so four rounds cannot tell a hit rate of a third from none.
+WEIGHED_ROUNDS = 8 * BLOCK_ROUNDS
+CONFIDENCE = 2.0  # standard errors by which pre-drafting must measure costlier before `auto` stops it
 VERIFY_SMOOTHING = 0.3  # weight of a new sequential verify in its shape's average
 
 
@@ -117,8 +122,8 @@ class Overlap:
         # Weighed terms (module docstring): a sequential verify's seconds per shape (rows' bucket, tokens a row);
         # per pre-drafting round, its wait beyond that; per round after one, the drafting its branches saved.
         self._verify: dict[tuple[int, int], float] = {}
-        self._extra: deque[float] = deque(maxlen=WINDOW_ROUNDS)
-        self._saved: deque[float] = deque(maxlen=WINDOW_ROUNDS)
+        self._extra: deque[float] = deque(maxlen=WEIGHED_ROUNDS)
+        self._saved: deque[float] = deque(maxlen=WEIGHED_ROUNDS)
         self._last = False  # whether the last round chosen pre-drafted
         self.branches = 0  # branches pre-drafted
         self.hits = 0  # branches used as the next round's proposal
@@ -153,15 +158,18 @@ class Overlap:
         if self._until_explore <= 0:  # a trial: the other mode is timed afresh, on this block alone
             self._exploring = True
             self._recent[not better].clear()
-            if not better:  # pre-drafting's terms too; sequential verifies are averaged, and follow at once
-                self._extra.clear()
-                self._saved.clear()
             return not better
         return better
 
     def _better(self) -> bool:
+        """Whether pre-drafting is the mode to keep. By the weighed terms, it is unless it costs more than it saves
+        by over `CONFIDENCE` standard errors: `auto` runs only where the draft has hardware of its own, where a
+        pre-draft is expected to pay, and a hit rate of a third read from a few dozen rounds is uncertain by a
+        tenth."""
         if len(self._extra) >= MIN_WEIGHED and len(self._saved) >= MIN_WEIGHED:
-            return sum(self._saved) / len(self._saved) > sum(self._extra) / len(self._extra)
+            (saved, saved_var), (extra, extra_var) = _mean_var(self._saved), _mean_var(self._extra)
+            error = math.sqrt(saved_var / len(self._saved) + extra_var / len(self._extra))
+            return saved - extra > -CONFIDENCE * error
         return self._seconds_per_token(True) < self._seconds_per_token(False)
 
     def _seconds_per_token(self, mode: bool) -> float:
@@ -181,8 +189,22 @@ class Overlap:
         if not overlapped:
             old = self._verify.get(shape)
             self._verify[shape] = seconds if old is None else old + VERIFY_SMOOTHING * (seconds - old)
-        elif (sequential := self._verify.get(shape)) is not None:
+        elif (sequential := self._sequential_verify(shape)) is not None:
             self._extra.append(seconds - sequential)
+
+    def _sequential_verify(self, shape: tuple[int, int]) -> float | None:
+        """A sequential verify's seconds at `shape`: measured, or interpolated between the nearest widths measured
+        on either side at its batch bucket; None beyond them."""
+        if shape in self._verify:
+            return self._verify[shape]
+        bucket, width = shape
+        widths = [w for b, w in self._verify if b == bucket]
+        below = max((w for w in widths if w < width), default=None)
+        above = min((w for w in widths if w > width), default=None)
+        if below is None or above is None:
+            return None
+        low, high = self._verify[(bucket, below)], self._verify[(bucket, above)]
+        return low + (high - low) * (width - below) / (above - below)
 
     def observe_saved(self, seconds: float) -> None:
         """This round's drafting took `seconds` less than it would have without the branches the last round
@@ -195,3 +217,9 @@ class Overlap:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predraft")
         return self._pool.submit(call)
+
+
+def _mean_var(values: deque[float]) -> tuple[float, float]:
+    """The sample mean and variance (n - 1) of at least two values."""
+    mean = sum(values) / len(values)
+    return mean, sum((v - mean) ** 2 for v in values) / (len(values) - 1)

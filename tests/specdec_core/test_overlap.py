@@ -12,7 +12,16 @@ import torch
 from specdec_core.config import SamplingParams, TokenShaping
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.drafters.draft_model import DraftModelDrafter
-from specdec_core.overlap import BLOCK_ROUNDS, EXPLORE_EVERY, WARMUP_ROUNDS, Overlap, branch_of, hit, predraft_request
+from specdec_core.overlap import (
+    BLOCK_ROUNDS,
+    EXPLORE_EVERY,
+    WARMUP_ROUNDS,
+    WEIGHED_ROUNDS,
+    Overlap,
+    branch_of,
+    hit,
+    predraft_request,
+)
 from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
 from specdec_core.sparse_q import SparseQ
@@ -142,6 +151,21 @@ def test_auto_weighs_drafting_saved_against_the_verifys_wait_not_tokens_per_roun
     assert later.count(expect) > 0.9 * len(later)
 
 
+@pytest.mark.parametrize(("hits", "keep"), [(0.25, True), (0.05, False)])
+def test_pre_drafting_stays_unless_it_measurably_costs_more_than_it_saves(hits, keep):
+    """A hit saves a 60 ms draft call, a pre-draft adds 16 ms to the verify's wait. At a hit rate of a quarter it
+    saves 15 ms on average: less than it costs, but well within what 32 rounds can tell apart, so it stays; at a
+    twentieth (3 ms) it measurably costs, and stops."""
+    overlap = Overlap("auto")
+    overlap.observe_verify(False, (1, 5), 0.100)
+    every = round(1 / hits)
+    for i in range(WEIGHED_ROUNDS):
+        overlap._last = True
+        overlap.observe_saved(0.060 if i % every == 0 else 0.0)
+        overlap.observe_verify(True, (1, 5), 0.116)
+    assert overlap._better() is keep
+
+
 def test_the_weighed_terms_count_only_what_they_say():
     overlap = Overlap("on")
     overlap.observe_verify(True, (1, 5), 0.3)  # no sequential verify of that shape yet: nothing to weigh
@@ -149,8 +173,11 @@ def test_the_weighed_terms_count_only_what_they_say():
     overlap.observe_verify(False, (1, 5), 0.1)
     overlap.observe_verify(False, (1, 5), 0.2)  # averaged: 0.1 + 0.3 * (0.2 - 0.1)
     overlap.observe_verify(True, (1, 5), 0.3)
-    overlap.observe_verify(True, (2, 5), 0.3)  # another shape: not comparable
-    assert list(overlap._extra) == [pytest.approx(0.3 - 0.13)]
+    overlap.observe_verify(True, (2, 5), 0.3)  # another bucket: not comparable
+    overlap.observe_verify(True, (1, 7), 0.3)  # beyond the widths measured: not comparable
+    overlap.observe_verify(False, (1, 9), 0.23)
+    overlap.observe_verify(True, (1, 7), 0.3)  # between widths 5 and 9: 0.13 + (0.23 - 0.13) / 2
+    assert list(overlap._extra) == [pytest.approx(0.3 - 0.13), pytest.approx(0.3 - 0.18)]
     overlap.observe_saved(0.05)  # no round chosen yet: the last did not pre-draft
     overlap.choose()
     overlap.observe_saved(0.04)
