@@ -2,8 +2,10 @@
 `specdec bench serve`, the load generator (specdec_tools.loadgen), and `specdec bench sessions`, multi-turn
 conversations with prefix caching on vs off (sessions.py), `specdec bench methods`, plain decoding and every
 drafting method side by side in one process (methods.py), `specdec bench structured`, constrained decoding
-plain and speculative, and speculative without the constraint, side by side (structured.py), and `specdec bench
-peer`, llama.cpp's llama-server against `specdec serve` over one HTTP client (peer.py, peer_llama.py)."""
+plain and speculative, and speculative without the constraint, side by side (structured.py), `specdec bench
+peer`, llama.cpp's llama-server against `specdec serve` over one HTTP client (peer.py, peer_llama.py), and `specdec
+bench gpu`, the engine on a CUDA device: exactness with CUDA graphs off and on, the sampler's law, costs against the
+device's read limit, and the CPU benchmarks' acceptance priced at them (gpu/)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec_tools.bench import methods, peer, sessions, stack, structured
+from specdec_tools.bench import gpu, methods, peer, sessions, stack, structured
 from specdec_tools.bench.options import add_draft_quantization, add_draft_vocabulary
 from specdec_tools.loadgen import cli as loadgen
 
@@ -58,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     methods.register(modes)
     structured.register(modes)
     peer.register(modes)
+    gpu.register(modes)
     stack.register_stack(modes)
     stack.register_tp(modes)
     stack.register_tracing(modes)
