@@ -27,12 +27,13 @@ Cost tables: the presets below (milliseconds; a verify's width between two measu
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from specdec_tools.bench.gpu.projection import interpolated
 
 PRESETS: dict[str, dict[str, Any]] = {
     # docs/benchmarks.md "On a GPU": H100, Qwen2.5-1.5B / 0.5B shapes in bf16, forwards captured as CUDA graphs.
@@ -46,15 +47,7 @@ Outcome = tuple[int, int, bool, bool]  # proposed, accepted, pre-drafted, pre-dr
 
 def verify_ms(costs: Mapping[str, Any], width: int) -> float:
     """v(width): the table's, interpolated linearly between measured widths (flat beyond the ends)."""
-    table = sorted((int(w), float(ms)) for w, ms in costs["verify_ms"].items())
-    widths = [w for w, _ in table]
-    i = bisect.bisect_left(widths, width)
-    if i < len(table) and widths[i] == width:
-        return table[i][1]
-    if i == 0 or i == len(table):
-        return table[min(i, len(table) - 1)][1]
-    (w0, t0), (w1, t1) = table[i - 1], table[i]
-    return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
+    return interpolated({int(w): float(ms) for w, ms in costs["verify_ms"].items()}, width)
 
 
 def replay(rounds: Sequence[Outcome], costs: Mapping[str, Any], rpc_ms: float) -> dict[str, float]:

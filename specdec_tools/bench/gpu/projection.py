@@ -57,15 +57,20 @@ class Recorded:
 
 def verify_at(costs: Costs, width: float) -> float:
     """v(width): the measured one, interpolated linearly between measured widths (flat beyond the ends)."""
-    table = sorted(costs.verify_ms.items())
-    widths = [w for w, _ in table]
-    i = bisect.bisect_left(widths, width)
-    if i < len(table) and widths[i] == width:
-        return table[i][1]
-    if i == 0 or i == len(table):
-        return table[min(i, len(table) - 1)][1]
-    (w0, t0), (w1, t1) = table[i - 1], table[i]
-    return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
+    return interpolated(costs.verify_ms, width)
+
+
+def interpolated(table: Mapping[int, float], x: float) -> float:
+    """The table's value at x: linear between its nearest keys on either side, flat beyond its ends."""
+    points = sorted(table.items())
+    keys = [k for k, _ in points]
+    i = bisect.bisect_left(keys, x)
+    if i < len(points) and keys[i] == x:
+        return points[i][1]
+    if i == 0 or i == len(points):
+        return points[min(i, len(points) - 1)][1]
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def runs_draft_model(label: str) -> bool:
