@@ -205,7 +205,7 @@ class DraftConfig(Placement):
     device: Device = "cpu"
     # int8: int8 weights and activations (CPU drafts in bf16 on AVX-512 VNNI or AVX2; cheaper drafts, the same output).
     # int4: 4-bit weights in groups of 32 and int8 activations (CPU drafts in bf16; fewer bytes a draft step).
-    # auto, for a bf16 CPU draft: int8 on AVX-512 VNNI, int4 on AVX2 without AVX-512; else none (CUDA: none).
+    # auto, for a bf16 CPU draft: int4 where the int8 kernel runs (AVX2, AVX-512 VNNI); else none (CUDA: none).
     quantization: Literal["none", "int8", "int4", "auto"] = "auto"
     # draft_model, hybrid: the draft's LM head scores only the first N token ids (a BPE vocabulary numbers its
     # tokens roughly most frequent first), the special tokens and the ids of each request's context; 0: all.

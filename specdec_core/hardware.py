@@ -149,10 +149,10 @@ def resolve_draft_quantization(
     setting: str, *, device: str, dtype: str, cpu_flags: Iterable[str], kernels_enabled: bool = True
 ) -> str:
     """The draft's quantization: `none`, `int8` or `int4` as given; `auto`, for a bfloat16 draft on the CPU kernels
-    (not switched off): int8 on AVX-512 with VNNI, int4 on AVX2 without AVX-512, else none (CUDA and other devices
-    too). On AVX2 the int8 kernel multiplies bytes without VNNI, and a draft step reading 4-bit weights measured
-    faster than int8's (docs/benchmarks.md); int4 is unmeasured on AVX-512.
-    Either changes only the drafts, so only the acceptance rate: the output stays the target's."""
+    (not switched off, with the int8 kernel built: AVX2, or AVX-512 with VNNI): int4, else none (CUDA and other
+    devices too). A draft step is bound by reading the weights, and reading 4-bit ones measured faster than int8's
+    on both AVX2 and AVX-512 (docs/engine.md, "Draft quantization"); calls of many rows take int8 weights on fbgemm
+    either way. Either changes only the drafts, so only the acceptance rate: the output stays the target's."""
     if setting not in DRAFT_QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {DRAFT_QUANTIZATIONS}, got {setting!r}")
     if setting != AUTO:
@@ -160,7 +160,7 @@ def resolve_draft_quantization(
     flags = frozenset(cpu_flags)
     if device != "cpu" or dtype != "bfloat16" or not kernels_enabled or not int8_kernel_runs(flags):
         return "none"
-    return "int8" if AVX512_FLAGS <= flags else "int4"
+    return "int4"
 
 
 def pin_process(cores: Iterable[int], tasks: Path = Path("/proc/self/task")) -> frozenset[int]:

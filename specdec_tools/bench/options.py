@@ -17,7 +17,7 @@ from specdec_tools.loadgen.command import non_negative_float, non_negative_int, 
 
 QUANTIZATION_HELP = (
     "int8 weights and activations for the draft (CPU with AVX-512 VNNI or AVX2); int4: 4-bit weights "
-    "in groups of 32; auto (default, as the service): int8 on AVX-512 VNNI, int4 on AVX2, else none"
+    "in groups of 32; auto (default, as the service): int4 on AVX2 or AVX-512 VNNI, else none"
 )
 
 

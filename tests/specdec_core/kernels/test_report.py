@@ -21,12 +21,11 @@ def test_the_kernel_path_is_named_and_batch_invariant_only_on_the_kernels(bf16_p
     assert report.kernel_path(plain.model).startswith("torch fallback (")  # loaded, never given the kernels
     assert not report.rows_batch_invariant(plain.model)
     if library.load_library().specdec_has_int8():
-        # auto: int8 on AVX-512 (with VNNI: the int8 kernel needs it there), 4-bit weights on AVX2
+        # auto: 4-bit weights (on AVX-512 only with VNNI, which the int8 kernel needs there)
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="auto")
         int4 = "int4 AVX2" + (f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if fbgemm_rows.available() else "")
         int4 += ", layers in one call"
-        chosen = "int8 VNNI, layers in one call" if lib.specdec_has_avx512() else int4
-        assert report.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {chosen}"
+        assert report.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {int4}"
         draft = prepare_model(tiny_dir / "target", dtype="bfloat16", quantization="int8")
         int8 = "int8 VNNI" if lib.specdec_has_vnni() else "int8 AVX2"
         assert report.kernel_path(draft.model) == f"bf16 {isa} ({native}) + {int8}, layers in one call"
