@@ -10,7 +10,7 @@ import textwrap
 from specdec_tools.cli import build_parser
 
 SUBCOMMANDS = {"models", "serve", "generate", "bench", "soak", "chaos", "demo", "proposals", "distill"}
-BENCH_MODES = {"offline", "stack", "serve", "sessions", "methods", "structured", "tp", "tracing", "peer"}
+BENCH_MODES = {"offline", "stack", "serve", "sessions", "methods", "structured", "tp", "tracing", "peer", "gpu"}
 
 
 def _choices(parser) -> set[str]:
