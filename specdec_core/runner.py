@@ -263,6 +263,12 @@ class ModelRunner:
             return
         self.prefix.wrote(slot, start, list(tokens)[: max(0, self.cache.lengths[slot] - start)])
 
+    def _padded(self, token_lists: Sequence[Sequence[int]], T: int) -> torch.Tensor:  # [B, T] on the device
+        tokens = torch.zeros(len(token_lists), T, dtype=torch.long)  # [B, T], rows padded at the end
+        for b, row in enumerate(token_lists):
+            tokens[b, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+        return tokens.to(self.device)
+
     def _forward(
         self,
         slots: Sequence[int],
@@ -294,10 +300,7 @@ class ModelRunner:
         furthest row's last position, views for a single row."""
         counts = [len(t) for t in token_lists]
         T = max(counts)
-        tokens = torch.zeros(len(slots), T, dtype=torch.long)  # [B, T], rows padded at the end
-        for b, row in enumerate(token_lists):
-            tokens[b, : len(row)] = torch.as_tensor(row, dtype=torch.long)
-        tokens = tokens.to(self.device) if device_tokens is None else device_tokens.view(-1, 1)  # [B, T]
+        tokens = device_tokens.view(-1, 1) if device_tokens is not None else self._padded(token_lists, T)  # [B, T]
         positions = torch.tensor(starts).unsqueeze(1) + torch.arange(T)  # [B, T]
         num_keys = max(starts) + T
         single = (slots[0], starts[0]) if len(slots) == 1 else None
