@@ -96,7 +96,12 @@ def register(modes: Any) -> None:
         "--target-gguf", required=True, type=Path, metavar="FILE", help="the target model, as CONFIG's, in GGUF"
     )
     parser.add_argument(
-        "--draft-gguf", required=True, type=Path, metavar="FILE", help="the draft model, as CONFIG's, in GGUF"
+        "--draft-gguf",
+        required=True,
+        type=Path,
+        action="append",
+        metavar="FILE",
+        help="the draft model, as CONFIG's, in GGUF; repeat the flag to sweep several (say Q8_0 and Q4_0)",
     )
     parser.add_argument(
         "--config", required=True, type=Path, metavar="CONFIG.yaml", help="the serving config to deploy (our side)"
@@ -159,12 +164,13 @@ class PeerBenchConfig:
 def _main(args: argparse.Namespace) -> int:
     from specdec_tools.reports import write_report
 
-    files = {"--llama-server": args.llama_server, "--target-gguf": args.target_gguf, "--draft-gguf": args.draft_gguf}
-    for flag, path in files.items():
+    files = [("--llama-server", args.llama_server), ("--target-gguf", args.target_gguf)]
+    files += [("--draft-gguf", path) for path in args.draft_gguf]
+    for flag, path in files:
         if not path.is_file():
             raise InvalidArgument(flag, f"{str(path)!r} is not a file")
     bench = PeerBenchConfig(
-        llama=llama.LlamaSetup(args.llama_server, args.target_gguf, args.draft_gguf, args.threads),
+        llama=llama.LlamaSetup(args.llama_server, args.target_gguf, tuple(args.draft_gguf), args.threads),
         config=args.config,
         prompts=args.prompts,
         edit_prompts=args.edit_prompts,
@@ -216,7 +222,7 @@ def run_peer_bench(bench: PeerBenchConfig) -> dict[str, Any]:
     ngram = llama.ngram_types(llama.binary_output(bench.llama.binary, "--help"))
     if EDIT in workloads and not ngram:
         notes.append("llama-server: its --help lists no n-gram --spec-type; its n-gram runs were skipped")
-    plan = llama_plan(workloads, bench.draft_n_max, ngram)
+    plan = llama_plan(workloads, bench.draft_n_max, ngram, bench.llama.draft_ggufs)
     runs = llama_runs(work, plan)
     runs += paired_runs(work, config, runs, {s.name: s for _, s in plan}, notes)
     return build_report(bench, config.model_dump(mode="json"), version, workloads, runs, notes)
@@ -279,15 +285,15 @@ def _sum(measured: Iterable[Measured]) -> Measured:
 
 
 def llama_plan(
-    workloads: Mapping[str, Any], n_maxes: Sequence[int], ngram: Sequence[str]
+    workloads: Mapping[str, Any], n_maxes: Sequence[int], ngram: Sequence[str], drafts: Sequence[Path]
 ) -> list[tuple[str, llama.LlamaSpeculation]]:
     """(workload, setting) of every llama-server sweep run but for the concurrency: its speculative settings (its
     plain runs are measured paired with ours)."""
-    plan = [(PROMPTS, s) for s in llama.draft_sweep(n_maxes)]
+    plan = [(PROMPTS, s) for s in llama.draft_sweep(n_maxes, drafts)]
     if EDIT in workloads:
         plan += [(EDIT, llama.LlamaSpeculation(t)) for t in ngram]
     if SESSIONS in workloads:  # its best of either kind, its prompt cache on (its default)
-        plan += [(SESSIONS, s) for s in llama.draft_sweep(n_maxes)]
+        plan += [(SESSIONS, s) for s in llama.draft_sweep(n_maxes, drafts)]
         plan += [(SESSIONS, llama.LlamaSpeculation(t)) for t in ngram]
     return plan
 

@@ -43,42 +43,52 @@ BODY_EXTRAS = {"return_tokens": True, "verbose": True}
 
 @dataclass(frozen=True)
 class LlamaSetup:
-    """The binary, the models and the threads every server of a run is started with."""
+    """The binary, the models and the threads every server of a run is started with; the sweep tries each draft."""
 
     binary: Path
     target_gguf: Path
-    draft_gguf: Path
+    draft_ggufs: tuple[Path, ...]
     threads: int
 
 
 @dataclass(frozen=True)
 class LlamaSpeculation:
-    """One speculation setting of llama-server: none, its draft model drafting `draft_n_max`, or an n-gram type."""
+    """One speculation setting of llama-server: none, a draft model drafting `draft_n_max`, or an n-gram type.
+    `draft_label` names the draft file where the sweep tries more than one."""
 
     spec_type: str | None = None
     draft_n_max: int | None = None
+    draft_gguf: Path | None = None
+    draft_label: str | None = None
 
     @property
     def name(self) -> str:
         if self.spec_type is None:
             return NO_DRAFT
+        name = self.spec_type
         if self.draft_n_max is not None:
-            return f"{self.spec_type} n-max {self.draft_n_max}"
-        return self.spec_type
+            name += f" n-max {self.draft_n_max}"
+        if self.draft_label:
+            name += f" ({self.draft_label})"
+        return name
 
-    def flags(self, setup: LlamaSetup) -> list[str]:
+    def flags(self) -> list[str]:
         if self.spec_type is None:
             return []
         flags = ["--spec-type", self.spec_type]
-        if self.spec_type == DRAFT_SIMPLE:
-            flags = ["-md", str(setup.draft_gguf), *flags]
+        if self.draft_gguf is not None:
+            flags = ["-md", str(self.draft_gguf), *flags]
         if self.draft_n_max is not None:
             flags += ["--spec-draft-n-max", str(self.draft_n_max)]
         return flags
 
 
-def draft_sweep(n_maxes: Sequence[int]) -> tuple[LlamaSpeculation, ...]:
-    return tuple(LlamaSpeculation(DRAFT_SIMPLE, n) for n in n_maxes)
+def draft_sweep(n_maxes: Sequence[int], drafts: Sequence[Path]) -> tuple[LlamaSpeculation, ...]:
+    """draft-simple with each draft file at each n-max; with several files, each setting names its file's stem."""
+    labelled = len(drafts) > 1
+    return tuple(
+        LlamaSpeculation(DRAFT_SIMPLE, n, draft, draft.stem if labelled else None) for draft in drafts for n in n_maxes
+    )
 
 
 def server_command(setup: LlamaSetup, speculation: LlamaSpeculation, port: int, parallel: int) -> list[str]:
@@ -95,7 +105,7 @@ def server_command(setup: LlamaSetup, speculation: LlamaSpeculation, port: int, 
         str(setup.threads),
         "-np",
         str(parallel),
-        *speculation.flags(setup),
+        *speculation.flags(),
     ]
 
 

@@ -200,7 +200,7 @@ def build_report(
         "llama_cpp_version": version,
         "llama_server": str(bench.llama.binary),
         "target_gguf": str(bench.llama.target_gguf),
-        "draft_gguf": str(bench.llama.draft_gguf),
+        "draft_ggufs": [str(path) for path in bench.llama.draft_ggufs],
         "threads": bench.llama.threads,
         "config_path": str(bench.config),
         "config": config,

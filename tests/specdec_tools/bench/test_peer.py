@@ -48,17 +48,19 @@ def test_a_missing_binary_is_an_error_naming_its_flag(tmp_path, capsys):
 
 
 def test_the_sweep_plan_runs_the_draft_n_max_on_prompts_and_ngram_types_only_on_edits():
-    plan = peer.llama_plan({report.PROMPTS: []}, [3, 8], ["ngram-mod"])
+    plan = peer.llama_plan({report.PROMPTS: []}, [3, 8], ["ngram-mod"], [Path("d.gguf")])
     assert [(w, s.name) for w, s in plan] == [
         (report.PROMPTS, "draft-simple n-max 3"),
         (report.PROMPTS, "draft-simple n-max 8"),
     ]
-    with_edits = peer.llama_plan({report.PROMPTS: [], report.EDIT: []}, [3], ["ngram-mod", "ngram-cache"])
+    with_edits = peer.llama_plan(
+        {report.PROMPTS: [], report.EDIT: []}, [3], ["ngram-mod", "ngram-cache"], [Path("d.gguf")]
+    )
     assert [s.name for w, s in with_edits if w == report.EDIT] == ["ngram-mod", "ngram-cache"]
 
 
 def test_sessions_run_at_one_request_at_a_time_against_its_best_draft_or_ngram_type():
-    plan = peer.llama_plan({report.PROMPTS: [], report.SESSIONS: []}, [8], ["ngram-simple"])
+    plan = peer.llama_plan({report.PROMPTS: [], report.SESSIONS: []}, [8], ["ngram-simple"], [Path("d.gguf")])
     assert [s.name for w, s in plan if w == report.SESSIONS] == ["draft-simple n-max 8", "ngram-simple"]
     bench = peer.PeerBenchConfig(None, Path("c.yaml"), Path("p.jsonl"), None, 16, (1, 4), (8,))
     work = peer._Work(bench, {}, [], str.split)

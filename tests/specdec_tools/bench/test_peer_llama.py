@@ -10,7 +10,7 @@ import pytest
 
 from specdec_tools.bench import peer_llama as llama
 
-SETUP = llama.LlamaSetup(Path("bin/llama-server"), Path("t.gguf"), Path("d.gguf"), threads=2)
+SETUP = llama.LlamaSetup(Path("bin/llama-server"), Path("t.gguf"), (Path("d.gguf"),), threads=2)
 HELP = """\
 --spec-draft-n-max N                    number of tokens to draft for speculative decoding (default: 3)
 --spec-type none,draft-simple,draft-eagle3,ngram-simple,ngram-map-k,ngram-mod,ngram-cache
@@ -40,10 +40,22 @@ def test_the_plain_server_command_gives_every_slot_the_same_context():
 
 
 def test_a_draft_setting_adds_the_draft_model_its_type_and_n_max():
-    (setting,) = llama.draft_sweep([5])
+    (setting,) = llama.draft_sweep([5], SETUP.draft_ggufs)
     command = llama.server_command(SETUP, setting, port=1, parallel=1)
     assert command[-6:] == ["-md", "d.gguf", "--spec-type", "draft-simple", "--spec-draft-n-max", "5"]
     assert setting.name == "draft-simple n-max 5"
+
+
+def test_several_drafts_are_swept_at_every_n_max_each_named_by_its_file():
+    settings = llama.draft_sweep([3, 8], [Path("m/draft-q8_0.gguf"), Path("m/draft-q4_0.gguf")])
+    assert [s.name for s in settings] == [
+        "draft-simple n-max 3 (draft-q8_0)",
+        "draft-simple n-max 8 (draft-q8_0)",
+        "draft-simple n-max 3 (draft-q4_0)",
+        "draft-simple n-max 8 (draft-q4_0)",
+    ]
+    command = llama.server_command(SETUP, settings[2], port=1, parallel=1)
+    assert command[-6:-4] == ["-md", "m/draft-q4_0.gguf"]
 
 
 def test_an_ngram_setting_names_its_type_and_loads_no_draft():

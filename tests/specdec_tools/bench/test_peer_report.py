@@ -12,7 +12,7 @@ from specdec_tools.bench import peer_client as client
 from specdec_tools.bench import peer_llama as llama
 from specdec_tools.bench import peer_report as report
 
-SETUP = llama.LlamaSetup(Path("bin/llama-server"), Path("t.gguf"), Path("d.gguf"), threads=2)
+SETUP = llama.LlamaSetup(Path("bin/llama-server"), Path("t.gguf"), (Path("d.gguf"),), threads=2)
 
 
 def completion(ids, tokens=None):
