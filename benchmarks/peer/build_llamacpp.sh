@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# llama.cpp's llama-server and the demo pair in GGUF, for `specdec bench peer` (docs/benchmarks.md).
+# llama.cpp's llama-server (and llama-bench) and the demo pair in GGUF, for `specdec bench peer` and
+# benchmarks/kernels/vs_llamacpp.py (docs/benchmarks.md).
 # Usage: benchmarks/peer/build_llamacpp.sh [WORK_DIR]
 #   WORK_DIR defaults to ${SPECDEC_HOME:-$HOME/.cache/specdec}/peers/llama.cpp. A step whose output is already there
 #   is skipped, so a second run only prints the paths.
@@ -20,6 +21,7 @@ src=$work/llama_cpp_python-$version
 llama=$src/vendor/llama.cpp
 server=$llama/build/bin/llama-server
 quantize=$llama/build/bin/llama-quantize
+bench=$llama/build/bin/llama-bench
 target=$work/target-bf16.gguf
 draft=$work/draft-q8_0.gguf
 draft4=$work/draft-q4_0.gguf
@@ -30,10 +32,10 @@ if [ ! -d "$llama" ]; then
   tar xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
 fi
 
-if [ ! -x "$server" ] || [ ! -x "$quantize" ]; then
+if [ ! -x "$server" ] || [ ! -x "$quantize" ] || [ ! -x "$bench" ]; then
   (cd "$llama" \
     && cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-    && cmake --build build --target llama-server llama-quantize -j"$(nproc)")
+    && cmake --build build --target llama-server llama-quantize llama-bench -j"$(nproc)")
 fi
 
 # convert NAME OUTTYPE OUT: the cached model NAME to OUT, written under a temporary name until complete.
@@ -63,5 +65,6 @@ if [ ! -s "$draft4" ]; then
 fi
 
 echo "llama-server: $server"
+echo "llama-bench:  $bench (benchmarks/kernels/vs_llamacpp.py)"
 echo "target GGUF:  $target"
 echo "draft GGUF:   $draft (Q8_0), $draft4 (Q4_0)"

@@ -32,6 +32,10 @@ REDUCE_RANGE = True
 # Calls of at least this many rows take fbgemm. Fewer are still bound by bytes, where the 4-bit weights win: the
 # crossover measured on AVX2 with the demo draft, 4-bit kernel against fbgemm, alternating (docs/benchmarks.md).
 FROM_ROWS = 5
+# Where the int8 kernel has VNNI (`linear.int8_kernel_rows`) it takes a 4-bit layer's calls of FROM_ROWS rows up to
+# this many, fbgemm only longer ones (or none, without fbgemm): measured on AVX-512, the demo draft's forward of 5 /
+# 8 / 10 rows took 0.87 / 0.94 / 0.95 of fbgemm's time on the int8 kernel, and 12 rows 1.14 (docs/engine.md).
+INT8_KERNEL_MAX_ROWS = 10
 _MARKS = 2  # the extra entries that pin every row's range to [-1, 1]
 
 

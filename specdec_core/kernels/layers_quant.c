@@ -40,13 +40,16 @@ void specdec_silu_mul_bf16(const uint16_t *gu, uint16_t *y, int64_t rows, int64_
 
 /* One linear layer, bias [N] or NULL. bits 4: weight is the weights and scales packed [N, K / 64 * 36]
  * (`gemm_int4.c`); bits 8: weight is int8 [N, K], with its rows' scales [N] and sums [N] (`gemm_int8.c`);
- * bits 16: weight is bf16 [N, K] (`gemm.c`). */
+ * bits 16: weight is bf16 [N, K] (`gemm.c`). A 4-bit layer with weight8 (int8 [N, K], its scales and sums in
+ * scale and row_sums) runs calls of int8_from rows or more on the int8 kernel, as `Int4CPULinear` does. */
 typedef struct {
     int64_t bits;
     const void *weight;
     const float *scale;
     const int32_t *row_sums;
     const uint16_t *bias;
+    const int8_t *weight8;
+    int64_t int8_from;
 } specdec_linear_q;
 
 /* One decoder layer's weights (layers_quant.py's `Layer` mirrors this). */
@@ -66,6 +69,8 @@ static int linear(const specdec_linear_q *w, const uint16_t *x, uint16_t *y, int
                   int nthreads) {
     if (w->bits == 16) return specdec_gemm_bf16(x, w->weight, w->bias, y, M, N, K, nthreads);
     if (w->bits == 8) return specdec_gemm_w8a8(x, w->weight, w->scale, w->row_sums, w->bias, y, M, N, K, nthreads);
+    if (w->weight8 != NULL && M >= w->int8_from)
+        return specdec_gemm_w8a8(x, w->weight8, w->scale, w->row_sums, w->bias, y, M, N, K, nthreads);
     return specdec_gemm_w4a8(x, w->weight, w->bias, y, M, N, K, nthreads);
 }
 

@@ -29,6 +29,8 @@ class Linear(ctypes.Structure):
         ("scale", ctypes.c_void_p),
         ("row_sums", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
+        ("weight8", ctypes.c_void_p),
+        ("int8_from", ctypes.c_int64),
     ]
 
 
@@ -66,14 +68,25 @@ def declare(lib: ctypes.CDLL) -> None:
 
 
 def _linear(layer: Any, bits: int) -> Linear:
-    """A `FastCPULinear` (bits 16: bf16 weights), an `Int4CPULinear` (bits 4: scales packed with the weights) or an
-    `Int8CPULinear` (bits 8) as C reads it."""
+    """A `FastCPULinear` (bits 16: bf16 weights), an `Int4CPULinear` (bits 4: scales packed with the weights; with
+    its int8 weights for calls of many rows where it has them) or an `Int8CPULinear` (bits 8) as C reads it."""
     bias = None if layer.bias is None else layer.bias.data_ptr()
     if bits == 16:
-        return Linear(16, layer.weight.data_ptr(), None, None, bias)
+        return Linear(16, layer.weight.data_ptr(), None, None, bias, None, 0)
     if bits == 8:
-        return Linear(8, layer.qweight.data_ptr(), layer.scale.data_ptr(), layer.row_sums.data_ptr(), bias)
-    return Linear(4, layer.qweight.data_ptr(), None, None, bias)
+        return Linear(8, layer.qweight.data_ptr(), layer.scale.data_ptr(), layer.row_sums.data_ptr(), bias, None, 0)
+    if layer.int8_kernel:
+        int8 = (layer.scale8.data_ptr(), layer.row_sums8.data_ptr(), bias, layer.qweight8.data_ptr())
+        return Linear(4, layer.qweight.data_ptr(), *int8, fbgemm_rows.FROM_ROWS)
+    return Linear(4, layer.qweight.data_ptr(), None, None, bias, None, 0)
+
+
+def _max_rows(linear: nn.Module) -> int | None:
+    """The most rows the one call takes (None: any): rows that fbgemm would take (`Int4CPULinear.forward`) go
+    through the loop, so that they get the results the layers' own calls give them."""
+    if not getattr(linear, "fbgemm_rows", False):
+        return None
+    return fbgemm_rows.INT8_KERNEL_MAX_ROWS if linear.int8_kernel else fbgemm_rows.FROM_ROWS - 1
 
 
 class QuantLayers:
@@ -88,9 +101,7 @@ class QuantLayers:
         self._shape = (args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size)
         self._eps = float(layers[0].input_layernorm.eps)
         self._held = list(model.buffers()) + list(model.parameters())  # what the pointers point into
-        # Rows that fbgemm would take (`Int4CPULinear.forward`) go through the loop: the same results, as the
-        # layers' own calls give them.
-        self._max_rows = fbgemm_rows.FROM_ROWS - 1 if getattr(layers[0].mlp.down_proj, "int8_rows", False) else None
+        self._max_rows = _max_rows(layers[0].mlp.down_proj)
         self._cache: tuple[Any, Any, Any, Any] | None = None
 
     @property

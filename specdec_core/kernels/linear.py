@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specdec_core import environment
 from specdec_core.kernels import fbgemm_rows
 from specdec_core.kernels.library import INT4_GROUP, INT4_K_MULTIPLE, INT4_PANEL, INT8_K_MULTIPLE, K_MULTIPLE
 
@@ -45,12 +46,10 @@ class Int8CPULinear(nn.Module):
     def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
         super().__init__()
         _check_shape(linear, lib, INT8_K_MULTIPLE)
-        w = linear.weight.detach().float()  # [N, K]
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
-        q = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)  # [N, K]
+        q, scale, row_sums = quantize_int8(linear.weight.detach())
         self.register_buffer("qweight", q)
-        self.register_buffer("scale", scale.contiguous())
-        self.register_buffer("row_sums", q.sum(dim=1, dtype=torch.int32).contiguous())  # [N]
+        self.register_buffer("scale", scale)
+        self.register_buffer("row_sums", row_sums)
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._lib = lib
@@ -65,9 +64,11 @@ class Int4CPULinear(nn.Module):
 
     Weights: symmetric in groups of 32 along k, w ~= scale[n, g] * q[n, k], q in [-7, 7], fp16 scales; packed two
     to a byte with the scales in the same stream (`gemm_int4.c`'s layout). Activations are quantized per row on
-    each call. A call of many rows (reading a context, several sequences' steps) runs int8 weights through fbgemm
-    instead where torch has it (`fbgemm_rows.py`: bound by multiply-adds, not bytes, such a call runs faster
-    there). Only ever used for drafting, where precision moves the acceptance rate, not the output.
+    each call. A call of many rows (reading a context, several sequences' steps: `fbgemm_rows.FROM_ROWS` and more)
+    is bound by multiply-adds, not bytes, and runs on int8 weights instead: with VNNI on the int8 kernel
+    (`gemm_int8.c`) up to `fbgemm_rows.INT8_KERNEL_MAX_ROWS` rows, else (and beyond) on fbgemm where torch has it
+    (`fbgemm_rows.py`; without it, every such call on the int8 kernel). Only ever used for drafting, where
+    precision moves the acceptance rate, not the output.
     """
 
     def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
@@ -79,23 +80,60 @@ class Int4CPULinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._lib = lib
         self._call = _KernelCall(lib.specdec_gemm_w4a8, (self.qweight,), self.bias)
+        self._int8: _KernelCall | None = None
+        if int8_kernel_rows(lib):
+            q8, scale8, row_sums8 = quantize_int8(linear.weight.detach())
+            self.register_buffer("qweight8", q8)  # [N, K] int8
+            self.register_buffer("scale8", scale8)  # [N]
+            self.register_buffer("row_sums8", row_sums8)  # [N]
+            self._int8 = _KernelCall(lib.specdec_gemm_w8a8, (q8, scale8, row_sums8), self.bias)
         self._rows = fbgemm_rows.Int8Rows(linear, lib) if fbgemm_rows.available() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] bf16 -> [..., N] bf16
         x = x.to(torch.bfloat16)  # a no-op for bf16 x
-        if self._rows is not None and x.numel() >= fbgemm_rows.FROM_ROWS * x.shape[-1]:
-            return self._rows(x)
+        rows = x.numel() // x.shape[-1]
+        if rows >= fbgemm_rows.FROM_ROWS:
+            if self._int8 is not None and (rows <= fbgemm_rows.INT8_KERNEL_MAX_ROWS or self._rows is None):
+                return self._int8(x, self.out_features)
+            if self._rows is not None:
+                return self._rows(x)
         return self.kernel(x)
 
     @property
     def int8_rows(self) -> bool:
-        """Whether calls of `fbgemm_rows.FROM_ROWS` rows or more run on fbgemm (then a row's result depends on how
-        many rows share its call)."""
+        """Whether calls of `fbgemm_rows.FROM_ROWS` rows or more run on int8 weights (then a row's result depends
+        on how many rows share its call)."""
+        return self._int8 is not None or self._rows is not None
+
+    @property
+    def int8_kernel(self) -> bool:
+        """Whether calls of `FROM_ROWS` to `INT8_KERNEL_MAX_ROWS` rows (`fbgemm_rows`) run on the int8 kernel."""
+        return self._int8 is not None
+
+    @property
+    def fbgemm_rows(self) -> bool:
+        """Whether calls of many rows the int8 kernel does not take run on fbgemm."""
         return self._rows is not None
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] bf16 -> [..., N] bf16
         """The 4-bit kernel, whatever the number of rows (`forward` gives it calls of few rows)."""
         return self._call(x, self.out_features)
+
+
+def int8_kernel_rows(lib: ctypes.CDLL) -> bool:
+    """Whether a 4-bit layer's calls of many rows take the int8 kernel: built with VNNI (without it, on AVX2, fbgemm
+    measured faster than the 4-bit kernel and the int8 kernel is not set against it), and not switched off
+    (`SPECDEC_DISABLE_INT8_ROWS`)."""
+    return bool(lib.specdec_has_vnni()) and not environment.draft_int8_rows_disabled()
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [N, K] -> q, scale, sums
+    """`gemm_int8.c`'s weights: symmetric per output row, w ~= scale[n] * q[n, k], q in [-127, 127]; returns q
+    [N, K] int8, scale [N] fp32 and q's row sums [N] int32."""
+    w = w.float()  # [N, K]
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
+    q = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)  # [N, K]
+    return q, scale.contiguous(), q.sum(dim=1, dtype=torch.int32).contiguous()
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> ([N, K] int8, [N, K/G] fp16)

@@ -31,6 +31,16 @@ def rows_batch_invariant(model: nn.Module) -> bool:
     )
 
 
+def _int8_rows(layer: Int4CPULinear) -> str:
+    """Where a 4-bit layer's calls of many rows go, as `kernel_path` says it."""
+    start = fbgemm_rows.FROM_ROWS
+    if layer.int8_kernel and layer.fbgemm_rows:
+        return f" (int8 VNNI from {start} rows, fbgemm from {fbgemm_rows.INT8_KERNEL_MAX_ROWS + 1})"
+    if layer.int8_kernel:
+        return f" (int8 VNNI from {start} rows)"
+    return f" (int8 fbgemm from {start} rows)" if layer.fbgemm_rows else ""
+
+
 def kernel_path(model: nn.Module) -> str:
     """What runs `model`'s forward, in a few words: the CPU kernels in use ("bf16 AVX-512 (native bf16)", "bf16
     AVX2 (fp32 widening)", "int8 VNNI", "int4 AVX2 (int8 fbgemm from 5 rows), layers in one call"), or "torch
@@ -48,7 +58,7 @@ def kernel_path(model: nn.Module) -> str:
     if int8:
         parts.append("int8 VNNI" if lib is not None and lib.specdec_has_vnni() else f"int8 {isa}")
     if int4:  # written with AVX2 instructions whatever the build
-        rows = f" (int8 fbgemm from {fbgemm_rows.FROM_ROWS} rows)" if any(m.int8_rows for m in int4) else ""
+        rows = _int8_rows(int4[0])
         parts.append(f"int4 AVX2{rows}")
     if isinstance(getattr(model, "run_layers", None), layers_quant.QuantLayers):
         parts[-1] += ", layers in one call"

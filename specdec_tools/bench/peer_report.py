@@ -218,17 +218,20 @@ def build_report(
     }
 
 
+CELL = 44  # characters a printed cell takes: a figure and the setting that made it
+
+
 def format_table(report: Mapping[str, Any]) -> str:
     """The report's table, its ratios and the equality counts, as printed."""
     columns = [str(c) for c in report["concurrency"]]
-    lines = [f"{'configuration':<44}" + "".join(f"{'tok/s c=' + c:>30}" for c in columns)]
+    lines = [f"{'configuration':<44}" + "".join(f"{'tok/s c=' + c:>{CELL}}" for c in columns)]
     for workload in report["workloads"]:
         lines.append(f"-- {workload} --")
         for row in (r for r in report["table"] if r["workload"] == workload):
             lines.append(f"{row['configuration']:<44}" + "".join(_cell(row["cells"][c]) for c in columns))
         for row in (r for r in report["ratios"] if r["workload"] == workload):
             values = ("-" if row["values"][c] is None else f"{row['values'][c]:.2f}x" for c in columns)
-            lines.append(f"{row['ratio']:<44}" + "".join(f"{v:>30}" for v in values))
+            lines.append(f"{row['ratio']:<44}" + "".join(f"{v:>{CELL}}" for v in values))
     for e in report.get("sweep", ()):
         figure = "failed" if e["tokens_per_s"] is None else f"{e['tokens_per_s']:.2f} tok/s"
         lines.append(f"llama-server sweep, alone: {e['setting']} ({e['workload']}, c={e['concurrency']}): {figure}")
@@ -244,7 +247,7 @@ def format_table(report: Mapping[str, Any]) -> str:
 
 def _cell(cell: Mapping[str, Any] | None) -> str:
     if cell is None:
-        return f"{'-':>30}"
+        return f"{'-':>{CELL}}"
     plain = cell["setting"] in (llama.NO_DRAFT, "off", ON)
     text = f"{cell['tokens_per_s']:.2f}" + ("" if plain else f" ({cell['setting']})")
-    return f"{text:>30}"
+    return f" {text:>{CELL - 1}}"  # a setting's name may fill the cell: one space between cells always

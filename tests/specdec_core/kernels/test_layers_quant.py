@@ -119,17 +119,42 @@ def test_a_batch_of_rows_of_different_lengths_matches(quantized):
 
 
 def test_rows_that_fbgemm_takes_go_through_the_loop(quantized):
-    if not getattr(quantized.layers[0].mlp.down_proj, "int8_rows", False):
+    down = quantized.layers[0].mlp.down_proj
+    if not getattr(down, "fbgemm_rows", False):
         pytest.skip("int8 weights, or no fbgemm here: the one call takes every width")
+    # The one call takes what the int8 kernel takes (in C too), or what the 4-bit kernel takes.
+    most = fbgemm_rows.INT8_KERNEL_MAX_ROWS if down.int8_kernel else fbgemm_rows.FROM_ROWS - 1
     fused = quantized.run_layers
     loop = _Loop()
     quantized.run_layers = layers_quant.QuantLayers(quantized, library.load_library(), quantized.attention, loop, 4)
     try:
         runner = _runner(quantized)
         slot = runner.allocate()
-        runner.extend([slot], [list(range(1, fbgemm_rows.FROM_ROWS))])
+        runner.extend([slot], [list(range(1, most + 1))])
         assert loop.calls == 0
-        runner.extend([slot], [list(range(1, fbgemm_rows.FROM_ROWS + 1))])
+        runner.truncate(slot, 0)
+        runner.extend([slot], [list(range(1, most + 2))])
         assert loop.calls == 1
     finally:
         quantized.run_layers = fused
+
+
+def test_the_one_call_runs_many_rows_on_the_int8_kernel_as_the_layers_do(quantized):
+    """A 4-bit model's calls of FROM_ROWS rows and more in one C call take the same kernel as its modules' calls
+    (the int8 kernel with VNNI): bit for bit the loop's logits at every width up to the one call's limit."""
+    down = quantized.layers[0].mlp.down_proj
+    if not getattr(down, "int8_kernel", False):
+        pytest.skip("no int8 kernel for a 4-bit model's rows here (int8 or bf16 weights, or no VNNI)")
+    fused = quantized.run_layers
+    runner = _runner(quantized)
+    slot = runner.allocate()
+    runner.extend([slot], [[3, 1, 4]])
+    outs = {}
+    for name, run_layers in (("loop", run_in_turn), ("fused", fused)):
+        quantized.run_layers = run_layers
+        outs[name] = [runner.extend([slot], [list(range(5, 5 + n))], all_logits=True) for n in (4, 5, 9, 40)]
+        for _ in outs[name]:
+            runner.truncate(slot, 3)
+    quantized.run_layers = fused
+    assert all(torch.equal(a, b) for a, b in zip(outs["loop"], outs["fused"]))
+    assert not torch.equal(outs["fused"][1][0, :4], outs["fused"][0][0])  # 5 rows: not the 4-bit kernel
