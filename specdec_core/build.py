@@ -15,6 +15,7 @@ from specdec_core.drafters.base import DraftContext, DraftSpec
 from specdec_core.engine import EngineConfig, SpecEngine
 from specdec_core.errors import InvalidArgument
 from specdec_core.hardware import DRAFT_QUANTIZATIONS, cpu_flags, resolve_draft_quantization
+from specdec_core.huge_pages import back_with_huge_pages, log_huge_pages, move_into_huge_pages
 from specdec_core.kernels.surgery import quantize_draft_int4, quantize_draft_int8, use_cpu_kernels
 from specdec_core.models.loader import LoadedModel, check_tokenizers_compatible, load_model, resolve_source
 from specdec_core.models.vocab_head import cut_vocabulary
@@ -41,7 +42,9 @@ def prepare_model(
     2. shard: keep rank r of `shard = (r, world_size)` (`parallel.shard_model`): it slices plain Linear weights;
     3. kernels: on the CPU in bf16, swap in the CPU kernels (`kernels.surgery`), which repack the (sharded) weights;
     4. quantization "int8" or "int4" (a draft: cheaper drafts, the same output; only acceptance can move);
-       "auto": what this CPU runs best, else none (`hardware.resolve_draft_quantization`).
+       "auto": what this CPU runs best, else none (`hardware.resolve_draft_quantization`);
+    5. on the CPU, huge pages (`huge_pages.py`): the weights as loaded are copied into memory advised for them
+       before step 3, and what the steps since allocated is collapsed into them in place.
     """
     quantization = resolve_quantization(quantization, device=device, dtype=dtype)
     if vocabulary < 0:
@@ -53,12 +56,16 @@ def prepare_model(
     if shard is not None:
         shard_model(loaded.model, *shard)
     param = next(loaded.model.parameters())
+    if param.device.type == "cpu":
+        move_into_huge_pages(loaded.model)
     if param.device.type == "cpu" and param.dtype == torch.bfloat16:
         swapped = use_cpu_kernels(loaded.model)
         log.debug("%d linear layers use the CPU bf16 kernel", swapped)
     quantize = {"int8": quantize_draft_int8, "int4": quantize_draft_int4}.get(quantization)
     if quantize is not None and quantize(loaded.model) == 0:
         log.warning("%s draft quantization unavailable here (needs a bf16 CPU model and the CPU kernels)", quantization)
+    if param.device.type == "cpu":
+        log_huge_pages(Path(source).name, back_with_huge_pages(loaded.model))
     return loaded
 
 

@@ -50,6 +50,12 @@ def draft_int8_rows_disabled() -> bool:
     return bool(os.environ.get("SPECDEC_DISABLE_INT8_ROWS"))
 
 
+def huge_pages_disabled() -> bool:
+    """`SPECDEC_DISABLE_HUGE_PAGES`: a CPU model's weights stay in the pages they were loaded into (`huge_pages.py`):
+    the two side by side in benchmarks, or a host where collapsing them costs more than it saves."""
+    return bool(os.environ.get("SPECDEC_DISABLE_HUGE_PAGES"))
+
+
 def c_compiler() -> str:
     """`$CC`, else `cc`: compiles the CPU kernels."""
     return os.environ.get("CC", "cc")
