@@ -6,12 +6,14 @@ target's matrices at one row took 0.92-0.95 of the time (docs/engine.md). llama.
 kernel backs its memory-mapped GGUF file with huge pages; torch's allocations get it only where transparent huge
 pages are `always`, and most hosts set `madvise`.
 
-How: for each weight tensor of at least one huge page, its 2 MB-aligned interior is advised `MADV_HUGEPAGE` and
-collapsed at once with `MADV_COLLAPSE` (Linux 6.1+), which moves the bytes into huge pages without changing a
-virtual address: every pointer the kernels captured (`layers_quant.py`, `linear._KernelCall`) stays valid, so this
-runs after the kernel surgery, on the tensors as the forward reads them. Where collapsing is refused (an older
-kernel, huge pages `never`, a file-backed tensor) the advice alone stays, and the kernel's background collapser may
-act on it later; nothing fails. Linux only; elsewhere, and with `SPECDEC_DISABLE_HUGE_PAGES`, nothing happens.
+How, in two steps (`build.prepare_model`): the weights as loaded are copied into memory advised `MADV_HUGEPAGE`
+before it is first written (`move_into_huge_pages`: a memory-mapped checkpoint's pages belong to the file's page
+cache and cannot be collapsed where they lie); after the kernel surgery, the 2 MB-aligned interior of every tensor
+of at least one huge page is advised and collapsed with `MADV_COLLAPSE` (Linux 6.1+; `back_with_huge_pages`), which
+moves the bytes into huge pages without changing a virtual address, so every pointer the kernels captured
+(`layers_quant.py`, `linear._KernelCall`) stays valid. Where collapsing is refused (an older kernel, huge pages
+`never`) the advice alone stays, and the kernel's background collapser may act on it later; nothing fails. Linux
+only; elsewhere, and with `SPECDEC_DISABLE_HUGE_PAGES`, nothing happens.
 """
 
 from __future__ import annotations
@@ -87,8 +89,7 @@ def _movable(tensor: torch.Tensor, seen: set[int]) -> bool:
 def _advised_like(libc: ctypes.CDLL, tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of `tensor` in memory advised for huge pages before any of it was touched."""
     fresh = torch.empty(tensor.shape, dtype=tensor.dtype)  # allocated, not yet faulted in
-    start = -(-fresh.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    end = (fresh.data_ptr() + fresh.untyped_storage().nbytes()) // HUGE_PAGE * HUGE_PAGE
+    start, end = _interior(fresh.untyped_storage())
     if end > start:
         libc.madvise(start, end - start, MADV_HUGEPAGE)
     return fresh.copy_(tensor)
@@ -106,14 +107,20 @@ def back_with_huge_pages(model: nn.Module) -> HugePages:
         storage = tensor.untyped_storage()
         seen.add(storage.data_ptr())
         total += storage.nbytes()
-        start = -(-storage.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        end = (storage.data_ptr() + storage.nbytes()) // HUGE_PAGE * HUGE_PAGE
+        start, end = _interior(storage)
         if libc is None or end <= start:
             continue
         if libc.madvise(start, end - start, MADV_HUGEPAGE) == 0:
             advised += end - start
             collapsed += _collapse(libc, start, end)
     return HugePages(total, advised, collapsed)
+
+
+def _interior(storage: torch.UntypedStorage) -> tuple[int, int]:
+    """The whole huge pages inside `storage`: [start, end) addresses, empty (end <= start) if none."""
+    return -(-storage.data_ptr() // HUGE_PAGE) * HUGE_PAGE, (
+        storage.data_ptr() + storage.nbytes()
+    ) // HUGE_PAGE * HUGE_PAGE
 
 
 def _collapse(libc: ctypes.CDLL, start: int, end: int) -> int:

@@ -86,7 +86,8 @@ def _max_rows(linear: nn.Module) -> int | None:
     through the loop, so that they get the results the layers' own calls give them."""
     if not getattr(linear, "fbgemm_rows", False):
         return None
-    return fbgemm_rows.INT8_KERNEL_MAX_ROWS if linear.int8_kernel else fbgemm_rows.FROM_ROWS - 1
+    rows: int = linear.kernel_max_rows
+    return rows
 
 
 class QuantLayers:

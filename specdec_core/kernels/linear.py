@@ -92,12 +92,17 @@ class Int4CPULinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] bf16 -> [..., N] bf16
         x = x.to(torch.bfloat16)  # a no-op for bf16 x
         rows = x.numel() // x.shape[-1]
-        if rows >= fbgemm_rows.FROM_ROWS:
-            if self._int8 is not None and (rows <= fbgemm_rows.INT8_KERNEL_MAX_ROWS or self._rows is None):
-                return self._int8(x, self.out_features)
-            if self._rows is not None:
-                return self._rows(x)
+        if self._rows is not None and rows > self.kernel_max_rows:
+            return self._rows(x)
+        if self._int8 is not None and rows >= fbgemm_rows.FROM_ROWS:
+            return self._int8(x, self.out_features)
         return self.kernel(x)
+
+    @property
+    def kernel_max_rows(self) -> int:
+        """The most rows a call takes on this layer's own kernels (4-bit, and int8 with VNNI) where fbgemm takes
+        longer calls; the layers' one C call (`layers_quant.py`) takes no more."""
+        return fbgemm_rows.INT8_KERNEL_MAX_ROWS if self._int8 is not None else fbgemm_rows.FROM_ROWS - 1
 
     @property
     def int8_rows(self) -> bool:
