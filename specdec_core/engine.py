@@ -38,7 +38,7 @@ from specdec_core.grammar.compiler import CompiledGrammar
 from specdec_core.grammar.constraint import Constraint
 from specdec_core.grammar.state import GrammarState
 from specdec_core.outputs import RequestOutput, RoundInfo
-from specdec_core.overlap import Branch, Overlap, OverlapMode, branch_of, hit, predraft_request
+from specdec_core.overlap import Branch, Overlap, OverlapMode, branches_of, hit, predraft_request
 from specdec_core.request import PromptLimits, Request
 from specdec_core.sequence import SequenceState, seeded_generator
 from specdec_core.stopping import FinishReason, IncrementalDetokenizer, StopChecker
@@ -58,6 +58,9 @@ class EngineConfig:
     plain_runs: bool = True
     # Pre-draft the next round while the target verifies this one (`overlap.py`): on, off, or auto (measured).
     overlap: OverlapMode | str = OverlapMode.OFF
+    # Besides the outcome where every draft is accepted, a greedy row's pre-draft covers up to this many rejection
+    # outcomes, those the draft finds likeliest (`drafters/alternatives.py`), as extra rows of its forwards.
+    overlap_alternatives: int = 3
 
     def __post_init__(self) -> None:
         if self.policy.max_k != self.max_speculative_tokens:
@@ -445,8 +448,10 @@ class SpecEngine:
         method = structured.FORCED if forced else self._method(proposal, k, free)
         return _Row(seq, proposal, k, free, method, seq.verify_item(proposal), predrafted and not free)
 
-    def _accept(self, row: _Row, outcome: VerifyOutcome, seconds: float, branch: Branch | None = None) -> RequestOutput:
-        """Commit a verified row's outcome; what the round teaches the estimates first. A pre-drafted `branch` that
+    def _accept(
+        self, row: _Row, outcome: VerifyOutcome, seconds: float, branches: tuple[Branch, ...] = ()
+    ) -> RequestOutput:
+        """Commit a verified row's outcome; what the round teaches the estimates first. A pre-drafted branch that
         the outcome confirms is the row's next proposal."""
         seq, proposal, k, free = row.seq, row.proposal, row.k, row.free
         draft, n = proposal.token_ids, outcome.num_accepted
@@ -460,15 +465,16 @@ class SpecEngine:
             method=row.method,
             seconds=seconds,
             predrafted=row.predrafted,
-            branched=branch is not None,
+            branched=bool(branches),
         )
         self._learn(seq, proposal, k, free, n)
         output = self._commit(seq, list(outcome.token_ids), info)
-        if k > 0 or branch is not None:
+        if k > 0 or branches:
             seq.draft.drafted(len(seq.tokens))
-        if branch is not None and (confirmed := hit(branch, seq.tokens)) is not None:
-            seq.predrafted = (len(seq.tokens), confirmed)
+        if (confirmed := hit(branches, seq.tokens)) is not None:
+            seq.predrafted = (len(seq.tokens), confirmed.proposal)
             self.overlap.hits += 1
+            self.overlap.rejection_hits += n < len(draft)  # it confirmed a branch for a rejection
         return output
 
     def _learn(self, seq: SequenceState, proposal: Proposal, k: int, free: bool, num_accepted: int) -> None:
@@ -635,7 +641,8 @@ class SpecEngine:
         if drafter is None or self._draft_faults.resting():
             return None
         width = 1 + max(len(row.proposal.token_ids) for row in rows)
-        fits = self._steps_within_verify(len(rows), width)
+        alternatives = self.config.overlap_alternatives
+        fits = self._steps_within_verify(len(rows), width, alternatives)
         chosen, requests = [], []
         for i, row in enumerate(rows):
             seq, n = row.seq, len(row.proposal.token_ids)
@@ -643,16 +650,24 @@ class SpecEngine:
             if row.method == structured.FORCED or seq.grammar is not None or not seq.draft.drafting or ahead < 1:
                 continue
             chosen.append(i)
-            requests.append(predraft_request(seq.draft_request(1 + ahead), row.proposal, 1 + ahead))
+            request = predraft_request(seq.draft_request(1 + ahead), row.proposal, 1 + ahead)
+            if seq.params.shaping.greedy:  # a sampled row's replacement is a draw from the residual: no guess
+                request = replace(request, num_alternatives=alternatives)
+            requests.append(request)
         if not chosen:
             return None
         return chosen, self.overlap.submit(lambda: drafter.propose(requests))
 
-    def _steps_within_verify(self, batch_size: int, width: int) -> int:
+    def _steps_within_verify(self, batch_size: int, width: int, alternatives: int = 0) -> int:
         """Draft steps (after the call's fixed part) that fit in a verify of `width` tokens, by the measured costs;
-        at least 2 (the guess and one draft), unbounded while either cost is unmeasured."""
+        at least 2 (the guess and one draft), unbounded while either cost is unmeasured. A pre-draft covering
+        `alternatives` rejection outcomes a row drafts as many more rows: priced at that batch size where drafts
+        of it were measured (calibration measures them on the served stack), else at `batch_size`."""
         verify = self.costs.verify_cost(batch_size, width)
-        one, many = self.costs.draft_cost(batch_size, 1), self.costs.draft_cost(batch_size, 8)
+        rows = batch_size * (1 + alternatives)
+        if self.costs.draft_cost(rows, 1) is None:
+            rows = batch_size
+        one, many = self.costs.draft_cost(rows, 1), self.costs.draft_cost(rows, 8)
         if verify is None or one is None or many is None:
             return self.config.max_speculative_tokens + 1
         step = (many - one) / 7 if many > one else one
@@ -660,10 +675,10 @@ class SpecEngine:
 
     def _branches(
         self, rows: list[_Row], predrafting: tuple[list[int], Future[list[Proposal]]] | None
-    ) -> list[Branch | None]:
-        """Per row, the branch pre-drafted for it (None where none was). Waits for the pre-draft; one that failed
+    ) -> list[tuple[Branch, ...]]:
+        """Per row, the branches pre-drafted for it (none where none were). Waits for the pre-draft; one that failed
         costs its rows their draft state (started again when they next draft), never their requests."""
-        branches: list[Branch | None] = [None] * len(rows)
+        branches: list[tuple[Branch, ...]] = [() for _ in rows]
         if predrafting is None:
             return branches
         chosen, call = predrafting
@@ -675,8 +690,8 @@ class SpecEngine:
         self._draft_faults.succeeded()
         for i, proposal in zip(chosen, drafted):
             seq, n = rows[i].seq, len(rows[i].proposal.token_ids)
-            branches[i] = branch_of(proposal, len(seq.tokens), n)
-        self.overlap.branches += sum(b is not None for b in branches)
+            branches[i] = branches_of(proposal, len(seq.tokens), n)
+        self.overlap.branches += sum(len(b) for b in branches)
         return branches
 
     # -- commit and release --------------------------------------------------------------------------------------

@@ -29,9 +29,9 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.sparse_q import SparseQ
@@ -67,25 +67,33 @@ def predraft_request(request: DraftRequest, proposal: Proposal, num_tokens: int)
     )
 
 
-def branch_of(drafted: Proposal, num_committed: int, num_assumed: int) -> Branch | None:
-    """The branch a pre-draft returned (`drafted`: the guess, then the drafts after it), for a sequence with
-    `num_committed` tokens and `num_assumed` drafts under verification; None if it drafted nothing past the guess."""
-    if len(drafted.token_ids) < 2:
-        return None
-    after = drafted.token_ids[1:]
-    q = None if drafted.q is None else SparseQ(drafted.q.token_ids[1:], drafted.q.probs[1:])
-    probs = None if drafted.draft_probs is None else drafted.draft_probs[1:]
-    proposal = Proposal(after, q, probs, drafted.label, drafted.method)
-    return Branch(num_committed + num_assumed + 1, drafted.token_ids[0], proposal)
+def branches_of(drafted: Proposal, num_committed: int, num_assumed: int) -> tuple[Branch, ...]:
+    """The branches a pre-draft returned, for a sequence with `num_committed` tokens and `num_assumed` drafts under
+    verification: where every draft is accepted (`drafted`: the guess, then the drafts after it), then one per
+    rejection outcome it covered (`drafted.alternatives`: the guessed token at the rejected position, then the
+    drafts after it). A branch with nothing drafted past its guess is left out."""
+    branches = []
+    if len(drafted.token_ids) >= 2:
+        after = drafted.token_ids[1:]
+        q = None if drafted.q is None else SparseQ(drafted.q.token_ids[1:], drafted.q.probs[1:])
+        probs = None if drafted.draft_probs is None else drafted.draft_probs[1:]
+        proposal = Proposal(after, q, probs, drafted.label, drafted.method)
+        branches.append(Branch(num_committed + num_assumed + 1, drafted.token_ids[0], proposal))
+    for alternative in drafted.alternatives:
+        if alternative.proposal.token_ids and alternative.position < num_assumed:
+            proposal = replace(alternative.proposal, label=drafted.label, method=drafted.method)
+            branches.append(Branch(num_committed + alternative.position + 1, alternative.token, proposal))
+    return tuple(branches)
 
 
-def hit(branch: Branch, tokens: list[int]) -> Proposal | None:
-    """The branch's proposal if the sequence's committed `tokens` are the context it assumed, else None: a round
-    that committed `num_context` tokens accepted every draft it assumed, and its last token is the target's bonus,
-    which must be the guess."""
-    if len(tokens) != branch.num_context or tokens[-1] != branch.guess:
-        return None
-    return branch.proposal
+def hit(branches: Sequence[Branch], tokens: list[int]) -> Branch | None:
+    """The branch whose context the sequence's committed `tokens` are, if any. A round that committed
+    `num_context` tokens accepted every draft before the branch's position (the committed tokens are the
+    proposal's up to there), and its last token is the target's own, which must be the guess."""
+    for branch in branches:
+        if len(tokens) == branch.num_context and tokens[-1] == branch.guess:
+            return branch
+    return None
 
 
 # `auto` decides for blocks of rounds, so that a round that uses a branch is mostly timed with the mode that made it.
@@ -125,8 +133,9 @@ class Overlap:
         self._extra: deque[float] = deque(maxlen=WEIGHED_ROUNDS)
         self._saved: deque[float] = deque(maxlen=WEIGHED_ROUNDS)
         self._last = False  # whether the last round chosen pre-drafted
-        self.branches = 0  # branches pre-drafted
+        self.branches = 0  # branches pre-drafted (each outcome covered counts)
         self.hits = 0  # branches used as the next round's proposal
+        self.rejection_hits = 0  # of them, branches for a rejection outcome
 
     @property
     def enabled(self) -> bool:

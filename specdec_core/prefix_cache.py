@@ -147,6 +147,22 @@ class PrefixIndex:
         self._queried += queried
         self._hits += reuse.length
 
+    def spare(self, free: Sequence[int]) -> int:
+        """The free slot a fork takes (`fork`): one no entry holds, else the least recently used entry."""
+        unused = [s for s in free if s not in self._entries]
+        return unused[-1] if unused else next(iter(self._entries))
+
+    def fork(self, source: int, slot: int, length: int) -> None:
+        """`slot` now holds the first `length` tokens of the live `source` (a branch of its sequence, the runner
+        copied them): live, of the source's salt. Not a lookup: the hit counters are untouched."""
+        if slot in self._entries:
+            del self._entries[slot]
+            self._entry_positions -= len(self._tokens[slot])
+            self._evictions += 1
+        self._tokens[slot] = self._tokens[source][:length]
+        self._salts[slot] = self._salts[source]
+        self._live.add(slot)
+
     def release(self, slot: int) -> None:
         """A sequence ended: its slot becomes the most recent entry (none when it holds nothing). Idempotent."""
         if slot not in self._live:

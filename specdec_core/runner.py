@@ -168,6 +168,26 @@ class ModelRunner:
         self.cache.set_length(slot, plan.length)
         return slot
 
+    def fork(self, source: int, length: int) -> int:
+        """A free slot holding a copy of the first `length` positions of `source`: a branch of its sequence that
+        can be extended and dropped without touching it. ResourceExhausted when no slot is free."""
+        if length > self.cache.lengths[source]:
+            raise ValueError(f"slot {source} holds {self.cache.lengths[source]} positions, not {length}")
+        if not self.cache.free_slots:
+            raise ResourceExhausted("kv_slots", f"all {self.cache.num_slots} KV cache slots are in use")
+        slot = self.cache.allocate(None if self.prefix is None else self.prefix.spare(self.cache.free_slot_ids))
+        self.cache.copy_prefix(source, slot, length)
+        self.cache.set_length(slot, length)
+        if self.prefix is not None:
+            self.prefix.fork(source, slot, length)
+        return slot
+
+    def discard(self, slot: int) -> None:
+        """Free `slot` without offering what it holds to the prefix cache (a branch that lost: its prefix is
+        its sequence's own, held elsewhere)."""
+        self.truncate(slot, 0)
+        self.release(slot)
+
     def cached_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """How many leading `tokens` an `allocate` for `salt` would start with now (0 without prefix caching)."""
         return 0 if self.prefix is None else self.prefix.held(tokens, salt)

@@ -67,6 +67,20 @@ class DraftRequest:
     # The last `num_assumed` of `token_ids` are not committed: drafts under verification, assumed accepted (a
     # pre-draft, `overlap.py`). A drafter with state keeps what it computes on them only while later calls agree.
     num_assumed: int = 0
+    # A pre-draft may also cover up to this many outcomes where the target rejects an assumed draft: the drafter
+    # picks those it finds likeliest and drafts after each (`Proposal.alternatives`). 0: the main branch alone.
+    num_alternatives: int = 0
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A pre-draft's branch for one rejection outcome: were the target to accept the first `position` assumed
+    drafts and commit `token` in place of the next, `proposal` holds the drafts after it, drawn from q on exactly
+    that context."""
+
+    position: int  # the assumed draft rejected: 0 .. num_assumed - 1
+    token: int  # the target's token there, as the drafter guesses it (its runner-up)
+    proposal: Proposal
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,8 @@ class Proposal:
     label: str | None = None
     # The method that proposed, where a drafter combines several (`VariantDrafter`); None: the drafter's own name.
     method: str | None = None
+    # A pre-draft's branches for rejection outcomes (`DraftRequest.num_alternatives`), likeliest first.
+    alternatives: tuple[Alternative, ...] = ()
 
     def prefix(self, n: int) -> Proposal:
         """The first n proposed tokens (a proposal cut short is still a valid proposal)."""

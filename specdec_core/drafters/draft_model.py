@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
 
 from specdec_core.config import TokenShaping
-from specdec_core.drafters.base import DraftContext, DraftMethod, DraftRequest, Proposal
+from specdec_core.drafters.alternatives import MIN_CHANCE, StepRecord, likeliest_rejections
+from specdec_core.drafters.base import Alternative, DraftContext, DraftMethod, DraftRequest, Proposal
 from specdec_core.drafters.draft_chain import ChainRow, draft_chain
 from specdec_core.errors import InvalidArgument
 from specdec_core.models.vocab_head import VocabHead, context_ids
@@ -34,13 +35,27 @@ class _Drawn:
     prob: float
 
 
+@dataclass(frozen=True)
+class _Fork:
+    """A branch a pre-draft drafts for a rejection outcome: of request row `parent`, the assumed draft at
+    `position` rejected and `token` committed in its place; drafted on `slot` (a copy of the parent's up to
+    `committed`, the tokens before the rejected draft) by `request`."""
+
+    parent: int
+    position: int
+    token: int
+    slot: int
+    committed: int
+    request: DraftRequest
+
+
 class DraftModelDrafter:
     """Autoregressive drafting with a smaller model: k batched forward steps per round.
 
     The draft cache holds every committed token the draft has read. Each round first feeds the committed tokens
     it has not read yet (usually the last round's recovered or bonus token, plus the last accepted draft), then
     one token per step; the next round keeps of the drafts in the cache those the committed tokens agree with
-    (`_drop_stale_drafts`: rollback by a length). With prefix caching on the runner,
+    (`_settle`: rollback by a length). With prefix caching on the runner,
     `start` reads only what the cache lacks of the context, exactly as the target's prefill does. A constrained
     row (`DraftRequest.grammar`) masks its logits at each step with its grammar after the drafts so far, and stops
     at an eos: its q is the masked draft's, as exactness requires (`drafters/base.py`). With a
@@ -59,6 +74,7 @@ class DraftModelDrafter:
         q_support: int | None = Q_SUPPORT,
         confidence_threshold: float = 0.0,
         chain_on_device: bool | None = None,
+        alternative_min_chance: float = MIN_CHANCE,
     ) -> None:
         if not 0.0 <= confidence_threshold < 1.0:
             raise ValueError(f"need 0 <= confidence_threshold < 1, got {confidence_threshold}")
@@ -73,6 +89,15 @@ class DraftModelDrafter:
         # Per sequence, what its cache holds past the tokens known to be committed: (the first such position, the
         # tokens there): its last call's assumed tokens (`DraftRequest.num_assumed`) and the drafts it wrote.
         self._fed: dict[str, tuple[int, list[int]]] = {}
+        # Per sequence, the branches its last pre-draft drafted for rejection outcomes (`Proposal.alternatives`):
+        # (slot, what it holds past the committed tokens, as `_fed`). The next call keeps the one that agrees with
+        # the committed tokens, if it agrees further than the sequence's own slot, and drops the rest.
+        self._forks: dict[str, list[tuple[int, tuple[int, list[int]]]]] = {}
+        # Per slot, per position drafted there: what the draft thought (`alternatives.StepRecord`), kept once a
+        # pre-draft asks for alternatives, for the drafts a later pre-draft assumes.
+        self._records: dict[int, dict[int, StepRecord]] = {}
+        self._recording = False
+        self.alternative_min_chance = alternative_min_chance  # rejection outcomes less likely are not drafted
         head = getattr(runner.model, "lm_head", None)
         self._keep = head.keep if isinstance(head, VocabHead) else None
 
@@ -111,13 +136,16 @@ class DraftModelDrafter:
 
     def release(self, seq_id: str) -> None:
         self._fed.pop(seq_id, None)
+        for fork, _ in self._forks.pop(seq_id, []):
+            self._drop(fork)
         slot = self._slots.pop(seq_id, None)
         if slot is not None:
+            self._records.pop(slot, None)
             self.runner.release(slot)
 
     def observe(self, seq_id: str, num_committed: int) -> None:
         """Nothing now: the next `propose` keeps of the drafts in the cache those its tokens agree with
-        (`_drop_stale_drafts`). A pre-drafted branch (`overlap.py`) that the round confirmed stays, and is not
+        (`_settle`). A pre-drafted branch (`overlap.py`) that the round confirmed stays, and is not
         read again."""
         if seq_id not in self._slots:
             raise KeyError(f"draft session {seq_id!r} was not started")
@@ -127,16 +155,12 @@ class DraftModelDrafter:
         return len(self._slots)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
-        tokens: list[list[int]] = [[] for _ in requests]
-        qs: list[list[_Drawn]] = [[] for _ in requests]
-        chosen: list[list[float]] = [[] for _ in requests]  # q of each picked token, for requests that asked
         rows = [i for i, r in enumerate(requests) if r.num_tokens > 0]
+        slots: dict[int, int] = {}  # row -> the slot it drafts on
         feeds = {}  # row -> the committed tokens its slot has not read (a long backlog read first, alone)
         for i in rows:
-            slot = self._slots[requests[i].seq_id]
-            self._drop_stale_drafts(requests[i].seq_id, slot, requests[i].token_ids)
-            feeds[i] = self._catch_up(slot, self._readable(requests[i].token_ids[self.runner.length(slot) :]))
-        advanced = [0] * len(requests)  # drafts each row's grammar was moved along: moved back before returning
+            slots[i] = self._settle(requests[i])
+            feeds[i] = self._catch_up(slots[i], self._readable(requests[i].token_ids[self.runner.length(slots[i]) :]))
         extra = (
             None
             if self._keep is None or not rows
@@ -144,15 +168,52 @@ class DraftModelDrafter:
         )  # [E]
         if rows and self._chains(requests, rows):
             return self._propose_chain(requests, rows, feeds, extra)
+        forks = self._fork(requests, rows, slots)
+        calls = [*requests, *(f.request for f in forks)]  # a fork drafts as a row of its own
+        for n, fork in enumerate(forks, start=len(requests)):
+            rows.append(n)
+            slots[n] = fork.slot
+            feeds[n] = self._readable(fork.request.token_ids[self.runner.length(fork.slot) :])
+        tokens, qs, chosen = self._steps(calls, rows, slots, feeds, extra)
+        self._note_fed(requests, tokens)
+        for n, fork in enumerate(forks, start=len(requests)):
+            fed = self._fed_after(fork.request, fork.slot, fork.committed, tokens[n])
+            self._forks.setdefault(fork.request.seq_id, []).append((fork.slot, fed))
+        proposals = [
+            Proposal(token_ids=t, q=_stack(q), draft_probs=tuple(c) if r.return_probs else None)
+            for t, q, c, r in zip(tokens, qs, chosen, calls)
+        ]
+        by_parent: dict[int, list[Alternative]] = {}
+        for n, fork in enumerate(forks, start=len(requests)):
+            by_parent.setdefault(fork.parent, []).append(Alternative(fork.position, fork.token, proposals[n]))
+        for parent, alternatives in by_parent.items():
+            proposals[parent] = replace(proposals[parent], alternatives=tuple(alternatives))
+        return proposals[: len(requests)]
+
+    def _steps(
+        self,
+        calls: Sequence[DraftRequest],
+        rows: list[int],
+        slots: dict[int, int],
+        feeds: dict[int, list[int]],
+        extra: torch.Tensor | None,
+    ) -> tuple[list[list[int]], list[list[_Drawn]], list[list[float]]]:
+        """The step loop: each row's drafts, the q rows it drew from (sampled rows), and q of each pick (rows that
+        asked, `return_probs`)."""
+        tokens: list[list[int]] = [[] for _ in calls]
+        qs: list[list[_Drawn]] = [[] for _ in calls]
+        chosen: list[list[float]] = [[] for _ in calls]
+        advanced = [0] * len(calls)  # drafts each row's grammar was moved along: moved back before returning
         try:
             step = 0
             while rows:
-                slots = [self._slots[requests[i].seq_id] for i in rows]
-                batch = [requests[i] for i in rows]
-                logits = self.runner.extend(slots, [feeds[i] for i in rows], extra_vocab=extra)  # [R, Vd]
+                batch = [calls[i] for i in rows]
+                logits = self.runner.extend([slots[i] for i in rows], [feeds[i] for i in rows], extra_vocab=extra)
                 logits = _masked(self._align(logits), batch)  # [R, V]
                 picked, drawn = self._pick(logits, batch, step)
                 picked_probs = _picked_probs(logits, batch, picked, drawn, every_row=self.confidence_threshold > 0)
+                if self._recording:
+                    self._record(logits, batch, [slots[i] for i in rows], step)
                 # Rows whose grammar ends with this draft (an eos: nothing after it is committed), and rows the
                 # draft is unsure of (a later draft would rarely survive: its step and verify row are saved).
                 ended = set()
@@ -161,28 +222,113 @@ class DraftModelDrafter:
                     if (draw := drawn[j]) is not None:
                         qs[i].append(draw)
                     prob = picked_probs[j]
-                    if requests[i].return_probs:
+                    if calls[i].return_probs:
                         assert prob is not None  # computed for every row that asked
                         chosen[i].append(prob)
                     if prob is not None and prob < self.confidence_threshold:
                         ended.add(i)
                     feeds[i] = [picked[j]]
-                    if (grammar := requests[i].grammar) is not None:
+                    if (grammar := calls[i].grammar) is not None:
                         taken = grammar.advance([picked[j]])
                         advanced[i] += taken
                         if not taken or grammar.is_terminated():
                             ended.add(i)
                 step += 1
-                rows = [i for i in rows if requests[i].num_tokens > step and i not in ended]
+                rows = [i for i in rows if calls[i].num_tokens > step and i not in ended]
         finally:
-            for request, n in zip(requests, advanced):
-                if n and request.grammar is not None:  # advanced only where there is a grammar
-                    request.grammar.rollback(n)
-        self._note_fed(requests, tokens)
-        return [
-            Proposal(token_ids=t, q=_stack(q), draft_probs=tuple(c) if r.return_probs else None)
-            for t, q, c, r in zip(tokens, qs, chosen, requests)
-        ]
+            for call, n in zip(calls, advanced):
+                if n and call.grammar is not None:  # advanced only where there is a grammar
+                    call.grammar.rollback(n)
+        return tokens, qs, chosen
+
+    # -- branches for rejection outcomes (`alternatives.py`) -----------------------------------------------------
+
+    def _settle(self, request: DraftRequest) -> int:
+        """The slot `request`'s sequence drafts on now: of its own slot and the branches its last pre-draft forked,
+        the one whose contents agree furthest with `request.token_ids` (its own on a tie), rolled back (by a
+        length) to that agreement; the others are dropped. A kept branch becomes the sequence's slot: a hit costs
+        no recompute. Its records of earlier positions, now committed, are forgotten."""
+        seq_id = request.seq_id
+        own = self._slots[seq_id]
+        candidates = [(own, self._fed.pop(seq_id, None)), *self._forks.pop(seq_id, [])]
+        kept, keep = own, -1
+        for slot, fed in candidates:
+            agreed = self._agreed(slot, fed, request.token_ids)
+            if agreed > keep:
+                kept, keep = slot, agreed
+        for slot, _ in candidates:
+            if slot != kept:
+                self._drop(slot)
+        self._slots[seq_id] = kept
+        if keep < self.runner.length(kept):
+            self.runner.truncate(kept, keep)
+        if (records := self._records.get(kept)) is not None:  # a record at p was read off the context before p
+            committed = len(request.token_ids) - request.num_assumed
+            for position in [p for p in records if p < committed or p > keep]:
+                del records[position]
+        return kept
+
+    def _agreed(self, slot: int, fed: tuple[int, list[int]] | None, token_ids: Sequence[int]) -> int:
+        """How much of `slot` to keep for a sequence now at `token_ids`: what it holds past the known committed
+        tokens (`fed`: the last call's drafts and the tokens it assumed) only as far as `token_ids` agree with it.
+        Rounds without drafts may have committed more since (a remote draft worker hears of them only now): a
+        rejected draft left behind a prefix that grew past it would have the draft read a context that was never
+        committed."""
+        length = self.runner.length(slot)
+        if fed is None:
+            return length
+        start, held = fed
+        committed = self._readable(token_ids[start : start + len(held)])
+        agree = next((j for j, (a, b) in enumerate(zip(held, committed)) if a != b), len(committed))
+        return min(start + agree, len(token_ids) - 1, length)  # the last committed token is read with the next step
+
+    def _fork(self, requests: Sequence[DraftRequest], rows: Sequence[int], slots: dict[int, int]) -> list[_Fork]:
+        """For each pre-draft that asks (`DraftRequest.num_alternatives`; greedy rows without a grammar), a branch
+        per rejection outcome it covers: a copy of its slot up to the rejected position, and the request that
+        drafts after the guessed token there. None where no slot is free."""
+        forks: list[_Fork] = []
+        for i in rows:
+            r = requests[i]
+            if r.num_alternatives <= 0 or r.num_assumed <= 0 or r.num_tokens < 2:
+                continue
+            self._recording = True  # later calls record what the drafts assumed then need
+            if not r.shaping.greedy or r.grammar is not None:
+                continue
+            committed = len(r.token_ids) - r.num_assumed
+            assumed = r.token_ids[committed:]
+            records = self._records.get(slots[i], {})
+            chosen = likeliest_rejections(
+                assumed,
+                [records.get(committed + j) for j in range(len(assumed))],
+                r.num_alternatives,
+                self.alternative_min_chance,
+            )
+            for rejection in chosen:
+                if not self.runner.cache.free_slots:
+                    return forks
+                at = committed + rejection.position
+                context = [*r.token_ids[:at], rejection.token]
+                slot = self.runner.fork(slots[i], min(at, self.runner.length(slots[i])))
+                request = DraftRequest(r.seq_id, context, r.num_tokens - 1, r.shaping, None, r.return_probs)
+                forks.append(_Fork(i, rejection.position, rejection.token, slot, at, request))
+        return forks
+
+    def _record(self, logits: torch.Tensor, batch: Sequence[DraftRequest], slots: Sequence[int], step: int) -> None:
+        """Keep, for each greedy row without a grammar, its pick, runner-up and their q at this step's position."""
+        rows = [j for j, r in enumerate(batch) if r.shaping.greedy and r.grammar is None]
+        if not rows:
+            return
+        sub = logits[rows]  # [G, V]
+        top, ids = sub.topk(2, dim=-1)  # [G, 2]
+        probs = (top - sub.logsumexp(dim=-1, keepdim=True)).exp().tolist()
+        for g, j in enumerate(rows):
+            record = StepRecord(int(ids[g, 0]), probs[g][0], int(ids[g, 1]), probs[g][1])
+            self._records.setdefault(slots[j], {})[len(batch[j].token_ids) + step] = record
+
+    def _drop(self, slot: int) -> None:
+        """Free a branch's slot (or a sequence's old one, replaced by its branch)."""
+        self._records.pop(slot, None)
+        self.runner.discard(slot)
 
     def _chains(self, requests: Sequence[DraftRequest], rows: Sequence[int]) -> bool:
         """Whether this call drafts as one chain on the device (`draft_chain.py`): on by `chain_on_device` (a
@@ -228,24 +374,13 @@ class DraftModelDrafter:
         """What each row's cache now holds past its committed tokens (`_fed`): the assumed tokens, then drafts."""
         for r, drafted in zip(requests, tokens):
             if r.num_tokens > 0:
-                written = self.runner.length(self._slots[r.seq_id]) - len(r.token_ids)
-                committed = len(r.token_ids) - r.num_assumed
-                assumed = self._readable(r.token_ids[committed:])
-                self._fed[r.seq_id] = (committed, assumed + drafted[:written])
+                slot = self._slots[r.seq_id]
+                self._fed[r.seq_id] = self._fed_after(r, slot, len(r.token_ids) - r.num_assumed, drafted)
 
-    def _drop_stale_drafts(self, seq_id: str, slot: int, token_ids: Sequence[int]) -> None:
-        """Keep what the cache holds past the known committed tokens (the last call's drafts, and the tokens it
-        assumed) only as far as `token_ids` agree with it. Rounds without drafts may have committed more since
-        (a remote draft worker hears of them only now): a rejected draft left behind a prefix that grew past it
-        would have the draft read a context that was never committed."""
-        if seq_id not in self._fed:
-            return
-        start, fed = self._fed.pop(seq_id)
-        committed = self._readable(token_ids[start : start + len(fed)])
-        agree = next((j for j, (a, b) in enumerate(zip(fed, committed)) if a != b), len(committed))
-        keep = min(start + agree, len(token_ids) - 1)  # the last committed token is read with the next step
-        if keep < self.runner.length(slot):
-            self.runner.truncate(slot, keep)
+    def _fed_after(self, r: DraftRequest, slot: int, committed: int, drafted: list[int]) -> tuple[int, list[int]]:
+        """What `slot` holds past the first `committed` of `r.token_ids`, after drafting `drafted` on it."""
+        written = self.runner.length(slot) - len(r.token_ids)
+        return committed, self._readable(r.token_ids[committed:]) + drafted[:written]
 
     def _catch_up(self, slot: int, feed: list[int]) -> list[int]:
         """Read all but the last token of a long feed (a sequence that sat at k = 0 for a while) in a forward of

@@ -5,12 +5,13 @@ cache after a miss equal to a fresh draft's."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 
 from specdec_core.config import SamplingParams, TokenShaping
-from specdec_core.drafters.base import DraftRequest, Proposal
+from specdec_core.drafters.base import Alternative, DraftRequest, Proposal
 from specdec_core.drafters.draft_model import DraftModelDrafter
 from specdec_core.overlap import (
     BLOCK_ROUNDS,
@@ -18,7 +19,7 @@ from specdec_core.overlap import (
     WARMUP_ROUNDS,
     WEIGHED_ROUNDS,
     Overlap,
-    branch_of,
+    branches_of,
     hit,
     predraft_request,
 )
@@ -44,28 +45,39 @@ def _outcomes(proposal: list[int]):
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
 def test_a_branch_is_used_exactly_when_the_round_commits_the_context_it_assumed(k):
-    """Brute force: for every committed prefix, proposal, guess and outcome, `hit` gives the branch's drafts if and
-    only if the committed tokens are the prefix, every draft and the guess."""
+    """Brute force: for every committed prefix, proposal, guess, rejection branches and outcome, `hit` gives a
+    branch if and only if the committed tokens are its context: the prefix, every draft and the guess for the
+    main branch; the prefix, the drafts before the rejected one and the guessed replacement for the others."""
     committed = [7, 8]
+    q = SparseQ(torch.arange(9).view(3, 3), torch.full((3, 3), 1 / 3))
     for proposal, guess in itertools.product(itertools.product(VOCAB, repeat=k), VOCAB):
-        drafted = Proposal(
-            [guess, 5, 6], SparseQ(torch.arange(9).view(3, 3), torch.full((3, 3), 1 / 3)), (0.9, 0.8, 0.7)
+        # A branch for a rejection at each position, guessing the token after the draft there.
+        alternatives = tuple(
+            Alternative(j, (proposal[j] + 1) % len(VOCAB), Proposal([20 + j, 30 + j], None)) for j in range(k)
         )
-        branch = branch_of(drafted, len(committed), k)
-        assert branch is not None
+        drafted = Proposal([guess, 5, 6], q, (0.9, 0.8, 0.7), alternatives=alternatives)
+        branches = branches_of(drafted, len(committed), k)
+        assert len(branches) == 1 + k
         for j, tokens in _outcomes(list(proposal)):
             after = committed + tokens
-            used = hit(branch, after)  # every outcome: a rejection must never be taken for a hit
-            assumed = committed + list(proposal) + [guess]
-            assert (used is not None) == (after == assumed)
-            assert used is None or j == k  # only a round that accepted every draft
-            if used is not None:
-                assert used.token_ids == [5, 6] and used.draft_probs == (0.8, 0.7)
-                assert used.q.token_ids.tolist() == [[3, 4, 5], [6, 7, 8]]  # q of the drafts after the guess
+            used = hit(branches, after)  # every outcome: no other may be taken for a hit
+            contexts = {0: committed + list(proposal) + [guess]}  # 0: the main branch
+            contexts.update({a.position + 1: committed + list(proposal[: a.position]) + [a.token] for a in alternatives})
+            matching = [key for key, context in contexts.items() if context == after]
+            assert (used is not None) == bool(matching)
+            if used is None:
+                continue
+            if matching == [0]:
+                assert j == k  # the main branch: only a round that accepted every draft
+                assert used.proposal.token_ids == [5, 6] and used.proposal.draft_probs == (0.8, 0.7)
+                assert used.proposal.q.token_ids.tolist() == [[3, 4, 5], [6, 7, 8]]  # q of the drafts after the guess
+            else:
+                assert matching == [j + 1] and j < k  # a rejection branch: only the outcome it was drafted for
+                assert used.proposal.token_ids == [20 + j, 30 + j]
 
 
 def test_a_pre_draft_of_the_guess_alone_makes_no_branch():
-    assert branch_of(Proposal([4], None), 3, 1) is None
+    assert branches_of(Proposal([4], None), 3, 1) == ()
 
 
 def test_a_pre_draft_request_assumes_the_proposal_after_the_committed_tokens():
@@ -217,7 +229,9 @@ def test_greedy_output_with_pre_drafting_equals_plain_decoding(tiny_target, agre
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     requests = [(str(i), _ids(tiny_target, text), params, k) for i, text in enumerate(PROMPTS)]
     expected = run_to_completion(make_engine(tiny_target), [(r, ids, params, 0) for r, ids, _, _ in requests])
-    engine = make_engine(tiny_target, draft, overlap="on")
+    # A draft that always agrees is never rejected: its rows pre-draft the main branch alone, so that every
+    # branch counted is one that should be used.
+    engine = make_engine(tiny_target, draft, overlap="on", overlap_alternatives=0 if agreement == "always" else 3)
     predrafted = []
     for request_id, ids, p, kk in requests:
         engine.add_request(Request(request_id, tuple(ids), p, kk))
@@ -232,6 +246,26 @@ def test_greedy_output_with_pre_drafting_equals_plain_decoding(tiny_target, agre
     assert any(predrafted) and (agreement == "always" or not all(predrafted))
     if agreement == "always" and k != "auto":  # every branch is right: every round after the first uses one
         assert engine.overlap.hits >= engine.overlap.branches - 2 * len(PROMPTS)
+
+
+@pytest.mark.parametrize("k", [3, 6])
+def test_rejection_branches_are_used_and_greedy_output_still_equals_plain_decoding(tiny_target, k):
+    """A draft that disagrees now and then: rounds that reject a draft find a branch drafted for that rejection
+    (the draft's runner-up was the target's token) and verify it at once; the output is plain decoding's."""
+    draft = perturbed(tiny_target.model, 0.05, seed=3)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    requests = [(str(i), _ids(tiny_target, text)) for i, text in enumerate(PROMPTS)]
+    expected = run_to_completion(make_engine(tiny_target), [(r, ids, params, 0) for r, ids in requests])
+    engine = make_engine(tiny_target, draft, num_slots=16, overlap="on")
+    for request_id, ids in requests:
+        engine.add_request(Request(request_id, tuple(ids), params, k))
+    got: dict[str, list[int]] = {r: [] for r, _ in requests}
+    while engine.has_work:
+        for out in engine.step():
+            got[out.seq_id] += out.new_token_ids
+    assert got == {r: expected[r][0] for r in got}
+    assert engine.overlap.rejection_hits > 0
+    assert engine.overlap.hits > engine.overlap.rejection_hits  # the main branch is still used too
 
 
 def test_rows_with_and_without_branches_share_rounds(tiny_target):
@@ -284,10 +318,61 @@ def test_the_drafts_cache_after_a_missed_branch_equals_a_fresh_drafts(tiny_targe
         torch.testing.assert_close(a[slot_used, :, :length], b[slot_fresh, :, :length], rtol=1e-5, atol=1e-6)
 
 
+def test_a_rejection_branch_holds_a_fresh_drafts_proposal_and_cache_for_its_outcome(tiny_target):
+    """A pre-draft covering rejection outcomes: each branch's drafts are what a draft that never pre-drafted
+    proposes on that outcome's context, and once that outcome is committed the next call drafts on the branch's
+    cache (its positions are not read again) exactly as a fresh draft would; the other branches' slots are freed."""
+    draft = perturbed(tiny_target.model, 0.3, seed=5)
+    context = _ids(tiny_target, "def add(a, b):")
+    greedy = TokenShaping()
+
+    def drafter():
+        # A tiny random model's q is flat: every outcome is unlikely, so the floor is lifted to cover some.
+        runner = ModelRunner(draft, RunnerConfig(num_slots=6, max_seq_len=128))
+        return DraftModelDrafter(runner, 400, alternative_min_chance=0.0)
+
+    used = drafter()
+    used._recording = True  # as after its first pre-draft that asked for alternatives
+    used.start("s", context)
+    (proposal,) = used.propose([DraftRequest("s", context, 4, greedy, None)])
+    base = DraftRequest("s", context, 4, greedy, None)
+    (pre,) = used.propose([replace(predraft_request(base, proposal, 4), num_alternatives=3)])
+    assert pre.alternatives and len(pre.alternatives) <= 3
+    for alternative in pre.alternatives:
+        at = len(context) + alternative.position
+        outcome = context + proposal.token_ids[: alternative.position] + [alternative.token]
+        assert alternative.token != proposal.token_ids[alternative.position]
+        fresh = drafter()
+        fresh.start("s", outcome)
+        (expected,) = fresh.propose([DraftRequest("s", outcome, len(alternative.proposal.token_ids), greedy, None)])
+        assert alternative.proposal.token_ids == expected.token_ids
+        assert at < len(context) + len(proposal.token_ids)
+
+    alternative = pre.alternatives[-1]
+    outcome = context + proposal.token_ids[: alternative.position] + [alternative.token]
+    committed = outcome + alternative.proposal.token_ids[:1] + [3]  # its first draft accepted, then a replacement
+    before = used.runner.computed_tokens
+    (after,) = used.propose([DraftRequest("s", committed, 3, greedy, None)])
+    assert used.runner.computed_tokens - before == 3  # 3 steps of one token, the first reading the replacement
+    assert used.runner.cache.free_slots == 5  # the sequence's one slot: the old and the other branches freed
+    fresh = drafter()
+    fresh.start("s", committed)
+    (expected,) = fresh.propose([DraftRequest("s", committed, 3, greedy, None)])
+    assert after.token_ids == expected.token_ids
+    slot_used, slot_fresh = used._slots["s"], fresh._slots["s"]
+    length = used.runner.length(slot_used)
+    assert length == fresh.runner.length(slot_fresh)
+    for a, b in zip(
+        used.runner.cache.keys + used.runner.cache.values, fresh.runner.cache.keys + fresh.runner.cache.values
+    ):
+        # The branch's positions were computed as rows of a batch of branches: equal to a fresh draft's to rounding.
+        torch.testing.assert_close(a[slot_used, :, :length], b[slot_fresh, :, :length], rtol=1e-4, atol=1e-5)
+
+
 def test_a_confirmed_branch_is_not_read_again(tiny_target):
     """A hit leaves the branch's positions in the draft's cache: the next pre-draft reads one token, not the
     branch again."""
-    engine = make_engine(tiny_target, tiny_target.model, overlap="on")
+    engine = make_engine(tiny_target, tiny_target.model, overlap="on", overlap_alternatives=0)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     engine.add_request(Request("r", tuple(_ids(tiny_target, "def add(a, b):")), params, 3))
     runner = engine.drafter.runner

@@ -94,3 +94,30 @@ def test_limits_are_clear_errors(runner):
         runner.allocate()
     runner.release(slot)
     assert runner.allocate() == slot
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_fork_continues_like_its_source_and_leaves_it_untouched(tiny_target, prefix_caching):
+    runner = ModelRunner(tiny_target.model, RunnerConfig(num_slots=3, max_seq_len=128, prefix_caching=prefix_caching))
+    source = runner.allocate()
+    runner.extend([source], [[5, 17, 42, 99, 7, 11]])
+    before = _valid_cache(runner, source)
+    fork = runner.fork(source, 4)  # a branch after the first 4 tokens
+    assert runner.length(fork) == 4 and runner.length(source) == 6
+    got = runner.extend([fork], [[23, 24]])
+
+    alone = runner.allocate()
+    runner.extend([alone], [[5, 17, 42, 99]])
+    expected = runner.extend([alone], [[23, 24]])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    for a, b in zip(_valid_cache(runner, fork), _valid_cache(runner, alone)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for a, b in zip(_valid_cache(runner, source), before):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ResourceExhausted, match="kv_slots"):
+        runner.fork(source, 2)
+    runner.discard(fork)
+    runner.discard(alone)
+    assert runner.cache.free_slots == 2
+    # Dropped without becoming cache entries: what is left to find is the source's.
+    assert runner.cached_prefix([5, 17, 42, 99, 23, 24]) == (4 if prefix_caching else 0)
