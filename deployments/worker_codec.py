@@ -18,7 +18,7 @@ from deployments.generation_codec import decode_cache_salt, validated_sampling
 from specdec.v1 import worker_pb2 as wpb
 from specdec_core.config import TokenShaping
 from specdec_core.decode_run import DecodeItem, Step
-from specdec_core.drafters.base import DraftGrammar, DraftRequest, Proposal
+from specdec_core.drafters.base import Alternative, DraftGrammar, DraftRequest, Proposal
 from specdec_core.errors import InvalidArgument
 from specdec_core.grammar.bits import PackedMasks
 from specdec_core.grammar.constraint import Constraint
@@ -217,6 +217,7 @@ def encode_propose_item(
         num_committed=committed,
         num_tokens=request.num_tokens,
         assumed_token_ids=list(request.token_ids[committed:]),
+        num_alternatives=request.num_alternatives,
     )
     item.sampling.CopyFrom(encode_token_sampling(request.shaping))
     if request.uniform is not None:
@@ -251,7 +252,15 @@ def decode_propose_item(
     uniform = None if shaping.greedy else torch.tensor(list(item.uniform), dtype=torch.float64)
     tokens = [*token_ids, *assumed] if assumed else token_ids
     return DraftRequest(
-        item.seq_id, tokens, item.num_tokens, shaping, uniform, item.return_probs, grammar, num_assumed=len(assumed)
+        item.seq_id,
+        tokens,
+        item.num_tokens,
+        shaping,
+        uniform,
+        item.return_probs,
+        grammar,
+        num_assumed=len(assumed),
+        num_alternatives=item.num_alternatives if assumed else 0,
     )
 
 
@@ -270,6 +279,8 @@ def encode_proposal(proposal: Proposal) -> wpb.Proposal:
     msg = wpb.Proposal(token_ids=proposal.token_ids, draft_probs=proposal.draft_probs or (), label=proposal.label or "")
     if proposal.q is not None:
         msg.q.extend(encode_distributions(proposal.q))
+    for a in proposal.alternatives:
+        msg.alternatives.add(position=a.position, token_id=a.token, proposal=encode_proposal(a.proposal))
     return msg
 
 
@@ -277,7 +288,13 @@ def decode_proposal(msg: wpb.Proposal, vocab_size: int, return_probs: bool) -> P
     """`return_probs`: whether the item asked (an empty repeated field cannot say)."""
     draft_probs = tuple(msg.draft_probs) if return_probs else None
     q = decode_distributions(msg.q, vocab_size)
-    return Proposal(token_ids=list(msg.token_ids), q=q, draft_probs=draft_probs, label=msg.label or None)
+    alternatives = tuple(
+        Alternative(a.position, a.token_id, decode_proposal(a.proposal, vocab_size, return_probs))
+        for a in msg.alternatives
+    )
+    return Proposal(
+        token_ids=list(msg.token_ids), q=q, draft_probs=draft_probs, label=msg.label or None, alternatives=alternatives
+    )
 
 
 def encode_decode(run_id: str, items: Sequence[DecodeItem]) -> wpb.DecodeRequest:

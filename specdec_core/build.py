@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +156,11 @@ def build_engine(
             if draft is None:
                 raise InvalidArgument("draft.model", f"method {method.name} needs a draft model")
             assert draft.model is not None  # as for the target
-            draft_runner = ModelRunner(draft.model, runner_config)
+            draft_config = runner_config
+            if overlap != "off":  # slots for the branches a pre-draft drafts for rejection outcomes
+                branches = EngineConfig.overlap_alternatives
+                draft_config = replace(runner_config, num_slots=runner_config.num_slots + branches)
+            draft_runner = ModelRunner(draft.model, draft_config)
         context = DraftContext(spec, runner.vocab_size, draft_runner)
         drafter = registry.assemble(method, method.build(context), context)
     config = EngineConfig(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -80,6 +82,27 @@ def test_proposal_labels_cross_the_wire():
         sent = worker_codec.encode_proposal(Proposal([7, 8], None, label=label))
         back = worker_codec.decode_proposal(sent, 50, False)
         assert back.label == label and back.token_ids == [7, 8]
+
+
+def test_a_pre_drafts_alternatives_cross_the_wire():
+    """Asked for (`num_alternatives`, with the assumed drafts) and returned (each rejection branch with its
+    position, guessed token and drafts)."""
+    from specdec_core.drafters.base import Alternative, DraftRequest, Proposal
+
+    request = DraftRequest("s", [1, 2, 3, 9, 8], 4, TokenShaping(), None, num_assumed=2, num_alternatives=3)
+    item = worker_codec.encode_propose_item(request, [3])
+    back = worker_codec.decode_propose_item(item, [1, 2, 3])
+    assert (back.token_ids, back.num_assumed, back.num_alternatives) == ([1, 2, 3, 9, 8], 2, 3)
+    plain = worker_codec.decode_propose_item(worker_codec.encode_propose_item(replace(request, num_assumed=0), []), [1])
+    assert plain.num_alternatives == 0  # nothing assumed: no rejection to cover
+
+    alternatives = (
+        Alternative(1, 44, Proposal([5, 6], None, (0.5, 0.25))),
+        Alternative(0, 45, Proposal([7], None, (0.5,))),
+    )
+    sent = worker_codec.encode_proposal(Proposal([4, 5, 6], None, (0.9, 0.8, 0.7), alternatives=alternatives))
+    got = worker_codec.decode_proposal(wpb.Proposal.FromString(sent.SerializeToString()), 50, True)
+    assert got.alternatives == alternatives and got.token_ids == [4, 5, 6]
 
 
 def test_the_smallest_temperature_survives_both_float32_hops():

@@ -62,7 +62,9 @@ def test_a_branch_is_used_exactly_when_the_round_commits_the_context_it_assumed(
             after = committed + tokens
             used = hit(branches, after)  # every outcome: no other may be taken for a hit
             contexts = {0: committed + list(proposal) + [guess]}  # 0: the main branch
-            contexts.update({a.position + 1: committed + list(proposal[: a.position]) + [a.token] for a in alternatives})
+            contexts.update(
+                {a.position + 1: committed + list(proposal[: a.position]) + [a.token] for a in alternatives}
+            )
             matching = [key for key, context in contexts.items() if context == after]
             assert (used is not None) == bool(matching)
             if used is None:

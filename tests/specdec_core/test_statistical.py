@@ -179,20 +179,22 @@ def test_sampling_with_pre_drafted_branches_matches_the_target(tiny_target, draf
     assert chi_square_p_value(counts, law5, SAMPLES) > 1e-3
 
 
-def _unshifted_branch(drafted, num_committed, num_assumed):
-    """A bug: the branch's drafts verified with the q of the positions before them (the guess's q at the first)."""
-    branch = _real_branch_of(drafted, num_committed, num_assumed)
-    if branch is None or drafted.q is None:
-        return branch
-    q = drafted.q.prefix(len(branch.proposal.token_ids))
-    return overlap_module.Branch(branch.num_context, branch.guess, replace(branch.proposal, q=q))
+def _unshifted_branches(drafted, num_committed, num_assumed):
+    """A bug: the main branch's drafts verified with the q of the positions before them (the guess's q at the
+    first)."""
+    branches = _real_branches_of(drafted, num_committed, num_assumed)
+    if not branches or drafted.q is None or len(drafted.token_ids) < 2:
+        return branches
+    main = branches[0]
+    q = drafted.q.prefix(len(main.proposal.token_ids))
+    return (overlap_module.Branch(main.num_context, main.guess, replace(main.proposal, q=q)), *branches[1:])
 
 
-_real_branch_of = overlap_module.branch_of
+_real_branches_of = overlap_module.branches_of
 
 
 def test_a_branch_verified_with_the_wrong_q_fails_the_same_test(tiny_target, draft, law5, monkeypatch):
-    monkeypatch.setattr(engine_module, "branch_of", _unshifted_branch)
+    monkeypatch.setattr(engine_module, "branches_of", _unshifted_branches)
     counts, _ = _overlap_sample(tiny_target, draft, [])
     assert chi_square_p_value(counts, law5, SAMPLES) < 1e-6
 

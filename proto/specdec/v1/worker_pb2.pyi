@@ -70,7 +70,7 @@ class StartResponse(_message.Message):
 class ProposeRequest(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("seq_id", "new_token_ids", "num_committed", "num_tokens", "sampling", "uniform", "return_probs", "grammar", "assumed_token_ids")
+        __slots__ = ("seq_id", "new_token_ids", "num_committed", "num_tokens", "sampling", "uniform", "return_probs", "grammar", "assumed_token_ids", "num_alternatives")
         SEQ_ID_FIELD_NUMBER: _ClassVar[int]
         NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class ProposeRequest(_message.Message):
         RETURN_PROBS_FIELD_NUMBER: _ClassVar[int]
         GRAMMAR_FIELD_NUMBER: _ClassVar[int]
         ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        NUM_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
         seq_id: str
         new_token_ids: _containers.RepeatedScalarFieldContainer[int]
         num_committed: int
@@ -89,22 +90,35 @@ class ProposeRequest(_message.Message):
         return_probs: bool
         grammar: Grammar
         assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
-        def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[_Iterable[float]] = ..., return_probs: _Optional[bool] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+        num_alternatives: int
+        def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[TokenSampling, _Mapping]] = ..., uniform: _Optional[_Iterable[float]] = ..., return_probs: _Optional[bool] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., num_alternatives: _Optional[int] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[ProposeRequest.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeRequest.Item, _Mapping]]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("token_ids", "q", "draft_probs", "label")
+    __slots__ = ("token_ids", "q", "draft_probs", "label", "alternatives")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     draft_probs: _containers.RepeatedScalarFieldContainer[float]
     label: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., label: _Optional[str] = ...) -> None: ...
+    alternatives: _containers.RepeatedCompositeFieldContainer[Alternative]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., label: _Optional[str] = ..., alternatives: _Optional[_Iterable[_Union[Alternative, _Mapping]]] = ...) -> None: ...
+
+class Alternative(_message.Message):
+    __slots__ = ("position", "token_id", "proposal")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    token_id: int
+    proposal: Proposal
+    def __init__(self, position: _Optional[int] = ..., token_id: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("proposals",)
