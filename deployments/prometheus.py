@@ -114,6 +114,11 @@ class ServingMetrics:
             "Rounds that verified a pre-drafted branch the round before confirmed, without drafting.",
             tag_keys=(*_PAIR, "variant"),
         )
+        self.split_drafted = Counter(
+            "specdec_split_drafted_rounds",
+            "Rounds that verified a proposal drafted while the other group of a split batch was verified.",
+            tag_keys=(*_PAIR, "variant"),
+        )
         self.fallbacks = Counter(
             "specdec_target_only_rounds",
             "Rounds that asked for drafts (k > 0) and got none (no draft replica held the "
@@ -140,6 +145,7 @@ class ServingMetrics:
             self.fallbacks,
             self.branches,
             self.predraft_hits,
+            self.split_drafted,
             self.slots,
         )
         self._set_tags()
@@ -162,16 +168,20 @@ class ServingMetrics:
         variant: str = NO_VARIANT,
         predrafted: bool = False,
         branched: bool = False,
+        split: bool = False,
     ) -> None:
         """`k` chosen, `proposed` drafts made by `method` (none for k > 0: a fallback, where no draft replica held
         the session; k = 0 is plain decoding, chosen by the request or by `auto`, not a fallback), for a request
         drafting with `variant`; `predrafted`: they were a branch pre-drafted the round before; `branched`: a
-        branch for the next round was pre-drafted during this one."""
+        branch for the next round was pre-drafted during this one; `split`: they were drafted while the other group
+        of a split batch was verified."""
         self.k.observe(k, tags={"variant": variant})
         if branched:
             self.branches.inc(tags={"variant": variant})
         if predrafted:
             self.predraft_hits.inc(tags={"variant": variant})
+        if split:
+            self.split_drafted.inc(tags={"variant": variant})
         if proposed > 0:
             tags = {"method": method or "unknown", "variant": variant}
             self.accepted_per_round.observe(accepted, tags=tags)

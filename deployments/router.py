@@ -340,6 +340,7 @@ class Router:
                 variant,
                 predrafted=info.predrafted,
                 branched=info.branched,
+                split=info.split,
             )
             self.ab.observe(variant, info, len(output.new_token_ids))
         if output.finished:

@@ -220,6 +220,7 @@ class RequestTracer:
                         "specdec.round.committed": len(output.new_token_ids),
                         "specdec.round.predrafted": info.predrafted,
                         "specdec.round.branched": info.branched,
+                        "specdec.round.split": info.split,
                         "specdec.round.draft_ms": req.draft_ms,
                         "specdec.round.verify_ms": req.verify_ms,
                         "specdec.round.bytes_sent": req.bytes_sent,

@@ -38,7 +38,7 @@ from specdec_core.grammar.compiler import CompiledGrammar
 from specdec_core.grammar.constraint import Constraint
 from specdec_core.grammar.state import GrammarState
 from specdec_core.outputs import RequestOutput, RoundInfo
-from specdec_core.overlap import Branch, Overlap, OverlapMode, branches_of, hit, predraft_request
+from specdec_core.overlap import Branch, Overlap, OverlapMode, branches_of, hit, predraft_request, split_pays
 from specdec_core.request import PromptLimits, Request
 from specdec_core.sequence import SequenceState, seeded_generator
 from specdec_core.stopping import FinishReason, IncrementalDetokenizer, StopChecker
@@ -61,6 +61,10 @@ class EngineConfig:
     # Besides the outcome where every draft is accepted, a greedy row's pre-draft covers up to this many rejection
     # outcomes, those the draft finds likeliest (`drafters/alternatives.py`), as extra rows of its forwards.
     overlap_alternatives: int = 3
+    # With pre-drafting on: split a batch into two groups taking turns, the draft drafting one group's next
+    # proposals while the target verifies the other (`overlap.split_pays`). None: where the measured costs say it
+    # pays; True / False: always (two rows or more) / never.
+    split_batches: bool | None = None
 
     def __post_init__(self) -> None:
         if self.policy.max_k != self.max_speculative_tokens:
@@ -78,6 +82,7 @@ class _Row:
     method: str | None  # `RoundInfo.method`
     item: VerifyItem
     predrafted: bool = False  # its proposal is a branch pre-drafted during the last round
+    split: bool = False  # its proposal was drafted while the other group of a split batch verified
 
 
 @dataclass
@@ -122,6 +127,8 @@ class SpecEngine:
         self._draft_faults = Faults("drafter")  # a drafter that raises: its rows decode plainly, retried after a rest
         self._run: _Run | None = None
         self.overlap = Overlap(config.overlap)
+        self._last_group: set[str] = set()  # the rows of the last round, when it ran one group of a split batch
+        self._last_k = 0  # the largest k of the last round that drafted
 
     @property
     def acceptance_by_label(self) -> dict[str, AcceptanceEstimate]:
@@ -225,9 +232,63 @@ class SpecEngine:
         seqs = list(self._running.values())
         if seqs and self._runs_plainly(seqs):
             return self._start_run(seqs)
-        outputs = self._round(seqs) if seqs else []
+        group, others = self._groups(seqs)
+        outputs = self._round(group, others) if group else []
         outputs += self._admit()
         return outputs
+
+    # -- a batch split in two groups taking turns (`overlap.split_pays`) -------------------------------------------
+
+    def _groups(self, seqs: list[SequenceState]) -> tuple[list[SequenceState], list[SequenceState]]:
+        """This round's rows, and the rows whose next proposals the draft drafts while the target verifies them:
+        all and none, or, where a split pays, half (those that sat out the last round first) and the rest."""
+        if not self._splits(seqs):
+            self._last_group = set()
+            return seqs, []
+        waited = [seq for seq in seqs if seq.seq_id not in self._last_group]
+        ran = [seq for seq in seqs if seq.seq_id in self._last_group]
+        half = (len(seqs) + 1) // 2
+        order = waited + ran
+        self._last_group = {seq.seq_id for seq in order[:half]}
+        self.overlap.split_rounds += 1
+        return order[:half], order[half:]
+
+    def _splits(self, seqs: list[SequenceState]) -> bool:
+        split = self.config.split_batches
+        if split is False or not self.overlap.enabled or self.drafter is None or len(seqs) < 2:
+            return False
+        if any(seq.grammar is not None for seq in seqs):  # a constrained row does not pre-draft
+            return False
+        return split is True or split_pays(self.costs, len(seqs), self._last_k, self.overlap.hit_rate)
+
+    def _draft_others(self, others: list[SequenceState], k: int) -> tuple[list[SequenceState], Future] | None:
+        """Start drafting, on the pre-drafting thread, the next proposals of the rows sitting out this round: their
+        committed tokens are final until their own round, so what is drafted now is what they would draft then."""
+        drafter = self.drafter
+        if drafter is None or k < 1 or self._draft_faults.resting():
+            return None
+        chosen = [seq for seq in others if seq.draft.drafting and seq.grammar is None and self._room(seq) > 1]
+        requests = [seq.draft_request(min(k, self._room(seq) - 1)) for seq in chosen]
+        if not chosen:
+            return None
+        return chosen, self.overlap.submit(lambda: drafter.propose(requests))
+
+    def _take_others(self, drafting: tuple[list[SequenceState], Future] | None) -> None:
+        """Hand each row sitting out its drafted proposal, for its next round (waits for the draft)."""
+        if drafting is None:
+            return
+        chosen, call = drafting
+        try:
+            drafted = call.result()
+        except Exception as exc:
+            drafts_failed([seq.draft for seq in chosen], self.drafter, self._draft_faults, exc)
+            return
+        self._draft_faults.succeeded()
+        for seq, proposal in zip(chosen, drafted):
+            seq.draft.drafted(len(seq.tokens))
+            if proposal.token_ids:
+                seq.predrafted = (len(seq.tokens), proposal)
+                seq.split_drafted = True
 
     # -- runs of plain steps -------------------------------------------------------------------------------------
 
@@ -337,7 +398,7 @@ class SpecEngine:
             outputs.append(self._commit(seq, [done.first_token_id], None))
         return outputs
 
-    def _round(self, seqs: list[SequenceState]) -> list[RequestOutput]:
+    def _round(self, seqs: list[SequenceState], others: list[SequenceState] | None = None) -> list[RequestOutput]:
         """One round for `seqs`. A failure is attributed where it belongs: a row's own (its grammar, its commit)
         ends that row alone (`_row_failed`), leaving every other row's stream and caches as if it had not happened;
         should the target's call fail, every row of that call ends, as a failed call leaves caches in no known
@@ -356,7 +417,7 @@ class SpecEngine:
             else:
                 rest.append((seq, chain[: self._spec_cap(seq)]))
         if rest:
-            outputs += self._speculate([seq for seq, _ in rest], [chain for _, chain in rest])
+            outputs += self._speculate([seq for seq, _ in rest], [chain for _, chain in rest], others or [])
         return outputs
 
     def _commit_forced(self, seq: SequenceState, chain: list[int]) -> RequestOutput:
@@ -378,8 +439,12 @@ class SpecEngine:
         self._free(seq)
         return seq.final(FinishReason.ERROR, exc)
 
-    def _speculate(self, seqs: list[SequenceState], forced: list[list[int]]) -> list[RequestOutput]:
-        """Draft, verify and accept for `seqs`; a row with `forced` tokens verifies them instead of drafting."""
+    def _speculate(
+        self, seqs: list[SequenceState], forced: list[list[int]], others: list[SequenceState]
+    ) -> list[RequestOutput]:
+        """Draft, verify and accept for `seqs`; a row with `forced` tokens verifies them instead of drafting. While
+        the target verifies, the draft drafts the next proposals of `others` (the rest of a split batch), or
+        pre-drafts these rows' next round (`overlap.py`)."""
         started = time.perf_counter()
         try:
             offers = self._free_proposals(seqs, forced)
@@ -389,7 +454,7 @@ class SpecEngine:
                     ks[i], takes_free[i] = 0, True
             if self.drafter is not None and any(ks):
                 ks = [0] * len(ks) if self._draft_faults.resting() else self._start_drafting(seqs, ks)
-            drafted, predrafted = self._propose(seqs, ks)
+            drafted, predrafted = self._propose(seqs, ks, split=bool(others))
         except Exception as exc:  # the round's own logic failed before the target was called
             return self._fail(seqs, exc)
         outputs, rows = [], []
@@ -400,18 +465,26 @@ class SpecEngine:
                 outputs.append(self._row_failed(seq, exc))
         if not rows:
             return outputs
-        predrafting = self._predraft(rows) if self.overlap.enabled and self.overlap.choose() else None
+        if any(ks):
+            self._last_k = max(ks)
+        drafting_others = self._draft_others(others, max(ks)) if others else None
+        predrafting = None
+        if not others and self.overlap.enabled and self.overlap.choose():
+            predrafting = self._predraft(rows)
         t0 = time.perf_counter()
         try:
             outcomes, failed = self._verify([row.item for row in rows])
         except Exception as exc:
             self._branches(rows, predrafting)  # the pre-draft ends before its rows do
+            self._take_others(drafting_others)
             return outputs + self._fail([row.seq for row in rows], exc)
         width = 1 + max(len(row.proposal.token_ids) for row in rows)
         if not failed:
             self.costs.observe_verify(len(rows), width, time.perf_counter() - t0)
         branches = self._branches(rows, predrafting)
-        if not failed and self.overlap.enabled:
+        self._take_others(drafting_others)
+        # A split round is the cost model's choice (`_groups`): `auto`'s trials of pre-drafting leave it out.
+        if not others and not failed and self.overlap.enabled:
             shape = (batch_bucket(len(rows)), width)
             self.overlap.observe_verify(predrafting is not None, shape, time.perf_counter() - t0)
         seconds = time.perf_counter() - started
@@ -425,7 +498,8 @@ class SpecEngine:
                 committed += len(outcome.token_ids)
             except Exception as exc:
                 outputs.append(self._row_failed(row.seq, exc))
-        self.overlap.observe(predrafting is not None, seconds, committed)
+        if not others:
+            self.overlap.observe(predrafting is not None, seconds, committed)
         return outputs
 
     def _row(
@@ -446,7 +520,9 @@ class SpecEngine:
         else:
             proposal = self.hybrid.trim(structured.cut_to_grammar(seq.grammar, drafted), batch_size, self.costs)
         method = structured.FORCED if forced else self._method(proposal, k, free)
-        return _Row(seq, proposal, k, free, method, seq.verify_item(proposal), predrafted and not free)
+        split, seq.split_drafted = predrafted and seq.split_drafted and not free, False
+        item = seq.verify_item(proposal)
+        return _Row(seq, proposal, k, free, method, item, predrafted and not free and not split, split)
 
     def _accept(
         self, row: _Row, outcome: VerifyOutcome, seconds: float, branches: tuple[Branch, ...] = ()
@@ -465,6 +541,7 @@ class SpecEngine:
             method=row.method,
             seconds=seconds,
             predrafted=row.predrafted,
+            split=row.split,
             branched=bool(branches),
         )
         self._learn(seq, proposal, k, free, n)
@@ -590,7 +667,9 @@ class SpecEngine:
                 self.costs.observe_catch_up(start.num_tokens, start.seconds)
         return [k if seq.draft.may_draft else 0 for seq, k in zip(seqs, ks)]
 
-    def _propose(self, seqs: list[SequenceState], ks: list[int]) -> tuple[list[Proposal], list[bool]]:
+    def _propose(
+        self, seqs: list[SequenceState], ks: list[int], split: bool = False
+    ) -> tuple[list[Proposal], list[bool]]:
         """Each row's proposal, and whether it was pre-drafted; rows at k = 0 get an empty one without troubling the
         drafter, and rows holding a branch the last round confirmed verify it (cut to k) without drafting."""
         proposals = [Proposal([], None, () if seq.request.return_probs else None) for seq in seqs]
@@ -599,8 +678,10 @@ class SpecEngine:
             branch, seq.predrafted = seq.predrafted_proposal(), None
             if branch is not None and k > 0:
                 proposals[i], predrafted[i] = branch.prefix(k), True
+            else:
+                seq.split_drafted = False
         rows = [i for i, k in enumerate(ks) if k > 0 and not predrafted[i]]
-        if self.overlap.enabled:
+        if self.overlap.enabled and not split:
             self.overlap.observe_saved(self._drafting_saved(ks, predrafted, rows))
         if self.drafter is None or not rows:
             return proposals, predrafted
@@ -692,6 +773,7 @@ class SpecEngine:
             seq, n = rows[i].seq, len(rows[i].proposal.token_ids)
             branches[i] = branches_of(proposal, len(seq.tokens), n)
         self.overlap.branches += sum(len(b) for b in branches)
+        self.overlap.branched_rows += sum(bool(b) for b in branches)
         return branches
 
     # -- commit and release --------------------------------------------------------------------------------------

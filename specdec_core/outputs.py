@@ -38,6 +38,8 @@ class RoundInfo:
     seconds: float = 0.0  # the round's wall time, drafting and verifying (shared by every row of its batch)
     predrafted: bool = False  # the proposal verified was pre-drafted during the last round's verify (`overlap.py`)
     branched: bool = False  # a branch for the next round was pre-drafted during this round's verify
+    # The proposal verified was drafted while the other group of its split batch was verified (`overlap.py`)
+    split: bool = False
 
 
 @dataclass(frozen=True)

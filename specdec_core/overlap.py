@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from specdec_core.adaptive import CostModel
 from specdec_core.drafters.base import DraftRequest, Proposal
 from specdec_core.sparse_q import SparseQ
 
@@ -136,10 +137,17 @@ class Overlap:
         self.branches = 0  # branches pre-drafted (each outcome covered counts)
         self.hits = 0  # branches used as the next round's proposal
         self.rejection_hits = 0  # of them, branches for a rejection outcome
+        self.branched_rows = 0  # rows of rounds that pre-drafted branches for their next round
+        self.split_rounds = 0  # rounds of one group while the draft drafted the other's (`split_pays`)
 
     @property
     def enabled(self) -> bool:
         return self.mode is not OverlapMode.OFF
+
+    @property
+    def hit_rate(self) -> float:
+        """The share of pre-drafted rows whose branch the next round used (0 before any)."""
+        return self.hits / self.branched_rows if self.branched_rows else 0.0
 
     def choose(self) -> bool:
         """Whether this round pre-drafts."""
@@ -226,6 +234,32 @@ class Overlap:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predraft")
         return self._pool.submit(call)
+
+
+def split_pays(costs: CostModel, batch_size: int, k: int, hit_rate: float) -> bool:
+    """Whether `batch_size` rows at k drafts a row run faster as two groups taking turns, the draft drafting one
+    group's next proposals while the target verifies the other's, than as one batch pre-drafting branches that are
+    used at `hit_rate`. By the measured costs (d: a draft call, v: a verify), per cycle in which every row runs
+    one round, with g the first group's rows and B - g the other's:
+
+        whole:  v(B, k + 1) + (1 - hit_rate) · d(B, k)
+        split:  max(v(g, k + 1), d(B - g, k)) + max(v(B - g, k + 1), d(g, k))
+
+    Where a verify costs about the same for fewer rows (a memory-bound target on a GPU) two verifies lose to one;
+    where it grows with the rows (a CPU's compute-bound verify) and drafting is dear, the split can win. False
+    while a cost it needs is unmeasured, and below two rows."""
+    if batch_size < 2 or k < 1:
+        return False
+    g = (batch_size + 1) // 2
+    v_all, d_all = costs.verify_cost(batch_size, k + 1), costs.draft_cost(batch_size, k)
+    parts = [costs.verify_cost(n, k + 1) for n in (g, batch_size - g)] + [
+        costs.draft_cost(n, k) for n in (batch_size - g, g)
+    ]
+    if v_all is None or d_all is None or any(c is None for c in parts):
+        return False
+    v_g, v_rest, d_rest, d_g = (float(c) for c in parts)  # type: ignore[arg-type]
+    whole = v_all + (1.0 - hit_rate) * d_all
+    return max(v_g, d_rest) + max(v_rest, d_g) < whole
 
 
 def _mean_var(values: deque[float]) -> tuple[float, float]:

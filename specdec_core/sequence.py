@@ -43,6 +43,7 @@ class SequenceState:
     # A pre-drafted branch the last round confirmed (`overlap.py`): (the committed length it is valid at, the
     # proposal); the next round verifies it instead of drafting.
     predrafted: tuple[int, Proposal] | None = None
+    split_drafted: bool = False  # that proposal was drafted while the other group of a split batch verified
 
     @property
     def seq_id(self) -> str:

@@ -249,6 +249,8 @@ def test_pre_drafting_over_the_draft_workers_uses_branches_and_changes_no_greedy
         if not sampled:
             assert tokens == plain_tokens
         assert engine.overlap.hits > 0 and any(r.predrafted for r in rounds if r is not None)
+        # Greedy pre-drafts also cover rejections (`Proposal.alternatives` over the wire), and some are used.
+        assert (engine.overlap.rejection_hits > 0) is not sampled
     finally:
         tserver.stop(0)
         dserver.stop(0)

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from specdec_core.adaptive import CostModel
 from specdec_core.config import SamplingParams, TokenShaping
 from specdec_core.drafters.base import Alternative, DraftRequest, Proposal
 from specdec_core.drafters.draft_model import DraftModelDrafter
@@ -22,6 +23,7 @@ from specdec_core.overlap import (
     branches_of,
     hit,
     predraft_request,
+    split_pays,
 )
 from specdec_core.request import Request
 from specdec_core.runner import ModelRunner, RunnerConfig
@@ -403,3 +405,66 @@ def test_a_pre_draft_is_as_long_as_the_measured_verify_has_time_for(tiny_target,
     engine.costs.observe_draft(1, 1, draft_1_s)
     engine.costs.observe_draft(1, 8, draft_8_s)
     assert engine._steps_within_verify(1, 6) == steps
+
+
+# -- a batch split in two groups --------------------------------------------------------------------------------------
+
+
+def _costs(verify_s: dict[int, float], draft_s: dict[int, float], k: int = 3) -> CostModel:
+    """Costs measured at k: a verify of k + 1 tokens and a draft call of k, per batch size."""
+    costs = CostModel()
+    for b, seconds in verify_s.items():
+        costs.observe_verify(b, k + 1, seconds)
+        costs.observe_verify(b, 1, seconds / 2)  # a second width: the model extrapolates only from two
+    for b, seconds in draft_s.items():
+        costs.observe_draft(b, k, seconds)
+    return costs
+
+
+@pytest.mark.parametrize(
+    ("verify_s", "draft_s", "hit_rate", "pays"),
+    [
+        # A GPU: a verify of 2 rows costs what one of 4 does, drafting is cheap: two verifies lose to one.
+        ({2: 0.010, 4: 0.011}, {2: 0.004, 4: 0.005}, 0.0, False),
+        # A CPU core each: the verify grows with the rows, drafting 2 rows costs most of a 2-row verify.
+        ({2: 0.200, 4: 0.380}, {2: 0.150, 4: 0.260}, 0.0, True),
+        # The same, but pre-drafting's branches hit so often that the whole batch barely waits for the draft.
+        ({2: 0.200, 4: 0.380}, {2: 0.150, 4: 0.260}, 0.95, False),
+    ],
+)
+def test_a_batch_is_split_where_the_measured_costs_say_it_pays(verify_s, draft_s, hit_rate, pays):
+    assert split_pays(_costs(verify_s, draft_s), 4, 3, hit_rate) is pays
+
+
+def test_no_split_while_a_cost_is_unmeasured_or_for_one_row():
+    assert split_pays(_costs({4: 0.38}, {4: 0.26}), 4, 3, 0.0) is False  # nothing at 2 rows
+    assert split_pays(_costs({1: 0.1, 2: 0.2}, {1: 0.1, 2: 0.2}), 1, 3, 0.0) is False
+    assert split_pays(_costs({2: 0.2, 4: 0.38}, {2: 0.15, 4: 0.26}), 4, 0, 0.0) is False  # no drafts
+
+
+@pytest.mark.parametrize("k", [2, "auto"])
+def test_split_batches_take_turns_and_greedy_output_still_equals_plain_decoding(tiny_target, k):
+    """Two groups taking turns: each round verifies one group with the proposals drafted while the other was
+    verified; the output is plain decoding's, and the rounds after the first use those proposals."""
+    draft = perturbed(tiny_target.model, 0.05, seed=3)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    texts = [*PROMPTS, "import numpy as np\n"]
+    requests = [(str(i), _ids(tiny_target, text)) for i, text in enumerate(texts)]
+    expected = run_to_completion(make_engine(tiny_target), [(r, ids, params, 0) for r, ids in requests])
+    engine = make_engine(tiny_target, draft, overlap="on", split_batches=True)
+    for request_id, ids in requests:
+        engine.add_request(Request(request_id, tuple(ids), params, k))
+    got: dict[str, list[int]] = {r: [] for r, _ in requests}
+    sizes, predrafted = [], []
+    while engine.has_work:
+        outs = engine.step()
+        for out in outs:
+            got[out.seq_id] += out.new_token_ids
+        rounds = [o.round for o in outs if o.round is not None]
+        if rounds:
+            sizes.append(len(rounds))
+        predrafted += [r.split for r in rounds if r.proposed_token_ids]
+        assert not any(r.predrafted for r in rounds)  # no branches guessed: each group's next round is drafted
+    assert got == {r: expected[r][0] for r in got}
+    assert engine.overlap.split_rounds > 0 and max(sizes) <= 2  # half of the 4 rows a round
+    assert sum(predrafted) > len(predrafted) / 2
