@@ -449,8 +449,9 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
         # A session started again: its router lost track of it (a Start or Propose that ran past its timeout), and
         # what is held here for it is stale.
         self.release([item.seq_id for item in items if item.seq_id in self._tokens])
-        if len(items) > runner.cache.free_slots:
-            raise ResourceExhausted("sessions", f"{len(items)} new sessions, {runner.cache.free_slots} free")
+        free = self.drafter.free_slots  # a pre-draft's branches give their slots up to a start
+        if len(items) > free:
+            raise ResourceExhausted("sessions", f"{len(items)} new sessions, {free} free")
         for item in items:
             if not item.token_ids or len(item.token_ids) >= runner.max_seq_len:
                 raise InvalidArgument("prompt_token_ids", "empty, or longer than the draft's context")
@@ -535,7 +536,7 @@ class DraftServicer(_SessionWorker, wpb_grpc.DraftServiceServicer):
     def stats(self) -> wpb.WorkerStats:
         runner = self.drafter.runner
         return self._stats(
-            runner.cache.free_slots, runner.cache.num_slots, self.drafter.target_vocab_size, runner.max_seq_len
+            self.drafter.free_slots, runner.cache.num_slots, self.drafter.target_vocab_size, runner.max_seq_len
         )
 
     def GetStats(self, request: wpb.GetStatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:

@@ -243,8 +243,12 @@ class SpecEngine:
         """This round's rows, and the rows whose next proposals the draft drafts while the target verifies them:
         all and none, or, where a split pays, half (those that sat out the last round first) and the rest."""
         if not self._splits(seqs):
+            if self._last_group:
+                log.info("batches of %d rows run whole again", len(seqs))
             self._last_group = set()
             return seqs, []
+        if not self._last_group:
+            log.info("batches of %d rows split in two groups taking turns (overlap.split_pays)", len(seqs))
         waited = [seq for seq in seqs if seq.seq_id not in self._last_group]
         ran = [seq for seq in seqs if seq.seq_id in self._last_group]
         half = (len(seqs) + 1) // 2

@@ -37,9 +37,10 @@ class _Drawn:
 
 @dataclass(frozen=True)
 class _Fork:
-    """A branch a pre-draft drafts for a rejection outcome: of request row `parent`, the assumed draft at
-    `position` rejected and `token` committed in its place; drafted on `slot` (a copy of the parent's up to
-    `committed`, the tokens before the rejected draft) by `request`."""
+    """A branch a pre-draft drafts for a rejection outcome: of request row `parent` (with `committed` tokens
+    known committed), the assumed draft at `position` rejected and `token` committed in its place; drafted on `slot`
+    (a copy of the parent's up to that position) by `request`. What the slot holds past `committed` is assumed,
+    the parent's drafts before `position` included, and kept only as far as the committed tokens agree."""
 
     parent: int
     position: int
@@ -108,6 +109,7 @@ class DraftModelDrafter:
         """`start` for several sequences (seq_id, prompt_ids, cache_salt): what their caches lack is read in
         forwards of equal lengths, up to START_BATCH rows each (no padding), as the target's prefill reads prompts.
         A burst of new requests that draft in one round costs a few forwards, not one each. All or none start."""
+        self._make_room(len(starts))
         # The last prompt token is read with the first propose, whose logits we need anyway.
         contexts = [self._readable(prompt_ids[:-1]) for _, prompt_ids, _ in starts]
         slots: list[int] = []
@@ -153,6 +155,20 @@ class DraftModelDrafter:
     @property
     def active_sequences(self) -> int:
         return len(self._slots)
+
+    @property
+    def free_slots(self) -> int:
+        """Cache slots a new sequence could take: the free ones and the branches' (`_make_room` frees those)."""
+        return self.runner.cache.free_slots + sum(len(forks) for forks in self._forks.values())
+
+    def _make_room(self, needed: int) -> None:
+        """Drop pre-drafted branches until `needed` slots are free: a sequence's start outranks a branch, which
+        at best saves a draft call."""
+        for seq_id in list(self._forks):
+            if self.runner.cache.free_slots >= needed:
+                return
+            for slot, _ in self._forks.pop(seq_id):
+                self._drop(slot)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         rows = [i for i, r in enumerate(requests) if r.num_tokens > 0]
@@ -310,7 +326,7 @@ class DraftModelDrafter:
                 context = [*r.token_ids[:at], rejection.token]
                 slot = self.runner.fork(slots[i], min(at, self.runner.length(slots[i])))
                 request = DraftRequest(r.seq_id, context, r.num_tokens - 1, r.shaping, None, r.return_probs)
-                forks.append(_Fork(i, rejection.position, rejection.token, slot, at, request))
+                forks.append(_Fork(i, rejection.position, rejection.token, slot, committed, request))
         return forks
 
     def _record(self, logits: torch.Tensor, batch: Sequence[DraftRequest], slots: Sequence[int], step: int) -> None:

@@ -286,24 +286,29 @@ def test_rows_with_and_without_branches_share_rounds(tiny_target):
     assert mixed > 0
 
 
-def test_the_drafts_cache_after_a_missed_branch_equals_a_fresh_drafts(tiny_target):
-    """A pre-draft assumes the drafts under verification; a rejection commits something else, and a plain round
-    more after it. The draft's next proposal, and every cached position it reads, are then those of a draft that
-    never pre-drafted."""
+@pytest.mark.parametrize("alternatives", [0, 3])
+def test_the_drafts_cache_after_a_missed_branch_equals_a_fresh_drafts(tiny_target, alternatives):
+    """A pre-draft assumes the drafts under verification (and, asked, drafts branches for rejections of them); a
+    rejection commits something no branch guessed, and a plain round more after it. The draft's next proposal, and
+    every cached position it reads, are then those of a draft that never pre-drafted; the branches' slots are
+    freed."""
     draft = perturbed(tiny_target.model, 0.05, seed=3)
     context = _ids(tiny_target, "def add(a, b):")
 
     def drafter():
-        return DraftModelDrafter(ModelRunner(draft, RunnerConfig(num_slots=2, max_seq_len=128)), 400)
+        runner = ModelRunner(draft, RunnerConfig(num_slots=5, max_seq_len=128))
+        return DraftModelDrafter(runner, 400, alternative_min_chance=0.0)
 
     greedy = TokenShaping()
     used = drafter()
+    used._recording = True  # as after its first pre-draft that asked for alternatives
     used.start("s", context)
     (proposal,) = used.propose([DraftRequest("s", context, 3, greedy, None)])
     base = DraftRequest("s", context, 3, greedy, None)
-    (pre,) = used.propose([predraft_request(base, proposal, 3)])
-    assert len(pre.token_ids) == 3
-    rejected = (proposal.token_ids[1] + 1) % 400
+    (pre,) = used.propose([replace(predraft_request(base, proposal, 3), num_alternatives=alternatives)])
+    assert len(pre.token_ids) == 3 and len(pre.alternatives) == alternatives
+    guessed = {a.token for a in pre.alternatives if a.position == 1}
+    rejected = next(t for t in range(400) if t != proposal.token_ids[1] and t not in guessed)
     # The second draft rejected, then a round without drafts committed one more token: the draft hears of both now.
     committed = context + proposal.token_ids[:1] + [rejected, 11]
     used.observe("s", len(committed))
@@ -313,6 +318,7 @@ def test_the_drafts_cache_after_a_missed_branch_equals_a_fresh_drafts(tiny_targe
     fresh.start("s", committed)
     (expected,) = fresh.propose([DraftRequest("s", committed, 4, greedy, None)])
     assert after_miss.token_ids == expected.token_ids
+    assert used.runner.cache.free_slots == 4  # the sequence's own slot alone
     slot_used, slot_fresh = used._slots["s"], fresh._slots["s"]
     length = used.runner.length(slot_used)
     assert length == fresh.runner.length(slot_fresh)
@@ -468,3 +474,31 @@ def test_split_batches_take_turns_and_greedy_output_still_equals_plain_decoding(
     assert got == {r: expected[r][0] for r in got}
     assert engine.overlap.split_rounds > 0 and max(sizes) <= 2  # half of the 4 rows a round
     assert sum(predrafted) > len(predrafted) / 2
+
+
+def test_a_start_takes_the_slots_of_branches_and_the_branched_sequence_drafts_on(tiny_target):
+    """Branches hold slots only until something needs them: they count as free, a start drops them, and the
+    sequence they branched drafts on as a fresh draft would."""
+    draft = perturbed(tiny_target.model, 0.05, seed=3)
+    context = _ids(tiny_target, "def add(a, b):")
+    greedy = TokenShaping()
+
+    def drafter(num_slots):
+        runner = ModelRunner(draft, RunnerConfig(num_slots=num_slots, max_seq_len=128))
+        return DraftModelDrafter(runner, 400, alternative_min_chance=0.0)
+
+    used = drafter(4)
+    used._recording = True  # as after its first pre-draft that asked for alternatives
+    used.start("s", context)
+    (proposal,) = used.propose([DraftRequest("s", context, 3, greedy, None)])
+    base = DraftRequest("s", context, 3, greedy, None)
+    (pre,) = used.propose([replace(predraft_request(base, proposal, 3), num_alternatives=3)])
+    assert len(pre.alternatives) == 3 and used.runner.cache.free_slots == 0 and used.free_slots == 3
+    used.start("t", context)  # needs a slot: the branches give theirs up
+    assert used.free_slots == used.runner.cache.free_slots == 2
+    committed = context + proposal.token_ids + [pre.token_ids[0]]  # every draft accepted, the bonus as guessed
+    (after,) = used.propose([DraftRequest("s", committed, 2, greedy, None)])
+    fresh = drafter(1)
+    fresh.start("s", committed)
+    (expected,) = fresh.propose([DraftRequest("s", committed, 2, greedy, None)])
+    assert after.token_ids == expected.token_ids
