@@ -258,6 +258,8 @@ class SpecEngine:
         return order[:half], order[half:]
 
     def _splits(self, seqs: list[SequenceState]) -> bool:
+        """Whether these rows run as two groups: pre-drafting is on, no row has a grammar, and the config or the
+        measured costs at the last round's k say so."""
         split = self.config.split_batches
         if split is False or not self.overlap.enabled or self.drafter is None or len(seqs) < 2:
             return False

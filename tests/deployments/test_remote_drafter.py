@@ -254,3 +254,31 @@ def test_pre_drafting_over_the_draft_workers_uses_branches_and_changes_no_greedy
     finally:
         tserver.stop(0)
         dserver.stop(0)
+
+
+def test_a_split_batch_over_the_draft_workers_changes_no_greedy_token(pair):
+    """Two groups taking turns over real gRPC: the draft worker drafts one group's next proposals while the target
+    verifies the other; every request's output is plain decoding's."""
+    from specdec_core.engine import EngineConfig
+
+    target, _ = pair
+    prompts = [list(PROMPT), list(PROMPT[:5]), list(PROMPT[2:]), [*PROMPT, 7]]
+    expected = run_to_completion(make_engine(target), [(str(i), p, GREEDY, 0) for i, p in enumerate(prompts)])
+    tserver, taddr = serve_locally(target_servicer(pair))
+    dserver, daddr = serve_locally(draft_servicer(pair))
+    try:
+        config = EngineConfig(overlap="on", split_batches=True)
+        engine, _ = remote_engine(pair, [taddr], [daddr], config=config)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(Request(str(i), tuple(prompt), GREEDY, num_speculative_tokens=2))
+        got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        split = 0
+        while engine.has_work:
+            for out in engine.step():
+                got[out.seq_id] += out.new_token_ids
+                split += out.round is not None and out.round.split
+        assert got == {r: e[0] for r, e in expected.items()}
+        assert engine.overlap.split_rounds > 0 and split > 0
+    finally:
+        tserver.stop(0)
+        dserver.stop(0)
