@@ -286,6 +286,17 @@ def test_rows_with_and_without_branches_share_rounds(tiny_target):
     assert mixed > 0
 
 
+def _assert_same_cache(used: DraftModelDrafter, fresh: DraftModelDrafter, rtol: float, atol: float) -> None:
+    """Sequence "s" holds the same length and the same keys and values in both drafters' caches."""
+    slot_used, slot_fresh = used._slots["s"], fresh._slots["s"]
+    length = used.runner.length(slot_used)
+    assert length == fresh.runner.length(slot_fresh)
+    for a, b in zip(
+        used.runner.cache.keys + used.runner.cache.values, fresh.runner.cache.keys + fresh.runner.cache.values
+    ):
+        torch.testing.assert_close(a[slot_used, :, :length], b[slot_fresh, :, :length], rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("alternatives", [0, 3])
 def test_the_drafts_cache_after_a_missed_branch_equals_a_fresh_drafts(tiny_target, alternatives):
     """A pre-draft assumes the drafts under verification (and, asked, drafts branches for rejections of them); a
@@ -319,13 +330,7 @@ def test_the_drafts_cache_after_a_missed_branch_equals_a_fresh_drafts(tiny_targe
     (expected,) = fresh.propose([DraftRequest("s", committed, 4, greedy, None)])
     assert after_miss.token_ids == expected.token_ids
     assert used.runner.cache.free_slots == 4  # the sequence's own slot alone
-    slot_used, slot_fresh = used._slots["s"], fresh._slots["s"]
-    length = used.runner.length(slot_used)
-    assert length == fresh.runner.length(slot_fresh)
-    for a, b in zip(
-        used.runner.cache.keys + used.runner.cache.values, fresh.runner.cache.keys + fresh.runner.cache.values
-    ):
-        torch.testing.assert_close(a[slot_used, :, :length], b[slot_fresh, :, :length], rtol=1e-5, atol=1e-6)
+    _assert_same_cache(used, fresh, rtol=1e-5, atol=1e-6)
 
 
 def test_a_rejection_branch_holds_a_fresh_drafts_proposal_and_cache_for_its_outcome(tiny_target):
@@ -369,14 +374,8 @@ def test_a_rejection_branch_holds_a_fresh_drafts_proposal_and_cache_for_its_outc
     fresh.start("s", committed)
     (expected,) = fresh.propose([DraftRequest("s", committed, 3, greedy, None)])
     assert after.token_ids == expected.token_ids
-    slot_used, slot_fresh = used._slots["s"], fresh._slots["s"]
-    length = used.runner.length(slot_used)
-    assert length == fresh.runner.length(slot_fresh)
-    for a, b in zip(
-        used.runner.cache.keys + used.runner.cache.values, fresh.runner.cache.keys + fresh.runner.cache.values
-    ):
-        # The branch's positions were computed as rows of a batch of branches: equal to a fresh draft's to rounding.
-        torch.testing.assert_close(a[slot_used, :, :length], b[slot_fresh, :, :length], rtol=1e-4, atol=1e-5)
+    # The branch's positions were computed as rows of a batch of branches: equal to a fresh draft's to rounding.
+    _assert_same_cache(used, fresh, rtol=1e-4, atol=1e-5)
 
 
 def test_a_confirmed_branch_is_not_read_again(tiny_target):
